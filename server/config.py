@@ -1,0 +1,163 @@
+"""The run config `strata-<model>.json`: one validated model, loaded and written in one place.
+
+Keys follow upstream's where they exist (model, model_name, host, port, api_key, gpu, layer_split,
+parallel, args, env, sampling, log); the tuning options the dashboard edits are first-class keys
+here and become engine flags in `engine_args()`. docs/config.md documents every key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what is allowed."""
+
+
+class SamplingDefaults(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+
+
+class RunConfig(BaseModel):
+    """Everything needed to start the server and its engine for one model."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(description="path to the .gguf file (or the first part of a split file)")
+    model_name: str | None = Field(None, description="name clients see in /v1/models")
+    host: str = Field("127.0.0.1", description="address to bind; beyond loopback needs api_key")
+    port: int = Field(8080, ge=1, le=65535)
+    api_key: str | None = Field(None, description="clients send it as Bearer or x-api-key")
+    allowed_hosts: list[str] = Field(default_factory=list, description="extra Host names accepted")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpu: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the engine, e.g. '0,1'")
+    layer_split: str | None = Field(None, description="layer split across GPUs, e.g. '24'")
+    context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
+    prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
+    parallel: int = Field(1, ge=1, le=8, description="batch slots; 1 = one request at a time")
+    batch_groups: int | Literal["auto"] = Field("auto", description="pipeline groups; must divide parallel")
+    batch_mtp: bool = False
+    adapt_every: int = Field(4, ge=0, description="re-rank the expert tier every N windows (0 = off)")
+    adapt_swaps: int = Field(8, ge=0)
+    adapt_decay: float = Field(0.9, gt=0, le=1)
+    adapt_async: bool = False
+    adapt_min_gain: float = Field(1.5, ge=1)
+    pcie_frac: float = Field(0.0, ge=0, le=1)
+    exact: bool = Field(False, description="row-invariant arithmetic: batch tokens equal solo tokens")
+    queue_limit: int = Field(64, ge=1, le=4096, description="requests waiting beyond which 503")
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    engine_silence_s: float = Field(300.0, ge=0, description="watchdog during a request (0 = off)")
+    args: list[str] = Field(default_factory=list, description="extra engine arguments")
+    env: dict[str, str] = Field(default_factory=dict, description="extra engine environment")
+    engine_command: list[str] | None = Field(
+        None, description="advanced: the engine program (default: this Python with -m engine)"
+    )
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    log: str | None = Field(None, description="engine log file (default: the user log dir)")
+
+    @field_validator("batch_groups", mode="before")
+    @classmethod
+    def _groups(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and value >= 1):
+            return value
+        raise ValueError("must be 'auto' or an integer >= 1")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if isinstance(self.batch_groups, int) and self.parallel % self.batch_groups:
+            raise ValueError(f"batch_groups ({self.batch_groups}) must divide parallel ({self.parallel})")
+        return self
+
+    def engine_args(self) -> list[str]:
+        """The engine's command line (without the program itself)."""
+        out = ["--serve", "--model", self.model, "--max-context", str(self.context), "--prefill", str(self.prefill)]
+        if self.device != "auto":
+            out += ["--device", self.device]
+        if self.parallel > 1:
+            out += ["--batch", str(self.parallel)]
+            if self.batch_groups != "auto":
+                out += ["--batch-groups", str(self.batch_groups)]
+        if self.exact:
+            out.append("--exact")
+        out += ["--adapt-every", str(self.adapt_every), "--adapt-swaps", str(self.adapt_swaps)]
+        out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}"]
+        out += ["--pcie-frac", f"{self.pcie_frac:g}"]
+        if self.adapt_async:
+            out += ["--adapt-async", "1"]
+        if self.batch_mtp:
+            out.append("--batch-mtp")
+        return out + list(self.args)
+
+    def engine_command_line(self) -> list[str]:
+        program = self.engine_command or [sys.executable, "-m", "engine"]
+        return [*program, *self.engine_args()]
+
+    def engine_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
+        return env
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.model).stem
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{key}: {e['msg']}{shown}")
+    return "; ".join(lines)
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_describe(err)}") from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    return validate_config(data, str(path))
+
+
+def save_config(config: RunConfig, path: str | Path) -> Path:
+    """Write atomically (temp file + rename), keeping the previous file as `<name>.bak`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config.model_dump(mode="json", exclude_defaults=True), indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if path.exists():
+        os.replace(path, path.with_name(path.name + ".bak"))
+    os.replace(tmp, path)
+    return path
