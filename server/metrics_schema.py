@@ -1,0 +1,298 @@
+"""The shape of GET /metrics (JSON) and GET /v1/status: the dashboard's single feed.
+
+This module is the contract between the server and the dashboard (`tui` imports this module and
+nothing else of the server). It is pure pydantic: no I/O, no server state. docs/metrics.md explains
+every field. Units: memory in MiB, times in seconds unless the name ends in `_ms`, rates in tokens
+per second, shares in [0, 1].
+
+The engine's `STATS <json>` line is parsed with `EngineStats` (all fields optional, unknown fields
+kept), so an engine that reports less still gives a valid snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SlotState = Literal["idle", "reading", "decoding"]
+LiveState = Literal["loading", "idle", "reading", "generating", "dead"]
+Finish = Literal["stop", "length", "cancel", "disconnect", "error"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engine sends on its STATS line (engine -> server, JSON after the word STATS)
+
+
+class StatsTier(BaseModel):
+    """Expert-tier counters, cumulative since the engine started (routed expert entries)."""
+
+    model_config = ConfigDict(extra="allow")
+    vram: int = 0  # routed entries served from the VRAM expert cache
+    pcie: int = 0  # read over PCIe and computed on the GPU
+    cpu: int = 0  # computed on the CPU
+    hits: int | None = None  # decode VRAM-tier hits (as DONE's hits)
+    lookups: int | None = None
+    swaps: int = 0  # experts moved by the adaptive tier
+    adapt_rounds: int = 0
+    adapt_wait_ms: float = 0.0  # main-thread time spent waiting for the tier, per window (recent)
+    experts_cached: int | None = None  # experts held in the VRAM cache now
+    experts_total: int | None = None  # routed experts in the model
+
+
+class StatsDevice(BaseModel):
+    """One GPU's memory split as the engine sees it (MiB)."""
+
+    model_config = ConfigDict(extra="allow")
+    index: int = 0
+    total_mib: float | None = None
+    weights_mib: float = 0.0  # dense weights, head, embeddings
+    experts_mib: float = 0.0  # the expert cache
+    slots_mib: float = 0.0  # batch-slot sessions
+    kv_mib: float = 0.0  # KV of the solo session / prompt cache
+    free_mib: float | None = None
+
+
+class EngineStats(BaseModel):
+    """`STATS {json}`: at most a few per second. Window counters are cumulative."""
+
+    model_config = ConfigDict(extra="allow")
+    windows: int = 0
+    rows: int = 0
+    ms_per_window: float | None = None  # recent mean
+    tier: StatsTier | None = None  # None for a dense model
+    devices: list[StatsDevice] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# /metrics
+
+
+class EngineView(_Model):
+    """The engine process and every INFO key it reported (`info`, values as the engine sent them)."""
+
+    state: Literal["starting", "ready", "dead", "stopped"] = "starting"
+    model: str = ""  # served model name
+    model_path: str = ""
+    max_context: int | None = None  # from READY
+    version: str | None = None  # INFO engine=
+    pid: int | None = None
+    restarts: int = 0
+    started_at: float | None = None  # unix time the current engine process started
+    ready_s: float | None = None  # seconds from spawn to READY
+    last_error: str | None = None
+    log_path: str | None = None
+    info: dict[str, int | float | str] = Field(default_factory=dict)
+
+
+class SlotView(_Model):
+    """One batch slot. Never carries prompt text."""
+
+    slot: int
+    state: SlotState = "idle"
+    prompt_tokens: int = 0
+    generated: int = 0
+    elapsed_s: float = 0.0
+    tok_s: float = 0.0
+    held_tokens: int = 0  # tokens of the conversation the slot keeps (prompt + answer)
+
+
+class LiveView(_Model):
+    state: LiveState = "loading"
+    phase: str = ""  # "loading", "idle", "reading the prompt", "answering", "waiting for a slot"
+    queued: int = 0  # requests waiting (solo FIFO or for a slot)
+    running: int = 0  # requests in flight on the engine
+    tok_s: float = 0.0  # generated tokens/s over the last tok_s_window_s, summed over requests
+    tok_s_window_s: float = 2.0
+    tok_s_mean: float = 0.0  # mean decode rate of finished requests (recent)
+    prefill_tok_s: float = 0.0  # last PP line's rate
+    prefill_tok_s_mean: float = 0.0
+    prompt_read: int = 0  # of the prompt being read now (PP)
+    prompt_total: int = 0
+    generated: int = 0  # of the newest running request
+    max_tokens: int = 0
+    elapsed_s: float = 0.0
+    # with batch slots (parallel >= 2); parallel is 1 and slots [] without
+    parallel: int = 1
+    waiting_for_slot: int = 0
+    slots: list[SlotView] = Field(default_factory=list)
+
+
+class RequestRow(_Model):
+    """A finished request, newest first in MetricsSnapshot.requests."""
+
+    id: str
+    time: float  # unix time the request arrived
+    endpoint: str = "chat"  # chat | completions
+    duration_s: float = 0.0
+    ttft_s: float | None = None  # first token latency
+    finish: Finish = "stop"
+    prompt_tokens: int = 0
+    reused: int = 0  # prompt tokens the engine reused (cache)
+    output_tokens: int = 0
+    prompt_read: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_tok_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    hit_rate: float | None = None  # VRAM-tier hits / lookups
+    path: str = "solo"  # solo | slot | solo+slot
+    slot: int | None = None  # last slot used
+    yields: int = 0
+    returns_to_solo: int = 0
+    error: str | None = None
+
+
+class Totals(_Model):
+    since: float = 0.0
+    requests: int = 0
+    errors: int = 0
+    disconnects: int = 0
+    prompt_tokens: int = 0
+    reused: int = 0
+    output_tokens: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    requests_kept: int = 0
+
+
+class MemorySplit(_Model):
+    """A GPU's memory by use, from the engine's STATS (MiB)."""
+
+    weights_mib: float = 0.0
+    experts_mib: float = 0.0
+    slots_mib: float = 0.0
+    kv_mib: float = 0.0
+    free_mib: float | None = None
+    other_mib: float | None = None  # used by NVML's count but by nothing above (CUDA context, others)
+
+
+class GpuInfo(_Model):
+    index: int
+    name: str
+    total_mib: float
+    used_mib: float
+    free_mib: float
+    util_pct: float | None = None
+    temp_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    split: MemorySplit | None = None  # filled from STATS when the engine reported this device
+
+
+class HostInfo(_Model):
+    cpu_pct: float = 0.0
+    cpu_count: int = 0
+    ram_total_mib: float = 0.0
+    ram_used_mib: float = 0.0
+    ram_available_mib: float = 0.0
+    engine_rss_mib: float | None = None
+
+
+class TierView(_Model):
+    """Expert-tier figures; `tier` is null when unknown or for a dense model."""
+
+    vram_share: float = 0.0
+    pcie_share: float = 0.0
+    cpu_share: float = 0.0
+    hit_rate: float | None = None
+    swaps: int = 0
+    adapt_rounds: int = 0
+    adapt_wait_ms: float = 0.0
+    experts_cached: int | None = None
+    experts_total: int | None = None
+
+
+class StatsView(_Model):
+    windows: int = 0
+    rows: int = 0
+    ms_per_window: float | None = None
+    rows_per_window: float | None = None
+    at: float | None = None  # unix time of the last STATS line
+
+
+class ConfigView(_Model):
+    """The options in force (the run config minus the api key)."""
+
+    model_config = ConfigDict(extra="allow")
+    path: str | None = None
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    parallel: int = 1
+    batch_groups: int | str = "auto"
+    batch_mtp: bool = False
+    adapt_every: int = 0
+    adapt_swaps: int = 0
+    adapt_decay: float = 0.0
+    adapt_async: bool = False
+    adapt_min_gain: float = 0.0
+    pcie_frac: float = 0.0
+    context: int = 0
+    queue_limit: int = 0
+    api_key_set: bool = False
+
+
+class MetricsSnapshot(_Model):
+    """GET /metrics."""
+
+    time: float
+    uptime_s: float
+    engine: EngineView
+    live: LiveView
+    requests: list[RequestRow] = Field(default_factory=list)
+    totals: Totals = Field(default_factory=Totals)
+    devices: list[GpuInfo] = Field(default_factory=list)
+    host: HostInfo = Field(default_factory=HostInfo)
+    config: ConfigView = Field(default_factory=ConfigView)
+    tier: TierView | None = None
+    stats: StatsView | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/status
+
+
+class Concurrency(_Model):
+    serving: int = 1  # batch slots the engine runs (INFO batch_slots), 1 without
+    requested: int = 1  # config.parallel
+
+
+class Timings(_Model):
+    """llama.cpp-style timings (also the `timings` of a completion)."""
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    prompt_per_token_ms: float = 0.0
+    prompt_per_second: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_token_ms: float = 0.0
+    predicted_per_second: float = 0.0
+
+
+class Activity(_Model):
+    requests: int = 0
+    in_flight: int = 0
+    queued: int = 0
+    last_request_at: float | None = None
+
+
+class StatusView(_Model):
+    """GET /v1/status."""
+
+    service: str = "strata-desk"
+    model: str
+    loaded: bool
+    engine: str | None = None
+    started: float
+    uptime_s: float
+    context: dict[str, Any] = Field(default_factory=dict)
+    concurrency: Concurrency = Field(default_factory=Concurrency)
+    activity: Activity = Field(default_factory=Activity)
+    last_timings: Timings | None = None
