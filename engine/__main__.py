@@ -1,0 +1,130 @@
+"""`python -m engine --serve --model X.gguf [options]`: load a model and speak the line protocol."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from engine import __version__
+from engine import protocol as P
+from engine.gguf_file import GGUFError, GGUFFile
+from engine.kv import KVCache
+from engine.memory import MIB, free_bytes
+from engine.models import load_model
+from engine.runner import Runner
+from engine.serve import Server
+from engine.stop_tokens import stop_token_ids
+
+MAX_SLOTS = 8  # a window holds at most 8 slot rows, as upstream's
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident).
+UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "pcie_frac", "adapt_every")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine", description="strata-desk inference engine")
+    p.add_argument("--serve", action="store_true", help="speak the line protocol on stdin/stdout")
+    p.add_argument("--model", required=True, help="GGUF file")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on CPU, bf16 on CUDA)")
+    p.add_argument("--max-context", type=int, default=4096, help="context in tokens (at most the model's)")
+    p.add_argument("--prefill", type=int, default=512, help="prompt chunk size in tokens")
+    p.add_argument("--batch", "--slots", dest="batch", type=int, default=0, help="batch slots (2..8)")
+    p.add_argument("--exact", action="store_true", help="row-invariant windows: batch tokens equal solo tokens")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--batch-groups", default="auto")
+    p.add_argument("--batch-mtp", action="store_true")
+    p.add_argument("--adapt-every", type=int, default=4)
+    p.add_argument("--adapt-swaps", type=int, default=8)
+    p.add_argument("--adapt-decay", type=float, default=0.9)
+    p.add_argument("--adapt-min-gain", type=float, default=1.5)
+    p.add_argument("--adapt-async", type=int, default=0)
+    p.add_argument("--pcie-frac", type=float, default=0.0)
+    return p
+
+
+def log(msg: str) -> None:
+    print(f"strata-engine: {msg}", file=sys.stderr, flush=True)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise GGUFError("--device cuda: CUDA is not available in this torch build or on this machine")
+    return torch.device(name)
+
+
+def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device) -> int:
+    """As many slots as asked that fit in memory beside the weights; 0 when not two fit."""
+    if asked <= 0:
+        return 0
+    if asked > MAX_SLOTS:
+        log(f"--batch {asked}: a window holds at most {MAX_SLOTS} slots; running {MAX_SLOTS}")
+    want = min(asked, MAX_SLOTS)
+    arch = g.architecture
+    heads = int(g.arch_key("attention.head_count", 1))
+    per_session = KVCache.bytes_per_session(
+        int(g.arch_key("block_count", 1)), int(g.arch_key("attention.head_count_kv", heads)), context,
+        int(g.arch_key("attention.key_length", int(g.arch_key("embedding_length", 1)) // heads)), dtype)
+    weights = sum(t.nbytes for t in g.tensors.values()) * (4 if dtype == torch.float32 else 2)  # upper bound
+    free, _ = free_bytes(device)
+    reserve = 1024 * MIB
+    fit = max(0, (free - weights - reserve) // per_session - 1)  # the solo session comes first
+    n = min(want, int(fit))
+    if n < want:
+        log(f"--batch {asked}: {n} slots fit ({per_session / MIB:.0f} MiB each at context {context}, "
+            f"{free / MIB:.0f} MiB free before loading {arch})")
+    return n if n >= 2 else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        device = pick_device(args.device)
+        dtype = DTYPES[args.dtype or ("f32" if device.type == "cpu" else "bf16")]
+        g = GGUFFile(args.model)
+        model_ctx = int(g.arch_key("context_length", args.max_context))
+        context = max(64, min(args.max_context, model_ctx))
+        slots = fit_slots(args.batch, g, context, dtype, device)
+        model = load_model(g, device, dtype, sessions=slots + 1, context=context)
+    except (GGUFError, ValueError, RuntimeError, OSError) as exc:
+        log(f"cannot load {args.model}: {exc}")
+        print(P.format_reply(P.Err(f"cannot load model: {exc}")), flush=True)
+        return 1
+    load_s = time.perf_counter() - t0
+    h = model.hyper
+    kv_mib = model.kv.bytes_per_session(h.layers, h.kv_heads, context, h.head_dim, dtype) / MIB
+    log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
+        f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB, {slots} batch slots, context {context}")
+    if h.experts:
+        log("expert tier: every expert resident in device memory; the adapt options have no effect yet")
+    info: dict[str, int | float | str] = {
+        "engine": __version__, "model": os.path.basename(args.model), "arch": g.architecture,
+        "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
+        "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
+        "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",
+        "unsupported": ",".join(UNSUPPORTED),
+    }
+    if args.batch:
+        info.update(batch_slots=slots, slot_cache=1, batch_groups=1)
+    share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
+    server = Server(Runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
+    server.emit(P.Info(info))
+    server.emit(P.Ready(context, stop=True))
+    server.start_reader(sys.stdin)
+    server.run()
+    log("quit")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""One module per architecture; `load_model` picks it by `general.architecture`."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.gguf_file import GGUFError, GGUFFile
+from engine.models.base import Model
+from engine.models.gemma3 import Gemma3
+from engine.models.qwen3moe import Qwen3Moe
+from engine.quants import check_supported
+
+ARCHITECTURES: dict[str, type[Model]] = {"qwen3moe": Qwen3Moe, "gemma3": Gemma3}
+
+
+def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int) -> Model:
+    cls = ARCHITECTURES.get(g.architecture)
+    if cls is None:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise GGUFError(f"{g.path}: architecture {g.architecture or '(none)'!r} is not supported (supported: {known})")
+    check_supported(g)
+    return cls(g, device, dtype, sessions, context)

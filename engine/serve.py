@@ -1,0 +1,372 @@
+"""The protocol loop: commands from stdin, prompt reads and decode windows, replies on stdout.
+
+One main thread does all model work; a reader thread only queues stdin lines, so STOP, BSTOP and
+BYIELD are seen between chunks and windows. One read (a GEN's or an admission's prompt) runs at a
+time; after each of its chunks the decoding rows get `decode_share` times the chunk's time, so a
+long prompt slows the others instead of stopping them. docs/protocol.md is the contract.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import torch
+
+from engine import protocol as P
+from engine.memory import memory_split
+from engine.runner import Runner, Session
+from engine.sampling import sample
+
+STATS_INTERVAL_S = 0.25
+
+
+@dataclass
+class Job:
+    """One GEN (slot None) or BGEN request, from its read to its last token."""
+
+    slot: int | None
+    session: Session
+    prompt: list[int]
+    max_new: int
+    sampling: P.Sampling
+    seed: int
+    reused: int = 0
+    read_start: int = 0
+    generated: int = 0
+    slot_tokens: int = 0
+    next_token: int = -1
+    started: float = field(default_factory=time.perf_counter)
+    prompt_ms: float = 0.0
+    decode_started: float = 0.0
+    stop: bool = False
+    yield_to: int | None = None
+
+    @property
+    def read_pos(self) -> int:
+        return len(self.session.tokens)
+
+
+class Server:
+    def __init__(self, runner: Runner, stop_ids: frozenset[int], prefill: int, decode_share: float,
+                 out: TextIO = sys.stdout, log: TextIO = sys.stderr):
+        self.runner = runner
+        self.model = runner.model
+        self.stop_ids = stop_ids
+        self.prefill = prefill
+        self.decode_share = decode_share
+        self.out = out
+        self.log = log
+        self.n_slots = len(runner.sessions) - 1
+        self.commands: queue.Queue[str | None] = queue.Queue()
+        self.pending: deque[Job] = deque()
+        self.reading: Job | None = None
+        self.decoding: dict[int, Job] = {}  # session index -> job
+        self.quit = False  # QUIT or end of stdin seen: exit once idle
+        self.stats = _StatsCounter()
+        self.last_stats = 0.0
+        self.experts_per_token = self.model.hyper.layers * self.model.hyper.experts_used
+
+    # -- I/O ----------------------------------------------------------------------------------
+
+    def emit(self, reply: P.Reply) -> None:
+        self.out.write(P.format_reply(reply) + "\n")
+        self.out.flush()
+
+    def start_reader(self, stream: TextIO) -> None:
+        def pump() -> None:
+            for line in stream:
+                self.commands.put(line)
+            self.commands.put(None)
+
+        threading.Thread(target=pump, name="stdin-reader", daemon=True).start()
+
+    def busy(self) -> bool:
+        return bool(self.reading or self.pending or self.decoding)
+
+    def poll(self) -> None:
+        """Handle queued commands; block for one only when there is nothing to do."""
+        block = not self.busy() and not self.quit
+        while True:
+            try:
+                line = self.commands.get(block=block)
+            except queue.Empty:
+                return
+            if line is None:  # end of stdin: finish what was asked, then exit
+                self.quit = True
+                return
+            if line.strip():
+                self.handle(line)
+            block = False
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def handle(self, line: str) -> None:
+        try:
+            cmd = P.parse_command(line)
+        except P.ProtocolError as exc:
+            self.emit(P.Err(str(exc)))
+            return
+        match cmd:
+            case P.Gen() | P.BGen():
+                self.submit(cmd)
+            case P.Stop():
+                target = self.reading or self.decoding.get(self.runner.solo.index) or (self.pending[0] if self.pending else None)
+                if target is not None:
+                    target.stop = True
+            case P.BStop(slot):
+                for job in self._jobs():
+                    if job.slot == slot:
+                        job.stop = True
+            case P.BYield(slot):
+                if self.reading is not None and self._slot_ok(slot, allow=self.reading.slot):
+                    self.reading.yield_to = slot
+            case P.Quit():
+                self.quit = True  # work already queued is finished first
+
+    def _jobs(self) -> list[Job]:
+        return [*([self.reading] if self.reading else []), *self.pending, *self.decoding.values()]
+
+    def _slot_ok(self, slot: int, allow: int | None = None) -> bool:
+        if not 0 <= slot < self.n_slots:
+            return False
+        return slot == allow or all(job.slot != slot for job in self._jobs())
+
+    def submit(self, cmd: P.Gen | P.BGen) -> None:
+        ctx = self.model.context
+        if len(cmd.ids) + cmd.max_new + P.CONTEXT_SLACK > ctx:
+            self.emit(P.Err(f"prompt ({len(cmd.ids)}) + max_new ({cmd.max_new}) + {P.CONTEXT_SLACK} exceeds the context ({ctx})"))
+            return
+        if max(cmd.ids) >= self.model.hyper.vocab:
+            self.emit(P.Err(f"token id {max(cmd.ids)} is outside the vocabulary ({self.model.hyper.vocab})"))
+            return
+        slot = cmd.slot if isinstance(cmd, P.BGen) else None
+        if slot is not None:
+            if self.n_slots == 0:
+                self.emit(P.Err("no batch slots: start the engine with --batch N"))
+                return
+            if not 0 <= slot < self.n_slots:
+                self.emit(P.Err(f"slot {slot} does not exist (0..{self.n_slots - 1})"))
+                return
+            if not self._slot_ok(slot):
+                self.emit(P.Err(f"slot {slot} is busy"))
+                return
+        session = self.runner.solo if slot is None else self.runner.slot(slot)
+        seed = cmd.sampling.seed or random.randrange(1, 2**63)
+        self.pending.append(Job(slot, session, list(cmd.ids), cmd.max_new, cmd.sampling, seed))
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def start_read(self) -> None:
+        job = self.pending[0]
+        if job.session.index in self.decoding:
+            return  # a GEN waits until the solo session's request is done
+        self.pending.popleft()
+        busy = set(self.decoding)
+        job.reused = self.runner.reuse(job.session, job.prompt, busy)
+        job.read_start = job.reused
+        job.started = time.perf_counter()
+        if job.reused:
+            self.emit(P.Resume(job.reused))
+        self.reading = job
+
+    def read_chunk(self) -> float:
+        """Read one chunk of the current prompt (or end the read). Returns the seconds it took."""
+        job = self.reading
+        assert job is not None
+        if job.stop:
+            self.end_read(job, "cancel")
+            return 0.0
+        if job.yield_to is not None:
+            self.give_way(job)
+            return 0.0
+        t0 = time.perf_counter()
+        chunk = job.prompt[job.read_pos : job.read_pos + self.prefill]
+        logits = self.runner.read(job.session, chunk)
+        dt = time.perf_counter() - t0
+        self.stats.prefill(len(chunk), dt)
+        self.emit(P.Progress(job.read_pos, len(job.prompt), dt * 1000, len(chunk) / max(dt, 1e-9)))
+        if job.read_pos == len(job.prompt):
+            job.prompt_ms = (time.perf_counter() - job.started) * 1000
+            self.first_token(job, logits)
+        return dt
+
+    def first_token(self, job: Job, logits: torch.Tensor) -> None:
+        self.reading = None
+        job.decode_started = time.perf_counter()
+        token = sample(logits, job.sampling, job.seed, len(job.prompt))
+        job.generated = 1
+        self.emit(P.Token(token))
+        finish = self.finish_reason(job, token)
+        if job.slot is None:
+            if finish:
+                self.done(job, finish)
+            else:
+                job.next_token = token
+                self.decoding[job.session.index] = job
+            return
+        continues = finish is None
+        self.done(job, finish or "length")
+        self.emit(P.BAdm(job.slot, continues))
+        if continues:
+            job.next_token = token
+            job.decode_started = time.perf_counter()
+            self.decoding[job.session.index] = job
+
+    def end_read(self, job: Job, finish: str) -> None:
+        self.reading = None
+        job.prompt_ms = (time.perf_counter() - job.started) * 1000
+        self.done(job, finish)
+        if job.slot is not None:
+            self.emit(P.BAdm(job.slot, False))
+
+    def give_way(self, job: Job) -> None:
+        """BYIELD at a chunk boundary: the part read waits in the yield slot; the server re-sends."""
+        slot = self.runner.slot(job.yield_to)
+        if slot is not job.session:
+            self.runner.copy(job.session, slot)
+        self.emit(P.Yielded(slot.index, len(slot.tokens)))
+        self.end_read(job, "cancel")
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def finish_reason(self, job: Job, token: int) -> str | None:
+        if token in self.stop_ids:
+            return "stop"
+        if job.generated >= job.max_new or job.read_pos + 1 >= self.model.context:
+            return "length"
+        return None
+
+    def window(self) -> None:
+        for index, job in list(self.decoding.items()):
+            if job.stop:
+                del self.decoding[index]
+                self.finish_decoding(job, "cancel")
+        if not self.decoding:
+            return
+        jobs = sorted(self.decoding.values(), key=lambda j: j.session.index)
+        t0 = time.perf_counter()
+        logits = self.runner.decode([(job.session, job.next_token) for job in jobs])
+        for job, row in zip(jobs, logits, strict=True):
+            token = sample(row, job.sampling, job.seed, job.read_pos)
+            job.generated += 1
+            if job.slot is None:
+                self.emit(P.Token(token))
+            else:
+                job.slot_tokens += 1
+                self.emit(P.BToken(job.slot, token))
+            job.next_token = token
+            finish = self.finish_reason(job, token)
+            if finish:
+                del self.decoding[job.session.index]
+                self.finish_decoding(job, finish)
+        self.stats.window(len(jobs), time.perf_counter() - t0, jobs)
+
+    def decode_for(self, seconds: float) -> None:
+        deadline = time.perf_counter() + seconds
+        while self.decoding:
+            self.window()
+            self.poll()
+            if time.perf_counter() >= deadline:
+                return
+
+    def finish_decoding(self, job: Job, finish: str) -> None:
+        if job.slot is None:
+            self.done(job, finish)
+        else:
+            ms = (time.perf_counter() - job.decode_started) * 1000
+            self.emit(P.BDone(job.slot, job.slot_tokens, finish, ms))
+
+    def done(self, job: Job, finish: str) -> None:
+        decode_ms = (time.perf_counter() - job.decode_started) * 1000 if job.decode_started else 0.0
+        lookups = max(job.generated - 1, 0) * self.experts_per_token
+        hits = 0 if self.model.device.type == "cpu" else lookups
+        self.emit(P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
+                         reused=job.reused, hits=hits, lookups=lookups))
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not (self.quit and not self.busy()):
+            self.poll()
+            if self.reading is None and self.pending:
+                self.start_read()
+            if self.reading is not None:
+                spent = self.read_chunk()
+                if self.decoding and spent:
+                    self.decode_for(spent * self.decode_share)
+            elif self.decoding:
+                self.window()
+            self.maybe_stats()
+
+    def maybe_stats(self) -> None:
+        now = time.perf_counter()
+        idle = not self.busy()
+        if self.stats.dirty and (idle or now - self.last_stats >= STATS_INTERVAL_S):
+            self.emit(P.Stats(self.stats.snapshot(self.model, self.n_slots)))
+            self.last_stats = now
+
+
+class _StatsCounter:
+    """Totals and per-interval means for the STATS line."""
+
+    def __init__(self) -> None:
+        self.windows = self.tokens = self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.slot_tokens: dict[str, int] = {}
+        self.interval_windows = self.interval_rows = 0
+        self.interval_s = 0.0
+        self.lookups = 0
+        self.dirty = False
+
+    def prefill(self, n: int, seconds: float) -> None:
+        self.prefill_tokens += n
+        self.prefill_s += seconds
+        self.dirty = True
+
+    def window(self, rows: int, seconds: float, jobs: list[Job]) -> None:
+        self.windows += 1
+        self.tokens += rows
+        self.interval_windows += 1
+        self.interval_rows += rows
+        self.interval_s += seconds
+        for job in jobs:
+            if job.slot is not None:
+                key = str(job.slot)
+                self.slot_tokens[key] = self.slot_tokens.get(key, 0) + 1
+        self.dirty = True
+
+    def snapshot(self, model, n_slots: int) -> dict:
+        h = model.hyper
+        lookups = self.tokens * h.layers * h.experts_used
+        n = max(self.interval_windows, 1)
+        snap = {
+            "windows": self.windows,
+            "rows": round(self.interval_rows / n, 2),
+            "window_ms": round(self.interval_s * 1000 / n, 2),
+            "tokens": self.tokens,
+            "slot_tokens": dict(self.slot_tokens),
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_ms": round(self.prefill_s * 1000, 1),
+            "tier": _tier(model, lookups),
+            "memory": memory_split(model, n_slots),
+        }
+        self.interval_windows = self.interval_rows = 0
+        self.interval_s = 0.0
+        self.dirty = False
+        return snap
+
+
+def _tier(model, lookups: int) -> dict | None:
+    if not model.hyper.experts:
+        return None
+    on_cpu = model.device.type == "cpu"
+    return {"mode": "resident", "vram": 0.0 if on_cpu else 1.0, "pcie": 0.0, "cpu": 1.0 if on_cpu else 0.0,
+            "hits": 0 if on_cpu else lookups, "lookups": lookups, "swaps": 0, "adapt_rounds": 0,
+            "adapt_wait_ms": 0.0}
