@@ -67,6 +67,10 @@ class RunConfig(BaseModel):
     )
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     log: str | None = Field(None, description="engine log file (default: the user log dir)")
+    tokenizer: Literal["gguf", "bytes"] = Field(
+        "gguf", description="'gguf': the model's own vocabulary; 'bytes': one id per byte (fake engine, tests)"
+    )
+    keepalive_s: float = Field(10.0, gt=0, le=300, description="SSE keep-alive comment interval")
 
     @field_validator("batch_groups", mode="before")
     @classmethod

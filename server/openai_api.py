@@ -1,0 +1,253 @@
+"""OpenAI request bodies (pydantic), their checks, and the response/chunk/error shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.protocol import CONTEXT_SLACK, Sampling
+
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+             500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ApiError.TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+class _Body(BaseModel):
+    # strict: "5" is not an integer, "true" is not a boolean; unknown fields are accepted and ignored
+    # unless listed in `_refused`.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    user: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # accepted, not applied (as batch rows upstream)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logprobs: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tool calling is not supported by this server")
+        return v
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise ValueError("only one prompt per request (a list of one string, or a list of token ids)")
+            if isinstance(v[0], int) and any(i < 0 for i in v):  # type: ignore[operator]
+                raise ValueError("token ids must be >= 0")
+        elif not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+ChatRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if model is ChatRequest and "prompt" in data and "messages" not in data:
+        raise ApiError(400, "'prompt' belongs to /v1/completions; chat requests take 'messages'", param="prompt")
+    if model is CompletionRequest and "messages" in data and "prompt" not in data:
+        raise ApiError(400, "'messages' belongs to /v1/chat/completions; completions take 'prompt'", param="messages")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(p) for p in e["loc"])
+        got = e.get("input")
+        shown = "" if isinstance(got, (dict, list)) else f" (got {json.dumps(got)[:60]})"
+        more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+        raise ApiError(400, f"invalid '{loc}': {e['msg']}{shown}{more}", param=loc or None,
+                       code="invalid_value") from None
+
+
+def sampling_of(body: _Body, defaults: Any) -> Sampling:
+    """Request values, else the config's sampling defaults, else greedy."""
+
+    def pick(name: str, fallback: Any) -> Any:
+        v = getattr(body, name)
+        if v is None:
+            v = getattr(defaults, name, None)
+        return fallback if v is None else v
+
+    return Sampling(temperature=float(pick("temperature", 0.0)), top_p=float(pick("top_p", 1.0)),
+                    top_k=int(pick("top_k", 0)), min_p=float(pick("min_p", 0.0)), seed=int(pick("seed", 0)))
+
+
+def budget(prompt_tokens: int, asked: int | None, context: int, default_max: int | None) -> int:
+    """max_new for a request; 400 when prompt + max_tokens + slack does not fit (never truncated)."""
+    room = context - prompt_tokens - CONTEXT_SLACK
+    if asked is None:
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens, which leaves no room in the model's context of "
+                           f"{context} tokens", param="messages", code="context_length_exceeded")
+        return min(room, default_max) if default_max else room
+    if asked > room:
+        raise ApiError(400, f"this model's context is {context} tokens; the prompt has {prompt_tokens} tokens and "
+                       f"max_tokens is {asked} (prompt + max_tokens + {CONTEXT_SLACK} must fit): shorten the prompt "
+                       f"or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+    return asked
+
+
+# ---------------------------------------------------------------------------------------------
+# responses
+
+
+def finish_reason(finish: str) -> str:
+    return "length" if finish == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def timings(job: Any) -> dict[str, Any]:
+    prompt_n = max(0, job.prompt_total - job.reused) if job.prompt_total else max(0, len(job.prompt) - job.reused)
+    predicted_n = len(job.generated)
+    pm, dm = job.prompt_ms, job.decode_ms
+    return {"cache_n": job.reused, "prompt_n": prompt_n, "prompt_ms": round(pm, 3),
+            "prompt_per_token_ms": round(pm / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": round(prompt_n / (pm / 1000), 2) if pm > 0 else 0.0,
+            "predicted_n": predicted_n, "predicted_ms": round(dm, 3),
+            "predicted_per_token_ms": round(dm / predicted_n, 3) if predicted_n else 0.0,
+            "predicted_per_second": round(predicted_n / (dm / 1000), 2) if dm > 0 else 0.0}
+
+
+def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def completion_chunk(cid: str, created: int, model: str, text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def chat_response(cid: str, model: str, text: str, finish: str, use: dict, tim: dict) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}], "usage": use, "timings": tim}
+
+
+def completion_response(cid: str, model: str, text: str, finish: str, use: dict, tim: dict) -> dict[str, Any]:
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": use, "timings": tim}

@@ -1,0 +1,561 @@
+"""Which request runs where: the solo path, the batch slots, the FIFO of waiting requests.
+
+Rules (the seed's "batch slots" page):
+
+- Without batch slots (or with INFO batch_slots < 2) one request runs at a time (`GEN`), the others
+  wait in a bounded FIFO.
+- With N >= 2 slots a request alone runs on the solo path (`GEN`). When another arrives, the solo
+  request gets `STOP` (at its next token) and, if not finished, continues in a slot (`BGEN` with
+  prompt + generated; the engine's prompt cache makes that free); the newcomer is admitted next.
+- A request left alone in a slot goes back to the solo path (`BSTOP`, then `GEN` with everything), at
+  most twice per request; STRATA_PARALLEL_SOLO=0 turns that off.
+- More requests than slots wait, FIFO. Admissions are one at a time (the control line stream
+  belongs to one GEN/BGEN at a time).
+- A waiting prompt under half as long as the one being read (no token yet) makes the read give way
+  (`BYIELD`, at most twice per request); the yielded request is sent again later with `BGEN` into
+  the slot holding its part read, after everyone waiting at that moment.
+- Slot choice: the free slot whose held tokens are the longest prefix of the prompt, else an empty
+  one, else the least recently used; empty slots are taken across pipeline groups in turn.
+- A request whose client is gone gets `STOP` (solo, admission) or `BSTOP` (slot); its lines are
+  still read to the end, so nothing of it reaches the next request.
+
+Every decision is taken in `_schedule()`, a plain method called after each state change; the engine
+lines of a GEN/BGEN are read by that request's task from the control queue, those of a slot from the
+slot's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+from engine.protocol import (
+    BAdm,
+    BDone,
+    BGen,
+    BStop,
+    BToken,
+    BYield,
+    Done,
+    Err,
+    Gen,
+    Progress,
+    Resume,
+    Sampling,
+    Stop,
+    Token,
+    Yielded,
+    format_command,
+)
+from server.engine_client import EngineDied, EngineProcess, EngineSupervisor
+
+MAX_YIELDS = 2
+MAX_RETURNS_TO_SOLO = 2
+
+# events put on Job.out
+EV_TOKEN = 0  # (EV_TOKEN, id)
+EV_PROGRESS = 1  # (EV_PROGRESS, read, total)
+EV_DONE = 2  # (EV_DONE, finish)
+EV_ERROR = 3  # (EV_ERROR, status, message)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling = field(default_factory=Sampling)
+    endpoint: str = "chat"
+    id: str = field(default_factory=lambda: f"{next(_ids)}")
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    wall: float = field(default_factory=time.time)
+    cancelled: str | None = None  # "disconnect" | "stop" (a stop string matched)
+    finish: str | None = None
+    error: str | None = None
+    # where it runs
+    state: str = "waiting"  # waiting | reading | decoding | done
+    mode: str | None = None  # solo | admit | slot
+    slot: int | None = None
+    reserved_slot: int | None = None
+    seg_ids: int = 0  # tokens of the current segment's prompt
+    seg_tokens: int = 0  # tokens produced in the current segment
+    stop_sent: bool = False
+    yield_sent: bool = False
+    preempted: bool = False
+    yielded: bool = False
+    to_solo: bool = False
+    yields: int = 0
+    returns_to_solo: int = 0
+    paths: list[str] = field(default_factory=list)
+    # figures
+    segments: int = 0
+    reused: int = 0
+    prompt_read: int = 0
+    prompt_total: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    hits: int = 0
+    lookups: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    last_chunk_s: float = 0.0
+    prefill_tok_s: float = 0.0
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.generated)
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    job: Job | None = None
+    held: list[int] = field(default_factory=list)
+    reserved_for: Job | None = None
+    last_used: float = 0.0
+    started: float = 0.0
+    generated: int = 0
+    stopping: bool = False
+
+    @property
+    def free(self) -> bool:
+        return self.job is None and self.reserved_for is None
+
+
+class Scheduler:
+    def __init__(self, supervisor: EngineSupervisor, queue_limit: int, on_finish=None, on_tokens=None):
+        self.sup = supervisor
+        self.queue_limit = queue_limit
+        self.on_finish = on_finish  # callback(job) when a job ends (metrics)
+        self.on_tokens = on_tokens  # callback(n) for token rate
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.control_job: Job | None = None
+        self.slots: list[Slot] = []
+        self.groups = 1
+        self.last_group = -1
+        self.running: set[Job] = set()
+        self.solo_enabled = os.environ.get("STRATA_PARALLEL_SOLO", "1") != "0"
+        self._starting: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        supervisor.on_ready = self._engine_ready
+        supervisor.on_death = self._engine_died
+        supervisor.busy = lambda: bool(self.running)
+        supervisor.reading = self._reading
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def nslots(self) -> int:
+        return len(self.slots)
+
+    def submit(self, job: Job) -> None:
+        if len(self.waiting) >= self.queue_limit:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (queue_limit {self.queue_limit})")
+        self.waiting.append(job)
+        self._schedule()
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """The client is gone (or a stop string matched): end the job's engine work, keep reading its lines."""
+        if job.state == "done" or job.cancelled:
+            return
+        job.cancelled = reason
+        if job in self.waiting:
+            self.waiting.remove(job)
+            if job.reserved_slot is not None:
+                self._unreserve(job)
+            self._finish(job, reason)
+            self._schedule()
+            return
+        engine = self.sup.engine
+        if engine is None or not engine.alive:
+            return
+        try:
+            if job.mode in ("solo", "admit") and not job.stop_sent:
+                job.stop_sent = True
+                engine.send(format_command(Stop()))
+            elif job.mode == "slot" and job.slot is not None and not self.slots[job.slot].stopping:
+                self.slots[job.slot].stopping = True
+                engine.send(format_command(BStop(job.slot)))
+        except EngineDied:
+            pass
+
+    # -- engine life --------------------------------------------------------------------------
+    def _engine_ready(self, engine: EngineProcess) -> None:
+        n = engine.info.get("batch_slots", 0)
+        n = n if isinstance(n, int) and n >= 2 else 0
+        self.slots = [Slot(i) for i in range(n)]
+        g = engine.info.get("batch_groups", 1)
+        self.groups = g if isinstance(g, int) and g >= 1 and n and n % g == 0 else 1
+        if engine.info.get("prompt_cache") == 0:
+            self.solo_enabled = False
+        self.control_job = None
+
+    def _engine_died(self, engine: EngineProcess) -> None:
+        # the jobs reading queues learn it from the EngineDied put in every queue; forget the slots
+        self.control_job = None
+        for s in self.slots:
+            s.job, s.reserved_for, s.held, s.stopping = None, None, [], False
+        for job in list(self.waiting):
+            job.reserved_slot = None
+        if self.waiting:
+            asyncio.get_running_loop().call_soon(self._schedule)
+
+    def _reading(self) -> tuple[bool, float]:
+        job = self.control_job
+        if job is None or job.seg_tokens:
+            return False, 0.0
+        return True, job.last_chunk_s
+
+    async def _start_engine(self) -> None:
+        try:
+            await self.sup.ensure_ready()
+        except EngineDied as exc:
+            for job in list(self.waiting):
+                self.waiting.remove(job)
+                self._fail(job, 503, f"the engine could not be started: {exc}")
+        finally:
+            self._starting = None
+        self._schedule()
+
+    # -- the decisions ------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        engine = self.sup.engine
+        if engine is None or not engine.alive:
+            if self.waiting and self._starting is None:
+                self._starting = asyncio.get_running_loop().create_task(self._start_engine())
+            return
+        cj = self.control_job
+        if cj is not None:
+            if self.slots and self.waiting:
+                self._maybe_preempt(engine, cj)
+            return
+        if not self.waiting:
+            self._maybe_return_to_solo(engine)
+            return
+        job = self.waiting[0]
+        busy = any(s.job is not None for s in self.slots)
+        if not self.slots or (not busy and len(self.waiting) == 1 and self._solo_ok(job)):
+            self.waiting.popleft()
+            self._spawn(self._run_control(engine, job, None))
+            return
+        slot = self.pick_slot(job)
+        if slot is None:
+            return
+        self.waiting.popleft()
+        self._spawn(self._run_control(engine, job, slot))
+
+    def _solo_ok(self, job: Job) -> bool:
+        return job.reserved_slot is None and (job.remaining > 1 or not job.generated)
+
+    def _maybe_preempt(self, engine: EngineProcess, cj: Job) -> None:
+        if cj.stop_sent or cj.cancelled:
+            return
+        if cj.seg_tokens == 0:  # still reading its prompt: give way to a much shorter one?
+            if cj.yield_sent or cj.yields >= MAX_YIELDS:
+                return
+            shortest = min(len(w.context) for w in self.waiting)
+            if shortest * 2 >= cj.seg_ids:
+                return
+            if cj.mode == "admit":
+                slot = cj.slot
+            else:
+                free = self._free_slots()
+                if not free:
+                    return
+                pick = next((s for s in free if not s.held), None) or min(free, key=lambda s: s.last_used)
+                pick.reserved_for, cj.reserved_slot = cj, pick.index
+                slot = pick.index
+            cj.yield_sent = True
+            self._send(engine, format_command(BYield(slot)))
+        elif cj.mode == "solo":  # someone arrived: the solo request goes on in a slot
+            cj.stop_sent = cj.preempted = True
+            self._send(engine, format_command(Stop()))
+
+    def _maybe_return_to_solo(self, engine: EngineProcess) -> None:
+        if not self.solo_enabled:
+            return
+        active = [s for s in self.slots if s.job is not None]
+        if len(active) != 1:
+            return
+        s = active[0]
+        job = s.job
+        assert job is not None
+        if s.stopping or job.mode != "slot" or job.to_solo or job.cancelled:
+            return
+        if job.returns_to_solo >= MAX_RETURNS_TO_SOLO or job.remaining <= 1:
+            return
+        job.to_solo = True
+        s.stopping = True
+        self._send(engine, format_command(BStop(s.index)))
+
+    def _free_slots(self) -> list[Slot]:
+        return [s for s in self.slots if s.free]
+
+    def slot_order(self) -> list[int]:
+        """Slots interleaved across pipeline groups: 0, gs, 2gs, ..., 1, gs+1, ..."""
+        n, g = len(self.slots), self.groups
+        gs = max(1, n // g)
+        return [grp * gs + i for i in range(gs) for grp in range(g) if grp * gs + i < n]
+
+    def pick_slot(self, job: Job) -> Slot | None:
+        if job.reserved_slot is not None:
+            s = self.slots[job.reserved_slot]
+            return s if s.job is None else None
+        free = self._free_slots()
+        if not free:
+            return None
+        ids = job.context
+        best, best_len = None, 0
+        for s in free:
+            n = len(s.held)
+            if 0 < n <= len(ids) and n > best_len and ids[:n] == s.held:
+                best, best_len = s, n
+        if best is not None:
+            return best
+        gs = max(1, len(self.slots) // self.groups)
+        empty = [self.slots[i] for i in self.slot_order() if not self.slots[i].held and self.slots[i].free]
+        if empty:
+            other = [s for s in empty if s.index // gs != self.last_group]
+            return (other or empty)[0]
+        return min(free, key=lambda s: s.last_used)
+
+    # -- running ------------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _send(self, engine: EngineProcess, line: str) -> None:
+        try:
+            engine.send(line)
+        except EngineDied:
+            pass
+
+    async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None) -> None:
+        """One GEN (slot None) or BGEN: send it and read the control lines to DONE (and BADM)."""
+        self.control_job = job
+        self.running.add(job)
+        ids = job.context
+        job.seg_ids, job.seg_tokens = len(ids), 0
+        job.stop_sent = job.yield_sent = job.preempted = job.yielded = job.to_solo = False
+        job.state = "reading"
+        job.segments += 1
+        control = engine.control
+        while not control.empty():  # nothing stale may reach this request
+            item = control.get_nowait()
+            if isinstance(item, EngineDied):
+                control.put_nowait(item)
+                break
+        max_new = job.remaining
+        if slot is None:
+            job.mode = "solo"
+            job.paths.append("solo")
+            line = format_command(Gen(max_new, tuple(ids), job.sampling))
+        else:
+            job.mode = "admit"
+            job.slot = slot.index
+            job.paths.append("slot")
+            slot.job, slot.reserved_for = job, None
+            job.reserved_slot = None
+            slot.started, slot.generated, slot.stopping = time.monotonic(), 0, False
+            gs = max(1, len(self.slots) // self.groups)
+            self.last_group = slot.index // gs
+            line = format_command(BGen(slot.index, max_new, tuple(ids), job.sampling))
+        if job.cancelled:  # gone while it waited for its turn
+            job.stop_sent = True
+        done: Done | None = None
+        continues = False
+        try:
+            engine.send(line)
+            if job.cancelled:
+                engine.send(format_command(Stop()))
+            while True:
+                item = await control.get()
+                t = type(item)
+                if t is Token:
+                    self._token(job, item.id)
+                    if job.seg_tokens == 1:
+                        job.state = "decoding"
+                        if self.slots and self.waiting:
+                            self._schedule()
+                elif t is Progress:
+                    job.prompt_read = item.read
+                    job.prompt_total = item.total
+                    job.last_chunk_s = item.ms / 1000
+                    job.prefill_tok_s = item.tok_s
+                    job.out.put_nowait((EV_PROGRESS, item.read, item.total))
+                elif t is Resume:
+                    if job.segments == 1:
+                        job.reused = item.reused
+                elif t is Yielded:
+                    job.yielded = True
+                    job.yields += 1
+                    job.reserved_slot = item.slot
+                    s = self.slots[item.slot] if 0 <= item.slot < len(self.slots) else None
+                    if s is not None:
+                        s.held = ids[: item.tokens]
+                        s.reserved_for = job
+                elif t is Done:
+                    done = item
+                    self._account(job, item)
+                    if slot is None:
+                        break
+                elif t is BAdm:
+                    continues = item.continues
+                    break
+                elif t is Err:
+                    raise _EngineError(item.message)
+                elif isinstance(item, EngineDied):
+                    raise item
+        except EngineDied as exc:
+            self._release_control(job, slot)
+            self._fail(job, 503, f"the engine stopped during this request: {exc}")
+            return
+        except _EngineError as exc:
+            self._release_control(job, slot)
+            status = 400 if "context" in str(exc) else 500
+            self._fail(job, status, f"engine error: {exc}")
+            self._schedule()
+            return
+        assert done is not None
+        finish = done.finish
+        # -- after the control lines
+        if slot is not None and continues:
+            job.mode = "slot"
+            self.control_job = None
+            slot.generated = 1
+            if job.cancelled and not slot.stopping:
+                slot.stopping = True
+                self._send(engine, format_command(BStop(slot.index)))
+            self._schedule()
+            await self._run_slot(engine, job, slot)
+            return
+        self._release_control(job, slot)
+        if job.yielded and not job.cancelled and finish == "cancel":
+            job.state, job.mode, job.slot = "waiting", None, None
+            self.running.discard(job)
+            self.waiting.append(job)  # after everyone waiting now
+        elif job.preempted and not job.cancelled and finish == "cancel" and job.remaining > 0:
+            job.state, job.mode = "waiting", None
+            self.running.discard(job)
+            self.waiting.appendleft(job)  # it goes on in a slot, first
+        else:
+            if job.reserved_slot is not None:
+                self._unreserve(job)
+            if slot is not None:
+                slot.held = job.context
+            self._finish(job, job.cancelled or ("length" if finish == "cancel" and job.remaining <= 0 else finish))
+        self._schedule()
+
+    def _release_control(self, job: Job, slot: Slot | None) -> None:
+        if self.control_job is job:
+            self.control_job = None
+        if slot is not None and slot.job is job:
+            slot.job = None
+            slot.last_used = time.monotonic()
+        if job.reserved_slot is not None and not job.yielded:
+            self._unreserve(job)
+
+    def _unreserve(self, job: Job) -> None:
+        if job.reserved_slot is not None and job.reserved_slot < len(self.slots):
+            s = self.slots[job.reserved_slot]
+            if s.reserved_for is job:
+                s.reserved_for = None
+        job.reserved_slot = None
+
+    async def _run_slot(self, engine: EngineProcess, job: Job, slot: Slot) -> None:
+        q = engine.slot_queues[slot.index]
+        bdone: BDone | None = None
+        try:
+            while True:
+                item = await q.get()
+                if type(item) is BToken:
+                    slot.generated += 1
+                    self._token(job, item.id)
+                elif type(item) is BDone:
+                    bdone = item
+                    break
+                elif isinstance(item, EngineDied):
+                    raise item
+        except EngineDied as exc:
+            self._fail(job, 503, f"the engine stopped during this request: {exc}")
+            return
+        job.decode_ms += bdone.ms
+        slot.job = None
+        slot.stopping = False
+        slot.held = job.context[:-1]
+        slot.last_used = time.monotonic()
+        if job.to_solo and not job.cancelled and bdone.finish == "cancel" and job.remaining > 0:
+            job.returns_to_solo += 1
+            job.state, job.mode, job.slot = "waiting", None, None
+            self.running.discard(job)
+            self.waiting.appendleft(job)
+        else:
+            self._finish(job, job.cancelled or bdone.finish)
+        self._schedule()
+
+    def _token(self, job: Job, token: int) -> None:
+        job.generated.append(token)
+        job.seg_tokens += 1
+        if job.first_token_at is None:
+            job.first_token_at = time.monotonic()
+        job.out.put_nowait((EV_TOKEN, token))
+        if self.on_tokens is not None:
+            self.on_tokens(1)
+
+    def _account(self, job: Job, d: Done) -> None:
+        job.prompt_ms += d.prompt_ms
+        job.decode_ms += d.decode_ms
+        job.hits += d.hits
+        job.lookups += d.lookups
+        if job.segments == 1:
+            job.reused = max(job.reused, d.reused)
+            job.prompt_total = d.prompt_tokens
+
+    def _finish(self, job: Job, finish: str) -> None:
+        if job.state == "done":
+            return
+        job.state, job.mode = "done", None
+        job.finish = finish
+        job.finished_at = time.monotonic()
+        self.running.discard(job)
+        job.out.put_nowait((EV_DONE, finish))
+        if self.on_finish is not None:
+            self.on_finish(job)
+
+    def _fail(self, job: Job, status: int, message: str) -> None:
+        if job.state == "done":
+            return
+        job.state, job.mode = "done", None
+        job.finish = "error"
+        job.error = message
+        job.finished_at = time.monotonic()
+        self.running.discard(job)
+        if job.slot is not None and job.slot < len(self.slots) and self.slots[job.slot].job is job:
+            self.slots[job.slot].job = None
+        job.out.put_nowait((EV_ERROR, status, message))
+        if self.on_finish is not None:
+            self.on_finish(job)
+
+
+class _EngineError(Exception):
+    pass
