@@ -1,0 +1,78 @@
+"""Bench arms: for each arm rewrite the config with its settings, restart the server, run the table.
+
+The config is restored afterwards, and the server is left as it was found: restarted with the
+original config if it was running (or was the caller's), stopped if bench started it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from server.config import ConfigError, load_config, save_config, validate_config
+from strata_desk.launcher import LaunchError, ServerProcess, running_for
+
+TableRunner = Callable[[int, dict[str, Any], str, str | None], Awaitable[None]]
+
+
+async def _say(on_status: Callable[[str], Any] | None, text: str) -> None:
+    if on_status is not None:
+        result = on_status(text)
+        if hasattr(result, "__await__"):
+            await result
+
+
+def _host_port(url: str | None) -> tuple[str | None, int | None]:
+    if not url:
+        return None, None
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        return rest or None, None
+    return host.strip("[]"), int(port)
+
+
+async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
+                   on_status: Callable[[str], Any] | None, run_table: TableRunner) -> None:
+    config_path = spec.config or (server.config_path if server else None)
+    if config_path is None:
+        raise ConfigError("arms need the server's config file (--config)")
+    original = load_config(config_path)
+    base = original.model_dump(mode="json", exclude_defaults=True)
+    configs = []
+    for arm in spec.arms:  # validate every arm before anything is restarted
+        try:
+            configs.append(validate_config({**base, **arm}, f"arm {arm}"))
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (arm settings are config keys, e.g. parallel=2)") from None
+    keep_running = server is not None
+    if server is None:
+        found = running_for(config_path)
+        if found is not None:
+            server = ServerProcess.adopt(found)
+            keep_running = True
+        else:
+            host, port = _host_port(spec.url)
+            server = ServerProcess(config_path, host=host, port=port)
+    key = spec.key or original.api_key
+    try:
+        for index, (arm, config) in enumerate(zip(spec.arms, configs, strict=True)):
+            save_config(config, config_path)
+            await _say(on_status, f"arm {index + 1}/{len(configs)} {arm}: restarting the server")
+            if server.running:
+                server.restart()
+            else:
+                server.start()
+            await server.wait_ready(spec.ready_timeout, on_status)
+            await run_table(index, arm, server.url, key)
+    finally:
+        save_config(original, config_path)
+        try:
+            if keep_running:
+                await _say(on_status, "restoring the original config and restarting the server")
+                server.restart()
+                await server.wait_ready(spec.ready_timeout, on_status)
+            else:
+                server.stop()
+        except LaunchError as exc:
+            await _say(on_status, f"could not restart the server with the original config: {exc}")

@@ -1,0 +1,407 @@
+"""The `strata-desk` command: the dashboard, headless serving, setup, bench and installs.
+
+Every command that fails on bad input prints one line `strata-desk: error: ...` and exits 2.
+Modules written by others (server, tui, engine.bench, engine.check, testmodel, demo) are imported
+inside the subcommand that needs them, so the rest of the CLI works without them.
+docs/cli.md documents every subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from server.config import ConfigError, load_config, save_config
+from strata_desk import paths
+
+PROG = "strata-desk"
+PASSTHROUGH = {"bench-engine": "engine.bench", "check": "engine.check"}
+
+
+class CliError(Exception):
+    """A problem with what the user asked for: one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see {self.prog} --help)")
+
+
+def _import(module: str, name: str, what: str) -> Callable[..., Any]:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise CliError(f"{what} is not available in this install ({module}.{name}: {exc})") from None
+
+
+# -- configs ---------------------------------------------------------------------------------
+
+
+def _model_path(text: str) -> Path:
+    model = Path(text).expanduser()
+    if not model.is_file():
+        raise CliError(f"model file not found: {model}")
+    return model
+
+
+def _demo_model() -> Path:
+    demo_model_path = _import("strata_desk.demo", "demo_model_path", "the demo model")
+    return Path(demo_model_path())
+
+
+def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False) -> Path:
+    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup."""
+    from strata_desk.setup import build_config, write_config
+
+    say = (lambda _text: None) if quiet else print
+    target = paths.config_path_for(model)
+    if target.is_file():
+        config = load_config(target)
+        changes: dict[str, Any] = {}
+        resolved = str(model.resolve())
+        if config.model != resolved:
+            changes["model"] = resolved
+        if parallel is not None and parallel != config.parallel:
+            if parallel > 8:
+                say("parallel above 8: the engine uses 8")
+            changes["parallel"] = min(parallel, 8)
+            if isinstance(config.batch_groups, int) and changes["parallel"] % config.batch_groups:
+                changes["batch_groups"] = "auto"
+        if changes:
+            config = config.model_validate({**config.model_dump(mode="json", exclude_defaults=True), **changes})
+            save_config(config, target)
+            say(f"updated {target}: " + ", ".join(f"{k} = {v}" for k, v in changes.items()))
+        paths.remember_last_config(target)
+        return target
+    config, messages = build_config(model, parallel=parallel)
+    for line in messages:
+        say(f"  {line}")
+    path = write_config(config)
+    say(f"wrote {path}")
+    return path
+
+
+def _apply_parallel(config_path: Path, parallel: int | None) -> None:
+    if parallel is None:
+        return
+    config = load_config(config_path)
+    if config.parallel != min(parallel, 8):
+        data = {**config.model_dump(mode="json", exclude_defaults=True), "parallel": min(parallel, 8)}
+        if isinstance(config.batch_groups, int) and data["parallel"] % config.batch_groups:
+            data["batch_groups"] = "auto"
+        save_config(config.model_validate(data), config_path)
+        print(f"{config_path}: parallel = {data['parallel']}")
+
+
+def _config_from_args(args: argparse.Namespace) -> Path | None:
+    chosen = [name for name in ("demo", "model", "config") if getattr(args, name, None)]
+    if len(chosen) > 1:
+        raise CliError("choose one of " + ", ".join(f"--{c}" for c in chosen))
+    if getattr(args, "demo", False):
+        return ensure_config(_demo_model(), args.parallel)
+    if getattr(args, "model", None):
+        return ensure_config(_model_path(args.model), args.parallel)
+    if getattr(args, "config", None):
+        path = Path(args.config).expanduser()
+        if not path.is_file():
+            raise CliError(f"config file not found: {path}")
+        load_config(path)  # validates; ConfigError names the key
+        _apply_parallel(path, args.parallel)
+        return path
+    return None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {value}")
+    return value
+
+
+# -- subcommands -----------------------------------------------------------------------------
+
+
+def _run_dashboard(config: Path | None, **kwargs: Any) -> int:
+    run_dashboard = _import("tui.app", "run_dashboard", "the dashboard")
+    code = run_dashboard(config, **{k: v for k, v in kwargs.items() if v is not None})
+    return int(code or 0)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    config = _config_from_args(args)
+    if config is None:
+        config = paths.last_config()  # None -> the dashboard shows its first-run screen
+        if config is not None:
+            load_config(config)
+            _apply_parallel(config, args.parallel)
+    if config is not None:
+        paths.remember_last_config(config)
+    return _run_dashboard(config, host=args.host, port=args.port)
+
+
+def _server_main() -> Callable[[list[str]], int]:
+    for module in ("server", "server.main", "server.__main__"):
+        try:
+            found = getattr(importlib.import_module(module), "main", None)
+        except ImportError:
+            continue
+        if callable(found):
+            return found
+    raise CliError("the server is not available in this install (server.main)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from strata_desk import state
+    from strata_desk.launcher import _url
+
+    config_path = _config_from_args(args) or paths.last_config()
+    if config_path is None:
+        raise CliError("no config: give --model X.gguf, --config FILE or --demo (or run strata-desk setup)")
+    config = load_config(config_path)
+    argv = ["--config", str(config_path)]
+    if args.host:
+        argv += ["--host", args.host]
+    if args.port:
+        argv += ["--port", str(args.port)]
+    if args.api_key:
+        argv += ["--api-key", args.api_key]
+    server_main = _server_main()
+    paths.remember_last_config(config_path)
+    url = _url(args.host or config.host, args.port or config.port)
+    state.record(state.RunningServer(os.getpid(), url, str(Path(config_path).resolve()),
+                                     create_time=state.process_create_time(os.getpid())))
+    try:
+        return int(server_main(argv) or 0)
+    finally:
+        state.forget(os.getpid())
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    from strata_desk.setup import build_config, write_config
+
+    model = _model_path(args.model)
+    config, messages = build_config(model, parallel=args.parallel, context=args.context)
+    for line in messages:
+        print(f"  {line}")
+    target = paths.config_path_for(model)
+    print(f"config: {target}\n  model {config.model}\n  context {config.context}, parallel {config.parallel}")
+    if not args.yes and sys.stdin.isatty():
+        answer = input("Write it? [Y/n] ").strip().lower()
+        if answer not in ("", "y", "yes"):
+            print("nothing written")
+            return 1
+    path = write_config(config)
+    print(f"wrote {path}\nnext: `strata-desk` (dashboard) or `strata-desk serve` (headless)")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from strata_desk.state import find_running
+
+    print(f"config dir: {paths.config_dir()}")
+    print(f"log dir:    {paths.log_dir()}")
+    print(f"data dir:   {paths.data_dir()}")
+    print(f"state dir:  {paths.state_dir()}")
+    last = paths.last_config()
+    print(f"last used:  {last or '-'}")
+    configs = paths.list_configs()
+    print(f"configs ({len(configs)}):")
+    for path in configs:
+        try:
+            c = load_config(path)
+            print(f"  {path.name}: {c.model} (port {c.port}, parallel {c.parallel}, context {c.context})")
+        except ConfigError as exc:
+            print(f"  {path.name}: invalid: {exc}")
+    running = find_running()
+    print(f"running servers ({len(running)}):")
+    for server in running:
+        print(f"  pid {server.pid}: {server.url} ({server.config or 'no config'})")
+    return 0
+
+
+def cmd_make_test_model(argv: Sequence[str]) -> int:
+    parser = _Parser(prog=f"{PROG} make-test-model", description="write the tiny random MoE test model")
+    _import("strata_desk.testmodel", "add_arguments", "the test model generator")(parser)
+    main = _import("strata_desk.testmodel", "main", "the test model generator")
+    return int(main(parser.parse_args(list(argv))) or 0)
+
+
+def cmd_passthrough(name: str, argv: Sequence[str]) -> int:
+    main = _import(PASSTHROUGH[name], "main", name)
+    return int(main(list(argv)) or 0)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from strata_desk import bench
+
+    return bench.main(args)
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    import httpx
+
+    from strata_desk.launcher import _url
+    from strata_desk.state import find_running
+
+    url, key = args.url, args.key
+    config = None
+    if url is None:
+        running = find_running()
+        if running:
+            url = running[-1].url
+            config = Path(running[-1].config) if running[-1].config else None
+        elif (config := paths.last_config()) is not None:
+            c = load_config(config)
+            url = _url(c.host, c.port)
+        else:
+            raise CliError("no running server known: give its URL (strata-desk attach http://HOST:PORT)")
+    if key is None and config is not None and config.is_file():
+        key = load_config(config).api_key
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        httpx.get(url + "/health", timeout=3.0)
+    except httpx.HTTPError as exc:
+        raise CliError(f"no server answers at {url} ({type(exc).__name__})") from None
+    return _run_dashboard(None, url=url, api_key=key)
+
+
+def cmd_install_desktop(args: argparse.Namespace) -> int:
+    from strata_desk import desktop
+
+    if args.uninstall:
+        removed = desktop.uninstall_desktop()
+        print("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
+        return 0
+    for path in desktop.install_desktop(autostart=args.autostart):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_install_service(args: argparse.Namespace) -> int:
+    from strata_desk import desktop
+
+    if args.uninstall:
+        print(f"first: systemctl --user disable --now {desktop.SERVICE_NAME}")
+        removed = desktop.uninstall_service()
+        print("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
+        return 0
+    config = Path(args.config).expanduser() if args.config else paths.last_config()
+    if config is None:
+        raise CliError("no config: give --config FILE (or run strata-desk setup MODEL.gguf first)")
+    if not config.is_file():
+        raise CliError(f"config file not found: {config}")
+    load_config(config)
+    path = desktop.install_service(config)
+    print(f"wrote {path}\nto run it now and at every login:")
+    for line in desktop.service_commands():
+        print(f"  {line}")
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+
+def _model_args(parser: argparse.ArgumentParser, config: bool) -> None:
+    parser.add_argument("--demo", action="store_true", help="the demo model (Gemma 3 270M)")
+    parser.add_argument("--model", metavar="X.gguf", help="make or reuse the config for this model")
+    if config:
+        parser.add_argument("--config", metavar="FILE", help="a run config strata-<model>.json")
+    parser.add_argument("--host", help="address to bind (overrides the config)")
+    parser.add_argument("--port", type=_port, help="port (overrides the config)")
+    parser.add_argument("--parallel", type=_positive, metavar="N", help="batch slots, written to the config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Serve a local mixture-of-experts LLM to several users, "
+                     "and watch it work. Without a command: the dashboard.")
+    _model_args(parser, config=True)
+    parser.set_defaults(func=cmd_dashboard)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the server headless (systemd, a box in a cupboard)")
+    _model_args(p, config=True)
+    p.add_argument("--api-key", help="clients must send this key (required beyond loopback)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("setup", help="probe the machine and write the config for a model")
+    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("--parallel", type=_positive, metavar="N", help="batch slots (kept as asked)")
+    p.add_argument("--context", type=_positive, metavar="N", help="context length in tokens")
+    p.add_argument("--yes", "-y", action="store_true", help="write without asking")
+    p.set_defaults(func=cmd_setup)
+
+    p = sub.add_parser("info", help="where configs, logs and data live; configs and running servers")
+    p.set_defaults(func=cmd_info)
+
+    sub.add_parser("make-test-model", help="write the tiny random MoE test model", add_help=False)
+
+    p = sub.add_parser("bench", help="concurrent-client benchmark (the seed's table), A/B arms")
+    from strata_desk.bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+    sub.add_parser("bench-engine", help="engine-level benchmark (arguments go to engine.bench)", add_help=False)
+    sub.add_parser("check", help="check the engine against the reference (arguments go to engine.check)",
+                   add_help=False)
+
+    p = sub.add_parser("attach", help="open the dashboard on a running server")
+    p.add_argument("url", nargs="?", metavar="URL", help="default: the last server started here")
+    p.add_argument("--key", help="API key (default: the server's config)")
+    p.set_defaults(func=cmd_attach)
+
+    p = sub.add_parser("install-desktop", help="add strata-desk to the desktop's application menu")
+    p.add_argument("--uninstall", action="store_true", help="remove what install-desktop wrote")
+    p.add_argument("--autostart", action="store_true", help="also open it at login")
+    p.set_defaults(func=cmd_install_desktop)
+
+    p = sub.add_parser("install-service", help="write a systemd user unit for `strata-desk serve`")
+    p.add_argument("--uninstall", action="store_true", help="remove the unit")
+    p.add_argument("--config", metavar="FILE", help="default: the last used config")
+    p.set_defaults(func=cmd_install_service)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from strata_desk.bench import BenchError
+    from strata_desk.desktop import DesktopError
+    from strata_desk.launcher import LaunchError
+    from strata_desk.setup import SetupError
+
+    try:
+        if argv and argv[0] in PASSTHROUGH:
+            return cmd_passthrough(argv[0], argv[1:])
+        if argv and argv[0] == "make-test-model":
+            return cmd_make_test_model(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except (CliError, ConfigError, SetupError, BenchError, DesktopError) as exc:
+        print(f"{PROG}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

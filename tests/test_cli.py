@@ -1,0 +1,220 @@
+"""strata_desk.cli: every subcommand's wiring and its one-line errors (exit code 2).
+
+The dashboard, the server's main, the engine's bench/check and the test-model generator are
+replaced by recorders here; their own tests cover them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from test_setup import write_tiny_gguf
+
+from strata_desk import cli, paths, setup
+from strata_desk.cli import main
+from strata_desk.probe import HardwareInfo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setattr(setup, "probe_hardware", lambda: HardwareInfo(ram_gib=32.0, cpu_cores=2))
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    return write_tiny_gguf(tmp_path / "Tiny-MoE.gguf")
+
+
+@pytest.fixture
+def dashboard(monkeypatch):
+    calls: list[tuple] = []
+    module = types.ModuleType("tui.app")
+
+    def run_dashboard(config_path=None, **kwargs):
+        calls.append((config_path, kwargs))
+        return 0
+
+    module.run_dashboard = run_dashboard
+    monkeypatch.setitem(sys.modules, "tui.app", module)
+    return calls
+
+
+@pytest.fixture
+def server_main(monkeypatch):
+    calls: list[list[str]] = []
+
+    def fake(argv):
+        calls.append(argv)
+        return 0
+
+    monkeypatch.setattr(cli, "_server_main", lambda: fake)
+    return calls
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "setup", "info", "make-test-model", "bench", "bench-engine", "check", "attach",
+                    "install-desktop", "install-service"):
+        assert command in out
+
+
+def test_bad_arguments_one_line(capsys):
+    assert main(["--port", "0"]) == 2
+    assert main(["serve", "--parallel", "x"]) == 2
+    assert main(["frobnicate"]) == 2
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert line.startswith("strata-desk")
+
+
+def test_setup_writes_config(model, capsys):
+    assert main(["setup", str(model), "--yes", "--parallel", "2", "--context", "1024"]) == 0
+    out = capsys.readouterr().out
+    path = paths.config_dir() / "strata-tiny-moe.json"
+    assert f"wrote {path}" in out and "kept as you chose (2)" in out
+    data = json.loads(path.read_text())
+    assert data["parallel"] == 2 and data["context"] == 1024 and data["model"] == str(model.resolve())
+    assert paths.last_config() == path
+
+
+def test_setup_errors(tmp_path, capsys):
+    assert main(["setup", str(tmp_path / "nope.gguf"), "--yes"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"strata-desk: error: model file not found: {tmp_path / 'nope.gguf'}"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"XXXX" + bytes(32))
+    assert main(["setup", str(bad), "--yes"]) == 2
+    assert "not a GGUF" in capsys.readouterr().err
+
+
+def test_dashboard_first_run(dashboard):
+    assert main([]) == 0
+    assert dashboard == [(None, {})]
+
+
+def test_dashboard_with_model_makes_then_reuses_config(model, dashboard, capsys):
+    assert main(["--model", str(model), "--port", "9001"]) == 0
+    path = paths.config_dir() / "strata-tiny-moe.json"
+    assert dashboard[-1] == (path, {"port": 9001})
+    assert "wrote" in capsys.readouterr().out
+    assert main(["--model", str(model), "--parallel", "3"]) == 0
+    assert json.loads(path.read_text())["parallel"] == 3
+    assert main([]) == 0  # the last used config
+    assert dashboard[-1] == (path, {})
+
+
+def test_dashboard_missing_model(tmp_path, dashboard, capsys):
+    assert main(["--model", str(tmp_path / "x.gguf")]) == 2
+    assert "model file not found" in capsys.readouterr().err
+    assert dashboard == []
+
+
+def test_demo(model, dashboard, monkeypatch):
+    module = types.ModuleType("strata_desk.demo")
+    module.demo_model_path = lambda: model
+    monkeypatch.setitem(sys.modules, "strata_desk.demo", module)
+    assert main(["--demo"]) == 0
+    assert dashboard[-1][0] == paths.config_path_for(model)
+
+
+def test_serve(model, server_main, tmp_path, capsys):
+    assert main(["serve"]) == 2
+    assert "no config" in capsys.readouterr().err
+    assert main(["serve", "--model", str(model), "--port", "9002", "--api-key", "k"]) == 0
+    path = paths.config_path_for(model)
+    assert server_main[-1] == ["--config", str(path), "--port", "9002", "--api-key", "k"]
+    assert main(["serve"]) == 0  # the last used config
+    assert server_main[-1] == ["--config", str(path)]
+    assert main(["serve", "--config", str(path), "--parallel", "2", "--host", "0.0.0.0"]) == 0
+    assert json.loads(path.read_text())["parallel"] == 2
+    assert server_main[-1] == ["--config", str(path), "--host", "0.0.0.0"]
+
+
+def test_serve_bad_config(tmp_path, server_main, capsys):
+    bad = tmp_path / "strata-bad.json"
+    bad.write_text(json.dumps({"model": "/m.gguf", "parallel": 0}))
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel" in err
+    assert main(["serve", "--config", str(tmp_path / "none.json")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    assert main(["serve", "--demo", "--config", str(bad)]) == 2
+    assert "choose one of --demo, --config" in capsys.readouterr().err
+    assert server_main == []
+
+
+def test_info(model, capsys):
+    main(["setup", str(model), "--yes"])
+    capsys.readouterr()
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"config dir: {paths.config_dir()}" in out
+    assert "strata-tiny-moe.json" in out and "running servers (0)" in out
+
+
+def test_passthrough(monkeypatch):
+    seen = {}
+    for name in ("engine.bench", "engine.check"):
+        module = types.ModuleType(name)
+        module.main = lambda argv, name=name: seen.setdefault(name, argv) and 0
+        monkeypatch.setitem(sys.modules, name, module)
+    assert main(["bench-engine", "--model", "x.gguf", "--tokens", "5"]) == 0
+    assert main(["check", "--help-me"]) == 0
+    assert seen == {"engine.bench": ["--model", "x.gguf", "--tokens", "5"], "engine.check": ["--help-me"]}
+
+
+def test_make_test_model(monkeypatch, tmp_path):
+    module = types.ModuleType("strata_desk.testmodel")
+    got = {}
+    module.add_arguments = lambda parser: parser.add_argument("--out")
+    module.main = lambda args: got.setdefault("out", args.out) and 0
+    monkeypatch.setitem(sys.modules, "strata_desk.testmodel", module)
+    assert main(["make-test-model", "--out", str(tmp_path / "t.gguf")]) == 0
+    assert got["out"] == str(tmp_path / "t.gguf")
+    assert main(["make-test-model", "--bogus"]) == 2
+
+
+def test_attach(dashboard, capsys):
+    assert main(["attach"]) == 2
+    assert "no running server known" in capsys.readouterr().err
+    assert main(["attach", "http://127.0.0.1:9"]) == 2
+    assert "no server answers at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_attach_running_stand_in(dashboard, tmp_path):
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}"
+        assert main(["attach", url, "--key", "sekrit"]) == 0
+        assert dashboard[-1] == (None, {"url": url, "api_key": "sekrit"})
+    finally:
+        httpd.shutdown()
+
+
+def test_console_script_runs():
+    result = subprocess.run([sys.executable, "-m", "strata_desk", "info"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert result.returncode == 0 and "config dir:" in result.stdout
