@@ -446,7 +446,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {row.setting}, {row.concurrency} concurrent, round {len(row.rounds)}: "
               f"{last.total_tok_s:.1f} tok/s", flush=True)
 
-    result = asyncio.run(run_bench(spec, progress, on_status=lambda text: print(f"  {text}", flush=True)))
+    last_kind = [""]
+
+    def status(text: str) -> None:  # one line per phase, not one per /health poll
+        kind = text.split(" ", 1)[0].rstrip(",")
+        if kind in ("starting", "loading") and kind == last_kind[0]:
+            return
+        last_kind[0] = kind
+        print(f"  {text}", flush=True)
+
+    result = asyncio.run(run_bench(spec, progress, on_status=status))
     print()
     print(format_table(result))
     if spec.out:

@@ -279,7 +279,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
         httpx.get(url + "/health", timeout=3.0)
     except httpx.HTTPError as exc:
         raise CliError(f"no server answers at {url} ({type(exc).__name__})") from None
-    return _run_dashboard(None, url=url, api_key=key)
+    return _run_dashboard(None, attach_url=url, api_key=key)
 
 
 def cmd_install_desktop(args: argparse.Namespace) -> int:
@@ -401,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `strata-desk info | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def test_attach_running_stand_in(dashboard, tmp_path):
     try:
         url = f"http://127.0.0.1:{httpd.server_port}"
         assert main(["attach", url, "--key", "sekrit"]) == 0
-        assert dashboard[-1] == (None, {"url": url, "api_key": "sekrit"})
+        assert dashboard[-1] == (None, {"attach_url": url, "api_key": "sekrit"})
     finally:
         httpd.shutdown()
 
