@@ -254,13 +254,16 @@ class Scheduler:
         job = self.waiting[0]
         busy = any(s.job is not None for s in self.slots)
         if not self.slots or (not busy and len(self.waiting) == 1 and self._solo_ok(job)):
-            self.waiting.popleft()
-            self._spawn(self._run_control(engine, job, None))
-            return
-        slot = self.pick_slot(job)
-        if slot is None:
-            return
+            slot = None
+        else:
+            slot = self.pick_slot(job)
+            if slot is None:
+                return
+            slot.job, slot.reserved_for = job, None  # taken now, before the task runs
         self.waiting.popleft()
+        self.control_job = job  # the control lines belong to this job from now on
+        self.running.add(job)
+        job.state = "reading"
         self._spawn(self._run_control(engine, job, slot))
 
     def _solo_ok(self, job: Job) -> bool:
@@ -352,8 +355,6 @@ class Scheduler:
 
     async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None) -> None:
         """One GEN (slot None) or BGEN: send it and read the control lines to DONE (and BADM)."""
-        self.control_job = job
-        self.running.add(job)
         ids = job.context
         job.seg_ids, job.seg_tokens = len(ids), 0
         job.stop_sent = job.yield_sent = job.preempted = job.yielded = job.to_solo = False

@@ -365,6 +365,10 @@ class FakeEngine:
         job.hash = roll(job.hash, tok)
         self.send(Token(tok))
         self.count_token()
+        self.windows += 1
+        self.rows += 1
+        self.tier["vram"] += 9
+        self.tier["cpu"] += 1
         if tok == EOS:
             self.finish_job("stop")
         elif len(job.generated) >= job.max_new:

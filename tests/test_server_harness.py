@@ -1,0 +1,148 @@
+"""Shared helpers for the server tests: a live `python -m server` process driving tests/fake_engine.py.
+
+Imported by the other tests/test_server_*.py files (it holds no tests of its own but a smoke test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE = ROOT / "tests" / "fake_engine.py"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fake_engine import reference_reply  # noqa: E402
+
+from server.tokens import ByteTokenizer, ChatMLTemplate  # noqa: E402
+
+TOK = ByteTokenizer()
+TEMPLATE = ChatMLTemplate()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat_ids(messages: list[dict[str, str]]) -> list[int]:
+    return TOK.encode(TEMPLATE.render(messages, add_generation_prompt=True))
+
+
+def expected_chat(messages: list[dict[str, str]], max_tokens: int, **kw: Any) -> tuple[str, str]:
+    """(text, finish_reason) the fake engine must produce for a chat request."""
+    ids, finish = reference_reply(chat_ids(messages), max_tokens, **kw)
+    text = bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+    return text, finish
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+class LiveServer:
+    """A server process with the fake engine. `fake` maps fake-engine env names (TOK_S=0 ...)."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any] | None = None, fake: dict[str, Any] | None = None,
+                 args: list[str] | None = None, env: dict[str, str] | None = None, wait: bool = True):
+        self.port = free_port()
+        self.tmp = tmp
+        self.admission_log = tmp / f"admissions-{self.port}.jsonl"
+        cfg: dict[str, Any] = {
+            "model": str(tmp / "fake.gguf"), "model_name": "fake", "tokenizer": "bytes", "port": self.port,
+            "engine_command": [sys.executable, str(FAKE)], "log": str(tmp / f"engine-{self.port}.log"),
+            "env": {"FAKE_ADMISSION_LOG": str(self.admission_log), "FAKE_STATS_S": "0.2"},
+        }
+        for k, v in (fake or {}).items():
+            cfg["env"]["FAKE_" + k] = str(v)
+        cfg.update(config or {})
+        self.config = cfg
+        self.config_path = tmp / f"strata-{self.port}.json"
+        self.config_path.write_text(json.dumps(cfg))
+        self.out_path = tmp / f"server-{self.port}.out"
+        penv = dict(os.environ)
+        penv.pop("STRATA_API_KEY", None)
+        penv.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", "--config", str(self.config_path), *(args or [])],
+                                     cwd=ROOT, stdout=open(self.out_path, "w"), stderr=subprocess.STDOUT, env=penv)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.key = cfg.get("api_key")
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        self.client = httpx.Client(base_url=self.base, timeout=60, headers=headers)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready: {self.output()}")
+
+    def output(self) -> str:
+        return self.out_path.read_text() if self.out_path.exists() else ""
+
+    def admissions(self) -> list[dict[str, Any]]:
+        if not self.admission_log.exists():
+            return []
+        return [json.loads(line) for line in self.admission_log.read_text().splitlines() if line.strip()]
+
+    def metrics(self) -> dict[str, Any]:
+        return self.client.get("/metrics").json()
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int = 64, **kw: Any) -> dict[str, Any]:
+        r = self.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LiveServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def sse_events(raw: str) -> list[str]:
+    """The data payloads of an SSE body, checking the framing on the way."""
+    assert raw.endswith("\n\n"), repr(raw[-40:])
+    out = []
+    for block in raw.split("\n\n")[:-1]:
+        lines = [ln for ln in block.split("\n") if not ln.startswith(":")]
+        if not lines:
+            continue
+        assert len(lines) == 1 and lines[0].startswith("data: "), repr(block)
+        out.append(lines[0][6:])
+    return out
+
+
+def test_harness_reference_is_deterministic() -> None:
+    a = expected_chat(user("hello"), 50)
+    b = expected_chat(user("hello"), 50)
+    c = expected_chat(user("hellp"), 50)
+    assert a == b and a != c
