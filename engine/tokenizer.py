@@ -12,7 +12,8 @@ Python, so `_implied_merges` does it with rolling hashes in numpy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import gc
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,7 @@ class Tokenizer:
 
         bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
         stops = {i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
-        vocab = backend.get_vocab(with_added_tokens=True)
-        stops.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        stops.update(i for i in map(backend.token_to_id, END_OF_TURN_TOKENS) if i is not None)
         return cls(
             backend, model=kind, bos_id=bos_id, eos_id=eos_id,
             add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos)),
@@ -276,7 +276,7 @@ def _sentencepiece(tokens: list[str], types: np.ndarray, metadata: dict[str, Any
             scores = -np.arange(len(tokens), dtype=np.float64)
         else:
             scores = np.asarray(metadata.get("tokenizer.ggml.scores", np.zeros(len(tokens))), np.float64)
-        merges = _implied_merges(tokens, scores)
+        merges = _implied_merges(vocab, scores)
     unk = metadata.get("tokenizer.ggml.unknown_token_id")
     unk_token = tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
     backend = _HFTokenizer(
@@ -301,24 +301,37 @@ def _sentencepiece(tokens: list[str], types: np.ndarray, metadata: dict[str, Any
 
 _BASES = (0x100000001B3, 0x9E3779B97F4A7C15)
 _LEN_MIX = np.uint64(0xFF51AFD7ED558CCD)
+_FIB = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _substring_hasher(codes: np.ndarray, base: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """hash(a, b) of codes[a:b] for index arrays a, b in O(1) each (polynomial hash mod 2**64)."""
-    n = len(codes)
-    with np.errstate(over="ignore"):
-        pw = np.ones(n + 1, np.uint64)
-        pw[1:] = np.cumprod(np.full(n, base, dtype=np.uint64), dtype=np.uint64)  # base**j
-        inv = np.ones(n, np.uint64)
-        inv[1:] = np.cumprod(np.full(n - 1, pow(base, -1, 1 << 64), dtype=np.uint64), dtype=np.uint64)
-        prefix = np.zeros(n + 1, np.uint64)
-        np.cumsum(codes * inv, dtype=np.uint64, out=prefix[1:])
+class _TokenHashes:
+    """Polynomial hashes (mod 2**64) of every prefix of every token, in one flat array.
 
-    def hash_(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    at[p] hashes the token's characters from its start through flat position p, so any prefix or
+    suffix of a token hashes in O(1) without materialising the substring.
+    """
+
+    def __init__(self, codes: np.ndarray, starts: np.ndarray, lens: np.ndarray, base: int):
+        self.base = np.uint64(base)
+        self.pw = np.ones(int(lens.max(initial=1)) + 1, np.uint64)
         with np.errstate(over="ignore"):
-            return ((prefix[b] - prefix[a]) * pw[b - 1]) ^ ((b - a).astype(np.uint64) * _LEN_MIX)
+            for j in range(1, len(self.pw)):
+                self.pw[j] = self.pw[j - 1] * self.base
+            self.at = codes.copy()
+            # one vectorised step per character offset: at[p] = at[p-1] * base + c[p]
+            for j in range(1, len(self.pw) - 1):
+                pos = starts[lens > j] + j
+                self.at[pos] += self.at[pos - 1] * self.base
 
-    return hash_
+    def prefix(self, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return self.at[start + length - 1] ^ (length.astype(np.uint64) * _LEN_MIX)
+
+    def suffix(self, start: np.ndarray, cut: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Hash of [cut, end) inside the token that starts at `start` (cut > start)."""
+        with np.errstate(over="ignore"):
+            h = self.at[end - 1] - self.at[cut - 1] * self.pw[end - cut]
+            return h ^ ((end - cut).astype(np.uint64) * _LEN_MIX)
 
 
 class _HashIndex:
@@ -326,11 +339,12 @@ class _HashIndex:
 
     def __init__(self, keys: np.ndarray):
         bits = max(4, int(len(keys) * 4 - 1).bit_length())  # load factor <= 1/4
-        self.mask = np.uint64((1 << bits) - 1)
+        self.shift = np.uint64(64 - bits)
+        self.mask = (1 << bits) - 1
         self.keys = np.zeros(1 << bits, np.uint64)
         self.rows = np.full(1 << bits, -1, np.int64)
         pending = np.arange(len(keys))
-        slot = (keys & self.mask).astype(np.int64)
+        slot = self._slot(keys)
         while len(pending):
             free = self.rows[slot] < 0
             cand, cand_slot = pending[free], slot[free]
@@ -339,33 +353,38 @@ class _HashIndex:
             self.keys[cand_slot[winner]] = keys[cand[winner]]
             placed = np.zeros(len(pending), bool)
             placed[np.flatnonzero(free)[winner]] = True
-            pending, slot = pending[~placed], (slot[~placed] + 1) & int(self.mask)
+            pending, slot = pending[~placed], (slot[~placed] + 1) & self.mask
+
+    def _slot(self, keys: np.ndarray) -> np.ndarray:
+        # Fibonacci hashing: polynomial hashes mod 2**64 are poorly mixed in their low bits
+        with np.errstate(over="ignore"):
+            return ((keys * _FIB) >> self.shift).astype(np.int64)
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Row of each key, or -1."""
-        out = np.full(len(keys), -1, np.int64)
-        todo = np.arange(len(keys))
-        slot = (keys & self.mask).astype(np.int64)
+        slot = self._slot(keys)
+        out = self.rows[slot]
+        todo = np.flatnonzero((out >= 0) & (self.keys[slot] != keys))  # collided: probe on
+        out[todo] = -1
+        slot = (slot[todo] + 1) & self.mask
         while len(todo):
             rows = self.rows[slot]
             hit = (rows >= 0) & (self.keys[slot] == keys[todo])
             out[todo[hit]] = rows[hit]
             go_on = (rows >= 0) & ~hit
-            todo, slot = todo[go_on], (slot[go_on] + 1) & int(self.mask)
+            todo, slot = todo[go_on], (slot[go_on] + 1) & self.mask
         return out
 
 
-def _implied_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
-    """Every (left, right) with left, right and left+right in the vocabulary, best first.
+def _implied_merges(vocab: dict[str, int], scores: np.ndarray) -> list[tuple[str, str]]:
+    """Every (left, right) with left, right and left+right in `vocab`, best first.
 
     Same set and order as transformers' `generate_merges`: by the merged token's score
     (descending), then longer left piece first, then vocabulary order. Pieces are found by hashing
     every prefix/suffix of every token at once; a second independent hash confirms each match.
     """
-    # dict semantics: the last occurrence of a duplicated token wins its id and score
-    last = {t: i for i, t in enumerate(tokens)}
-    uniq = list(last)
-    ids = np.fromiter(last.values(), dtype=np.int64, count=len(uniq))
+    uniq = list(vocab)
+    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(uniq))
     lens = np.fromiter(map(len, uniq), dtype=np.int64, count=len(uniq))
     codes = np.frombuffer("".join(uniq).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + np.uint64(1)
     ends = np.cumsum(lens)
@@ -375,20 +394,32 @@ def _implied_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, st
     n_splits = np.maximum(lens - 1, 0)
     owner = np.repeat(np.arange(len(uniq)), n_splits)
     k = lens[owner] - 1 - (np.arange(len(owner)) - (np.cumsum(n_splits) - n_splits)[owner])
-    cut = starts[owner] + k
+    start = starts[owner]
 
-    h1, h2 = (_substring_hasher(codes, base) for base in _BASES)
-    index = _HashIndex(h1(starts, ends))
-    confirm = h2(starts, ends)
-    left = index.find(h1(starts[owner], cut))
-    keep = left >= 0
-    owner, k, cut, left = owner[keep], k[keep], cut[keep], left[keep]
-    right = index.find(h1(cut, ends[owner]))
+    h1, h2 = (_TokenHashes(codes, starts, lens, base) for base in _BASES)
+    index = _HashIndex(h1.prefix(starts, lens))
+    confirm = h2.prefix(starts, lens)
+    left = index.find(h1.prefix(start, k))
+    keep = np.flatnonzero(left >= 0)
+    owner, k, start, left = owner[keep], k[keep], start[keep], left[keep]
+    end = ends[owner]
+    right = index.find(h1.suffix(start, start + k, end))
     keep = right >= 0
-    owner, k, cut, left, right = owner[keep], k[keep], cut[keep], left[keep], right[keep]
-    keep = (h2(starts[owner], cut) == confirm[left]) & (h2(cut, ends[owner]) == confirm[right])
+    owner, k, start, end, left, right = owner[keep], k[keep], start[keep], end[keep], left[keep], right[keep]
+    keep = (h2.prefix(start, k) == confirm[left]) & (h2.suffix(start, start + k, end) == confirm[right])
     owner, k, left, right = owner[keep], k[keep], left[keep], right[keep]
 
-    # lexsort's last key is the primary one
-    rank = np.lexsort((owner, k - lens[owner], -k, -scores[ids[owner]]))
-    return [(uniq[a], uniq[b]) for a, b in zip(left[rank].tolist(), right[rank].tolist())]
+    token_scores = scores[ids]
+    if len(token_scores) > 1 and not np.all(token_scores[1:] < token_scores[:-1]):
+        # lexsort's last key is the primary one; with strictly falling scores (Gemma) the
+        # enumeration order above is already the answer
+        rank = np.lexsort((owner, k - lens[owner], -k, -token_scores[owner]))
+        left, right = left[rank], right[rank]
+    pieces = np.array(uniq, dtype=object)
+    gc_was_on = gc.isenabled()
+    gc.disable()  # 500K tuples would trigger many needless collections
+    try:
+        return list(zip(pieces[left].tolist(), pieces[right].tolist(), strict=True))
+    finally:
+        if gc_was_on:
+            gc.enable()

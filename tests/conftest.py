@@ -1,0 +1,32 @@
+"""Shared fixtures: the generated test models and the demo model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_desk.testmodel import write_test_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random qwen3moe test model (f32), written once per session."""
+    return write_test_model(tmp_path_factory.mktemp("models") / "tiny-f32.gguf", preset="tiny", dtype="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with its large tensors in Q8_0."""
+    return write_test_model(tmp_path_factory.mktemp("models") / "tiny-q8_0.gguf", preset="tiny", dtype="q8_0")
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The Gemma 3 270M demo GGUF; skips when the demo package is not installed."""
+    from strata_desk.demo import DemoModelMissing, demo_model_path
+
+    try:
+        return demo_model_path()
+    except DemoModelMissing as exc:
+        pytest.skip(str(exc))

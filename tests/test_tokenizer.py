@@ -1,0 +1,119 @@
+"""engine.tokenizer against transformers' own GGUF tokenizer, on the test model and the demo model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.gguf_file import GGUFFile
+from engine.tokenizer import Tokenizer, TokenizerError
+from tests.reference import reference_tokenizer
+
+TEXTS = [
+    "The capital of France is",
+    "Hello, world!",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "multiple     spaces      between",
+    "café naïve résumé crème brûlée",
+    "Привет, как дела?",
+    "日本語のテキストとこんにちは",
+    "emoji 😊👋🏽 and flags 🇫🇷 family 👨‍👩‍👧",
+    "def total(numbers):\n    return sum(n * 2 for n in numbers)  # comment\n",
+    "if (a != b && c >= 0x1F) { x += 3.14159; }",
+    "Numbers: 1234567890, 3.5%, $12.50, 1e-9",
+    "don't you'll I'm we've they'd IT'S",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>text after bos",
+    "a<|endoftext|>b",
+    "UPPER lower MiXeD CamelCaseWords snake_case_words",
+    "\u200bzero\u200bwidth and \u00a0nbsp",
+    "",
+    "x",
+    "!!!???...---___===",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model) -> Tokenizer:
+    return Tokenizer.from_gguf(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def demo_tok(demo_model) -> Tokenizer:
+    meta = GGUFFile(demo_model).metadata
+    start = time.perf_counter()
+    tok = Tokenizer.from_metadata(meta)
+    print(f"\ndemo tokenizer ({tok.vocab_size} tokens) built in {time.perf_counter() - start:.2f} s")
+    return tok
+
+
+def _check_against_reference(tok: Tokenizer, ref) -> None:
+    for text in TEXTS:
+        ours = tok.encode(text)
+        theirs = ref(text).input_ids
+        if text.startswith("<bos>") and tok.add_bos:
+            theirs = theirs[1:]  # we do not double a BOS the text already has
+        assert ours == theirs, text
+        assert tok.decode(ours) == ref.decode(ours), text
+        assert tok.decode(ours, skip_special=True) == ref.decode(ours, skip_special_tokens=True), text
+
+
+def _check_stream(tok: Tokenizer) -> None:
+    for text in TEXTS:
+        ids = tok.encode(text, add_special=False)
+        stream = tok.stream_decoder()
+        pieces = [stream.push(i) for i in ids]
+        pieces.append(stream.flush())
+        assert "".join(pieces) == tok.decode(ids), text
+        assert all("\ufffd" not in p for p in pieces[:-1]) or "\ufffd" in text
+
+
+def test_tiny_matches_transformers(tiny_model, tiny_tok):
+    _check_against_reference(tiny_tok, reference_tokenizer(tiny_model))
+
+
+def test_tiny_special_tokens(tiny_model, tiny_tok):
+    im_start, im_end = tiny_tok.token_to_id("<|im_start|>"), tiny_tok.token_to_id("<|im_end|>")
+    assert tiny_tok.encode("<|im_start|>user<|im_end|>") == [im_start, *tiny_tok.encode("user"), im_end]
+    assert tiny_tok.eos_id == im_end
+    assert {im_end, tiny_tok.token_to_id("<|endoftext|>")} <= tiny_tok.stop_ids
+    assert tiny_tok.add_bos is False
+    assert tiny_tok.vocab_size == len(GGUFFile(tiny_model).metadata["tokenizer.ggml.tokens"])
+
+
+def test_tiny_stream_decoder(tiny_tok):
+    _check_stream(tiny_tok)
+
+
+def test_stream_decoder_holds_back_partial_utf8(tiny_tok):
+    ids = tiny_tok.encode("😊", add_special=False)
+    assert len(ids) > 1  # a 4-byte character the tiny vocabulary has no token for
+    stream = tiny_tok.stream_decoder()
+    assert [stream.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert stream.push(ids[-1]) == "😊"
+    assert stream.flush() == ""
+
+
+def test_demo_known_ids(demo_tok):
+    assert demo_tok.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+    assert (demo_tok.bos_id, demo_tok.eos_id, demo_tok.add_bos) == (2, 1, True)
+    assert demo_tok.stop_ids == {1, demo_tok.token_to_id("<end_of_turn>")}
+    assert demo_tok.vocab_size == 262144
+    # a chat template already writes <bos>: encode must not double it
+    assert demo_tok.encode("<bos><start_of_turn>user\n")[:2] == [2, 105]
+
+
+def test_demo_matches_transformers(demo_model, demo_tok):
+    _check_against_reference(demo_tok, reference_tokenizer(demo_model))
+
+
+def test_demo_stream_decoder(demo_tok):
+    _check_stream(demo_tok)
+
+
+def test_unsupported_tokenizer_is_named():
+    with pytest.raises(TokenizerError, match="'bert'"):
+        Tokenizer.from_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
