@@ -173,6 +173,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config_path is None:
         raise CliError("no config: give --model X.gguf, --config FILE or --demo (or run strata-desk setup)")
     config = load_config(config_path)
+    running = state.running_for(config_path)
+    if running is not None:
+        raise CliError(f"a server with this config is already running at {running.url} (pid {running.pid}): "
+                       "open it with `strata-desk attach`, or stop it first")
     argv = ["--config", str(config_path)]
     if args.host:
         argv += ["--host", args.host]

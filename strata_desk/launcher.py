@@ -142,6 +142,7 @@ class ServerProcess:
             raise LaunchError(f"port {port} on {connect_host(host)} is already in use "
                               "(a server already running? try `strata-desk attach`)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _rotate(self.log_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.command())}\n".encode())
@@ -236,6 +237,18 @@ class _suppress_gone:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
         return kind is not None and issubclass(kind, (ProcessLookupError, psutil.NoSuchProcess))
+
+
+LOG_ROTATE_BYTES = 16 << 20
+
+
+def _rotate(log: Path) -> None:
+    """Keep one previous log (`<name>.1`) once the log passes LOG_ROTATE_BYTES."""
+    try:
+        if log.stat().st_size > LOG_ROTATE_BYTES:
+            os.replace(log, log.with_name(log.name + ".1"))
+    except OSError:
+        pass
 
 
 def _json(reply: httpx.Response) -> dict[str, Any]:

@@ -53,8 +53,8 @@ def recommend(gpus_vram_gib: list[float], facts: ModelFacts, context: int) -> Re
     experts = facts.expert_gib
     if not gpus_vram_gib:
         return Recommendation(1, "cpu", 0.0, slot, experts, [
-            "no GPU: the engine runs on the CPU, one request at a time (parallel 1); "
-            "batch slots save little there"
+            "no GPU: the engine runs on the CPU, where setup recommends one request at a time "
+            "(parallel 1): batch slots save little there"
         ])
     cache = sum(max(0.0, v - RESERVE_GIB) for v in gpus_vram_gib)
     best = 1
@@ -75,6 +75,10 @@ def recommend(gpus_vram_gib: list[float], facts: ModelFacts, context: int) -> Re
     return Recommendation(1, "cuda", cache, slot, experts, [f"left at one at a time: {why}", COST_NOTE])
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def _default_context(facts: ModelFacts) -> int:
     trained = facts.context_length or 4096
     return max(256, min(trained, DEFAULT_CONTEXT))
@@ -92,7 +96,8 @@ def _choose_parallel(asked: int | None, rec: Recommendation) -> tuple[int, list[
         chosen = ENGINE_MAX_SLOTS
     if chosen > 1:
         notes.append(f"parallel {chosen}: up to {chosen} requests decode together, "
-                     f"~{chosen * rec.slot_gib:.2f} GiB of {'VRAM' if rec.device == 'cuda' else 'memory'} in all")
+                     f"~{_size(chosen * rec.slot_gib * GIB)} of {'VRAM' if rec.device == 'cuda' else 'memory'} "
+                     "for their sessions in all")
     if chosen > rec.parallel:
         notes.append(f"recommended for this machine: {rec.parallel}; kept as you chose ({chosen})")
     return chosen, notes
@@ -121,9 +126,9 @@ def build_config(
         raise SetupError(str(exc)) from None
     hardware = (probe or probe_hardware)()
     messages = list(hardware.lines())
-    kind = f"{facts.n_experts} experts ({facts.n_experts_used} per token), {facts.expert_gib:.2f} GiB"
+    kind = f"{facts.n_experts} experts ({facts.n_experts_used} per token), {_size(facts.expert_bytes)}"
     messages.append(f"model: {facts.architecture}, {facts.n_layers} layers, "
-                    f"{'dense' if facts.dense else kind}, {facts.total_gib:.2f} GiB on disk")
+                    f"{'dense' if facts.dense else kind}, {_size(facts.total_bytes)} on disk")
     if context is None:
         context = _default_context(facts)
     elif context < 256:

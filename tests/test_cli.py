@@ -218,3 +218,18 @@ def test_console_script_runs():
     result = subprocess.run([sys.executable, "-m", "strata_desk", "info"], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
     assert result.returncode == 0 and "config dir:" in result.stdout
+
+
+def test_serve_refuses_when_already_running(model, server_main, capsys):
+    import os
+
+    from strata_desk import state
+
+    assert main(["setup", str(model), "--yes"]) == 0
+    path = paths.config_path_for(model)
+    state.record(state.RunningServer(os.getpid(), "http://127.0.0.1:8080", str(path),
+                                     create_time=state.process_create_time(os.getpid())))
+    capsys.readouterr()
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "already running at http://127.0.0.1:8080" in capsys.readouterr().err
+    assert server_main == []

@@ -171,3 +171,39 @@ def test_write_config_and_reuse(tmp_path):
     assert any("updating" in m for m in messages)
     write_config(config)
     assert path.with_name(path.name + ".bak").is_file()
+
+
+def test_probe_uses_server_hardware(monkeypatch):
+    import sys
+    import types
+
+    from server.metrics_schema import GpuInfo as ServerGpu
+    from strata_desk.probe import probe_hardware
+
+    module = types.ModuleType("server.hardware")
+    module.probe_gpus = lambda: [ServerGpu(index=0, name="RTX 5070", total_mib=12 * 1024, used_mib=0, free_mib=0),
+                                 ServerGpu(index=1, name="H200", total_mib=143771, used_mib=0, free_mib=0)]
+    monkeypatch.setitem(sys.modules, "server.hardware", module)
+    hw = probe_hardware()
+    assert [g.name for g in hw.gpus] == ["RTX 5070", "H200"]
+    assert hw.gpu_vram_gib == pytest.approx([12.0, 140.4], abs=0.05)
+    assert hw.ram_gib > 0 and hw.cpu_cores > 0
+    assert recommend(hw.gpu_vram_gib, QWEN3, 32768).parallel == 4
+
+
+def test_probe_without_gpus_never_raises():
+    from strata_desk.probe import probe_hardware
+
+    hw = probe_hardware()  # this machine: no NVIDIA driver
+    assert isinstance(hw.gpus, list) and hw.lines()
+
+
+def test_build_config_on_the_generated_test_model(tiny_model):
+    """The project's own tiny qwen3moe model (tests/conftest.py): its header reads as a MoE model."""
+    facts = ModelFacts.from_gguf(tiny_model)
+    assert facts.architecture == "qwen3moe" and not facts.dense
+    assert facts.n_experts >= 2 and 0 < facts.expert_bytes < facts.total_bytes
+    assert facts.kv_bytes_per_token() > 0
+    config, messages = build_config(tiny_model, probe=_probe(24.0))
+    assert config.parallel == 4 and config.model == str(tiny_model.resolve())
+    assert any("MiB" in m for m in messages)
