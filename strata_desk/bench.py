@@ -55,6 +55,7 @@ class BenchSpec:
     request_timeout: float = 600.0
     ready_timeout: float = 900.0
     warmup: bool = True  # one short request before each arm's table, not counted
+    thinking: bool = False  # sends chat_template_kwargs.enable_thinking (off, as the seed measured)
 
 
 def parse_arm(text: str) -> dict[str, Any]:
@@ -209,9 +210,10 @@ class BenchResult:
 
 
 async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                       t0: float) -> RequestResult:
+                       t0: float, thinking: bool = False) -> RequestResult:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "chat_template_kwargs": {"enable_thinking": thinking}}
     result = RequestResult()
     counted = 0
     usage_tokens = None
@@ -248,7 +250,8 @@ async def _run_round(client: httpx.AsyncClient, model: str, spec: BenchSpec, con
                      salt: str) -> RoundResult:
     prompts = [build_prompt(i, spec.prompt_words, salt) for i in range(concurrency)]
     t0 = time.monotonic()
-    results = await asyncio.gather(*(_one_request(client, model, p, spec.max_tokens, t0) for p in prompts))
+    results = await asyncio.gather(*(_one_request(client, model, p, spec.max_tokens, t0, spec.thinking)
+                                     for p in prompts))
     return RoundResult(list(results))
 
 
@@ -421,6 +424,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="the server's config (needed for --arms)")
     parser.add_argument("--out", type=Path, help="save the results as JSON here")
     parser.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up request")
+    parser.add_argument("--thinking", action="store_true",
+                        help="let thinking models think (default: chat_template_kwargs.enable_thinking=false)")
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
@@ -434,7 +439,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise BenchError("--arms needs --config FILE (bench rewrites it and restarts the server)")
     return BenchSpec(url=args.url, concurrency=parse_concurrency(args.concurrency), max_tokens=args.max_tokens,
                      rounds=args.rounds, prompt_words=args.prompt_words, key=args.key, arms=arms,
-                     config=args.config, out=args.out, warmup=not args.no_warmup)
+                     config=args.config, out=args.out, warmup=not args.no_warmup, thinking=args.thinking)
 
 
 def main(args: argparse.Namespace) -> int:

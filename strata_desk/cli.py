@@ -51,7 +51,10 @@ def _model_path(text: str) -> Path:
 
 def _demo_model() -> Path:
     demo_model_path = _import("strata_desk.demo", "demo_model_path", "the demo model")
-    return Path(demo_model_path())
+    try:
+        return Path(demo_model_path())
+    except (RuntimeError, OSError, ValueError) as exc:  # DemoModelMissing, a bad assembly
+        raise CliError(str(exc)) from None
 
 
 def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False) -> Path:

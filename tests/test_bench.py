@@ -61,6 +61,7 @@ OPENAI_STAND_IN = textwrap.dedent('''
         body = await request.json()
         n = body["max_tokens"]
         assert body["stream"] and body["temperature"] == 0
+        assert body["chat_template_kwargs"] == {"enable_thinking": False}
 
         async def events():
             await asyncio.sleep(0.01)

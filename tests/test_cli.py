@@ -233,3 +233,16 @@ def test_serve_refuses_when_already_running(model, server_main, capsys):
     assert main(["serve", "--config", str(path)]) == 2
     assert "already running at http://127.0.0.1:8080" in capsys.readouterr().err
     assert server_main == []
+
+
+def test_demo_missing_is_one_line(dashboard, monkeypatch, capsys):
+    module = types.ModuleType("strata_desk.demo")
+
+    def missing():
+        raise RuntimeError("the demo model is not installed; install it with: pip install 'strata-desk[demo]'")
+
+    module.demo_model_path = missing
+    monkeypatch.setitem(sys.modules, "strata_desk.demo", module)
+    assert main(["serve", "--demo"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "strata-desk: error: the demo model is not installed; install it with: pip install 'strata-desk[demo]'")
