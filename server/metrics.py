@@ -174,11 +174,11 @@ class Metrics:
 
     def _devices(self) -> list[GpuInfo]:
         gpus = hardware.probe_gpus()
-        split = {d.index: d for d in self.stats.devices} if self.stats else {}
+        split = {d.cuda_index: d for d in self.stats.memory} if self.stats else {}
         for g in gpus:
             d = split.get(g.index)
             if d is not None:
-                known = d.weights_mib + d.experts_mib + d.slots_mib + d.kv_mib
+                known = d.weights_mib + d.slots_mib + d.kv_mib
                 g.split = MemorySplit(weights_mib=d.weights_mib, experts_mib=d.experts_mib, slots_mib=d.slots_mib,
                                       kv_mib=d.kv_mib, free_mib=d.free_mib if d.free_mib is not None else g.free_mib,
                                       other_mib=max(0.0, g.used_mib - known))
@@ -201,8 +201,9 @@ class Metrics:
         s = self.stats
         if s is None:
             return None
-        return StatsView(windows=s.windows, rows=s.rows, ms_per_window=s.ms_per_window,
-                         rows_per_window=round(s.rows / s.windows, 3) if s.windows else None, at=self.stats_at)
+        return StatsView(windows=s.windows, rows=s.tokens, ms_per_window=s.window_ms, rows_per_window=s.rows,
+                         prefill_tokens=s.prefill_tokens, prefill_ms=s.prefill_ms, slot_tokens=s.slot_tokens,
+                         at=self.stats_at)
 
     def _config_view(self) -> ConfigView:
         data = self.config.model_dump(mode="json", exclude={"api_key"})

@@ -29,43 +29,57 @@ class _Model(BaseModel):
 
 
 class StatsTier(BaseModel):
-    """Expert-tier counters, cumulative since the engine started (routed expert entries)."""
+    """Expert-tier figures (docs/protocol.md, STATS). vram/pcie/cpu may be shares or counts of the
+    routed experts served each way; the server normalizes them to shares."""
 
     model_config = ConfigDict(extra="allow")
-    vram: int = 0  # routed entries served from the VRAM expert cache
-    pcie: int = 0  # read over PCIe and computed on the GPU
-    cpu: int = 0  # computed on the CPU
+    mode: str | None = None  # e.g. "resident"
+    vram: float = 0.0  # served from the VRAM expert cache
+    pcie: float = 0.0  # read over PCIe and computed on the GPU
+    cpu: float = 0.0  # computed on the CPU
     hits: int | None = None  # decode VRAM-tier hits (as DONE's hits)
     lookups: int | None = None
-    swaps: int = 0  # experts moved by the adaptive tier
+    swaps: int = 0  # experts moved by the adaptive tier (total)
     adapt_rounds: int = 0
-    adapt_wait_ms: float = 0.0  # main-thread time spent waiting for the tier, per window (recent)
+    adapt_wait_ms: float = 0.0  # main-thread time waiting for the tier, per window (recent)
     experts_cached: int | None = None  # experts held in the VRAM cache now
     experts_total: int | None = None  # routed experts in the model
 
 
 class StatsDevice(BaseModel):
-    """One GPU's memory split as the engine sees it (MiB)."""
+    """One device's memory split as the engine sees it (MiB). `device` is "cuda:N" or "cpu"."""
 
     model_config = ConfigDict(extra="allow")
-    index: int = 0
+    device: str = "cuda:0"
     total_mib: float | None = None
-    weights_mib: float = 0.0  # dense weights, head, embeddings
-    experts_mib: float = 0.0  # the expert cache
+    weights_mib: float = 0.0  # every weight
+    experts_mib: float = 0.0  # the routed experts among them (the expert cache)
     slots_mib: float = 0.0  # batch-slot sessions
-    kv_mib: float = 0.0  # KV of the solo session / prompt cache
+    kv_mib: float = 0.0  # the solo session's KV
     free_mib: float | None = None
+
+    @property
+    def cuda_index(self) -> int | None:
+        kind, _, idx = self.device.partition(":")
+        if kind != "cuda":
+            return None
+        return int(idx) if idx.isdigit() else 0
 
 
 class EngineStats(BaseModel):
-    """`STATS {json}`: at most a few per second. Window counters are cumulative."""
+    """`STATS {json}` (docs/protocol.md): windows, tokens and tier counts are totals since start;
+    rows and window_ms are means over the windows since the previous STATS line."""
 
     model_config = ConfigDict(extra="allow")
     windows: int = 0
-    rows: int = 0
-    ms_per_window: float | None = None  # recent mean
+    rows: float = 0.0  # mean rows per window (recent)
+    window_ms: float | None = None  # mean ms per window (recent)
+    tokens: int = 0  # rows decoded in windows (total)
+    slot_tokens: dict[str, int] = Field(default_factory=dict)
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
     tier: StatsTier | None = None  # None for a dense model
-    devices: list[StatsDevice] = Field(default_factory=list)
+    memory: list[StatsDevice] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,10 +222,15 @@ class TierView(_Model):
 
 
 class StatsView(_Model):
-    windows: int = 0
-    rows: int = 0
-    ms_per_window: float | None = None
-    rows_per_window: float | None = None
+    """The engine's last STATS line, as the dashboard shows it."""
+
+    windows: int = 0  # decode windows since the engine started
+    rows: int = 0  # rows (tokens) decoded in windows since the engine started
+    ms_per_window: float | None = None  # recent mean
+    rows_per_window: float | None = None  # recent mean
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
+    slot_tokens: dict[str, int] = Field(default_factory=dict)  # tokens decoded per slot (total)
     at: float | None = None  # unix time of the last STATS line
 
 

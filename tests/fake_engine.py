@@ -194,7 +194,11 @@ class FakeEngine:
         self.out = sys.stdout
         self.windows = 0
         self.rows = 0
-        self.window_ms = 0.0
+        self.window_ms_sum = 0.0
+        self.last_windows = self.last_rows = 0
+        self.slot_tokens: dict[int, int] = {}
+        self.prefill_tokens = 0
+        self.prefill_ms = 0.0
         self.last_stats = 0.0
         self.tier = {"vram": 0, "pcie": 0, "cpu": 0, "swaps": 0, "adapt_rounds": 0}
 
@@ -338,6 +342,8 @@ class FakeEngine:
             job.read += n
             ms = (time.monotonic() - t) * 1000
             job.prompt_ms += ms
+            self.prefill_tokens += n
+            self.prefill_ms += ms
             self.send(Progress(job.read, len(job.ids), ms, n / max(ms / 1000, 1e-6)))
             self.flush()
             if job.read < len(job.ids):
@@ -400,7 +406,9 @@ class FakeEngine:
         self.wait_tok()
         self.windows += 1
         self.rows += len(active)
-        self.window_ms = (time.monotonic() - t) * 1000
+        self.window_ms_sum += (time.monotonic() - t) * 1000
+        for s in active:
+            self.slot_tokens[s.index] = self.slot_tokens.get(s.index, 0) + 1
         self.tier["vram"] += 9 * len(active)
         self.tier["cpu"] += len(active)
 
@@ -410,18 +418,28 @@ class FakeEngine:
         self.send(BDone(s.index, s.generated, finish, (time.monotonic() - s.t0) * 1000))
 
     def stats(self) -> None:
+        """STATS as docs/protocol.md has it: totals since start, rows/window_ms means since the last one."""
         now = time.monotonic()
-        if self.stats_s <= 0 or now - self.last_stats < self.stats_s:
+        if self.stats_s <= 0 or now - self.last_stats < self.stats_s or self.windows == self.last_windows:
             return
         self.last_stats = now
+        n = self.windows - self.last_windows
+        rows = (self.rows - self.last_rows) / n
+        ms = self.window_ms_sum / n
+        self.last_windows, self.last_rows, self.window_ms_sum = self.windows, self.rows, 0.0
         used = 0.5 * sum(1 for s in self.slots if s.held or s.active)
+        served = self.tier["vram"] + self.tier["cpu"]
         data = {
-            "windows": self.windows, "rows": self.rows, "ms_per_window": round(self.window_ms, 3),
+            "windows": self.windows, "rows": round(rows, 2), "window_ms": round(ms, 3), "tokens": self.rows,
+            "slot_tokens": {str(k): v for k, v in self.slot_tokens.items()},
+            "prefill_tokens": self.prefill_tokens, "prefill_ms": round(self.prefill_ms, 1),
             "tier": None if self.dense else {
-                **self.tier, "hits": self.tier["vram"], "lookups": self.tier["vram"] + self.tier["cpu"],
-                "adapt_wait_ms": 0.2, "experts_cached": 96, "experts_total": 128},
-            "devices": [{"index": 0, "total_mib": 24576, "weights_mib": 2048, "experts_mib": 12288,
-                         "slots_mib": 560 * self.nslots, "kv_mib": 256 + used, "free_mib": 8192 - 560 * self.nslots}],
+                "mode": "fake", "vram": self.tier["vram"] / served, "pcie": 0.0, "cpu": self.tier["cpu"] / served,
+                "hits": self.tier["vram"], "lookups": served, "swaps": self.tier["swaps"],
+                "adapt_rounds": self.tier["adapt_rounds"], "adapt_wait_ms": 0.2, "experts_cached": 96,
+                "experts_total": 128},
+            "memory": [{"device": "cuda:0", "total_mib": 24576, "weights_mib": 14336, "experts_mib": 12288,
+                        "slots_mib": 560 * self.nslots, "kv_mib": 256 + used, "free_mib": 8192 - 560 * self.nslots}],
         }
         self.send(Stats(data))
         self.flush()

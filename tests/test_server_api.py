@@ -195,3 +195,27 @@ def test_keepalive_comments_during_a_slow_prompt(tmp_path):
             raw = r.read().decode()
         assert ": keep-alive" in raw
         assert sse_events(raw)[-1] == "[DONE]"
+
+
+def test_engine_stats_line_as_documented_becomes_tier_and_stats():
+    from server.config import RunConfig
+    from server.metrics import Metrics
+
+    example = {"windows": 120, "rows": 3.0, "window_ms": 41.2, "tokens": 360, "slot_tokens": {"1": 120, "2": 120},
+               "prefill_tokens": 2048, "prefill_ms": 812.0,
+               "tier": {"mode": "resident", "vram": 0.75, "pcie": 0.05, "cpu": 0.2, "hits": 2880, "lookups": 3200,
+                        "swaps": 4, "adapt_rounds": 2, "adapt_wait_ms": 0.3},
+               "memory": [{"device": "cuda:0", "total_mib": 143771, "weights_mib": 30100, "experts_mib": 28000,
+                           "slots_mib": 1200, "kv_mib": 400, "free_mib": 110000}]}
+    m = Metrics(RunConfig(model="x.gguf"), None)
+    m.on_stats(example)
+    tier, stats = m._tier(), m._stats_view()
+    assert tier.vram_share == 0.75 and tier.pcie_share == 0.05 and tier.cpu_share == 0.2
+    assert tier.hit_rate == 0.9 and tier.swaps == 4 and tier.adapt_rounds == 2 and tier.adapt_wait_ms == 0.3
+    assert stats.windows == 120 and stats.rows == 360 and stats.rows_per_window == 3.0
+    assert stats.ms_per_window == 41.2 and stats.prefill_tokens == 2048 and stats.slot_tokens == {"1": 120, "2": 120}
+    assert m.stats.memory[0].cuda_index == 0
+    m.on_stats({**example, "tier": None})
+    assert m._tier() is None  # a dense model
+    m.on_stats({"windows": "garbage"})  # ignored, the last good one stays
+    assert m._stats_view().windows == 120
