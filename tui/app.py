@@ -1,0 +1,509 @@
+"""The strata-desk dashboard: starts (or attaches to) the server, polls /metrics at 1 Hz in an async
+worker, and drives the screens. Entry point for the CLI: `run_dashboard`.
+
+Lifecycle phases of a managed server: starting -> running; restart: (draining ->) restarting ->
+running; a failed start -> failed (the log tail on screen, `u` restores the .bak config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Literal
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+
+from server.config import ConfigError, RunConfig, load_config, save_config
+from server.metrics_schema import MetricsSnapshot
+from strata_desk.launcher import LaunchError, ServerProcess, find_running, running_for
+from tui.client import MetricsClient, MetricsSource, PollError, api_url
+from tui.logs import FileTail, LogBuffer
+from tui.screens.dashboard import DashboardScreen
+from tui.screens.help import HelpScreen
+from tui.screens.logs import LogsScreen
+from tui.screens.quit import QuitScreen
+from tui.screens.restart import Diff, RestartScreen
+from tui.view import History, dash_state
+from tui.widgets.header_bar import HeaderInfo
+
+Phase = Literal["setup", "idle", "starting", "running", "draining", "restarting", "stopping", "failed", "attached"]
+Mode = Literal["managed", "attached", "setup"]
+
+HERE = Path(__file__).parent
+
+
+def backup_path(config_path: Path) -> Path:
+    return config_path.with_name(config_path.name + ".bak")
+
+
+def _norm_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if "://" not in url:
+        url = "http://" + url
+    return url.replace("://localhost:", "://127.0.0.1:")
+
+
+class StrataDeskApp(App[int]):
+    """The dashboard app. Tests inject `source` (fixed metrics) or run it against a real server."""
+
+    TITLE = "strata-desk"
+    CSS_PATH = [HERE / "app.tcss", HERE / "screens" / "forms.tcss"]
+    ENABLE_COMMAND_PALETTE = True
+
+    BINDINGS = [
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit_desk", "Quit"),
+        Binding("c", "copy_url", "Copy URL"),
+        Binding("s", "settings", "Settings"),
+        Binding("r", "restart", "Restart"),
+        Binding("u", "restore_backup", "Restore .bak"),
+        Binding("x", "restart_now", "Restart now", show=False),
+        Binding("l", "logs", "Log"),
+        Binding("b", "bench", "Bench"),
+    ]
+
+    def __init__(
+        self,
+        *,
+        config_path: Path | None = None,
+        attach_url: str | None = None,
+        api_key: str | None = None,
+        first_run: bool = False,
+        source: MetricsSource | None = None,
+        server: ServerProcess | None = None,
+        poll_interval: float = 1.0,
+        start_timeout: float = 300.0,
+        drain_timeout: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self.config_path: Path | None = Path(config_path).expanduser().resolve() if config_path else None
+        self.api_key = api_key
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.drain_timeout = drain_timeout
+        self.server: ServerProcess | None = server
+        self.source: MetricsSource | None = source
+        self.base_url: str | None = _norm_url(attach_url) if attach_url else None
+        self.config: RunConfig | None = None
+        self.snapshot: MetricsSnapshot | None = None
+        self.poll_error: str | None = None
+        self.last_poll: float = 0.0
+        self.history = History()
+        self.logbuf = LogBuffer()
+        self.tails: dict[str, FileTail] = {}
+        self.progress = ""
+        self.failure: tuple[str, list[str]] | None = None
+        self._drain_now = False
+        self.exit_choice: str | None = None
+        if self.server is not None:
+            self.config_path = self.server.config_path
+        if self.config_path is not None:
+            self.mode: Mode = "managed"
+            self.phase: Phase = "idle"
+        elif attach_url:
+            self.mode = "attached"
+            self.phase = "attached"
+            if self.server is None and source is None:
+                self.server = self._adoptable(self.base_url or "")
+                if self.server is not None:
+                    self.config_path = self.server.config_path
+        else:
+            self.mode = "setup"
+            self.phase = "setup"
+        self.first_run = first_run or self.mode == "setup"
+        if self.config_path is not None:
+            try:
+                self.config = load_config(self.config_path)
+            except ConfigError as exc:
+                self.failure = ("The config cannot be used", [str(exc)])
+                self.phase = "failed"
+
+    # -- what we can do --------------------------------------------------------------------------
+
+    @staticmethod
+    def _adoptable(url: str) -> ServerProcess | None:
+        """A server that `attach` found in the state file and that this dashboard can restart."""
+        for record in find_running():
+            if _norm_url(record.url) == url and record.config:
+                try:
+                    return ServerProcess.adopt(record)
+                except LaunchError:
+                    return None
+        return None
+
+    @property
+    def can_manage(self) -> bool:
+        return self.server is not None and self.config_path is not None
+
+    @property
+    def url(self) -> str:
+        return api_url(self.base_url) if self.base_url else ""
+
+    def inflight(self) -> int:
+        if self.snapshot is None or self.poll_error:
+            return 0
+        return self.snapshot.live.running + self.snapshot.live.queued
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("settings", "restart"):
+            return self.can_manage  # hidden (not just greyed out) for a server we cannot manage
+        if action == "restore_backup":
+            return self.phase == "failed" and self.config_path is not None and backup_path(self.config_path).exists()
+        if action == "restart_now":
+            return self.phase == "draining"
+        return True
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        self.dashboard = DashboardScreen(self.logbuf)
+        self.push_screen(self.dashboard)
+        self.set_interval(self.poll_interval, self._tick_logs)
+        if self.mode == "setup":
+            from tui.screens.first_run import FirstRunScreen
+
+            self.push_screen(FirstRunScreen(), self._first_run_done)
+        elif self.mode == "managed" and self.phase != "failed":
+            if self.server is None:
+                assert self.config_path is not None
+                found = running_for(self.config_path)
+                self.server = ServerProcess.adopt(found) if found else ServerProcess(self.config_path)
+            if self.server.running:
+                self._use_url(self.server.url)
+                self.phase = "running"
+            else:
+                self.start_server()
+        if self.base_url and self.source is None:
+            self._use_url(self.base_url)
+        if self.source is not None:
+            self.poll()
+        self.refresh_view()
+
+    def _first_run_done(self, config_path: Path | None) -> None:
+        if config_path is None:
+            self.exit(0)
+            return
+        self.config_path = Path(config_path)
+        self.config = load_config(self.config_path)
+        self.mode = "managed"
+        self.server = ServerProcess(self.config_path)
+        self.start_server()
+
+    def _use_url(self, base_url: str) -> None:
+        self.base_url = _norm_url(base_url)
+        if self.source is None or isinstance(self.source, MetricsClient):
+            if not (isinstance(self.source, MetricsClient) and self.source.base_url == self.base_url):
+                self.source = MetricsClient(self.base_url, self.api_key or (self.config.api_key if self.config else None))
+                self.poll()
+        if self.server is not None and "server" not in self.tails:
+            self.tails["server"] = FileTail(self.server.log_path, "server")
+
+    def _on_progress(self, text: str) -> None:
+        self.progress = text
+        self.refresh_view()
+
+    @work(group="lifecycle", exclusive=True, exit_on_error=False)
+    async def start_server(self, *, restart: bool = False) -> None:
+        assert self.server is not None
+        self.failure = None
+        self.phase = "restarting" if restart else "starting"
+        self.progress = "stopping the server" if restart else "starting the server"
+        self.refresh_view()
+        try:
+            if restart:
+                await asyncio.to_thread(self.server.restart)
+            else:
+                await asyncio.to_thread(self.server.start)
+        except (LaunchError, ConfigError, OSError) as exc:
+            self.fail("The server could not be started", str(exc).splitlines())
+            return
+        self.logbuf.add("desk", f"server started (pid {self.server.pid}), waiting until it is ready")
+        self._use_url(self.server.url)
+        try:
+            await self.server.wait_ready(self.start_timeout, on_progress=self._on_progress)
+        except LaunchError as exc:
+            self.fail("The server and engine did not start", exc.log_tail or str(exc).splitlines())
+            return
+        self.phase = "running"
+        self.progress = ""
+        self.logbuf.add("desk", "ready")
+        self.refresh_view()
+
+    def fail(self, message: str, tail: list[str]) -> None:
+        self.phase = "failed"
+        self.failure = (message, tail)
+        self.logbuf.add("desk", message)
+        self.refresh_view()
+
+    # -- polling ---------------------------------------------------------------------------------
+
+    @work(group="poll", exclusive=True, exit_on_error=False)
+    async def poll(self) -> None:
+        """Fetch /metrics every `poll_interval` s; the await never blocks input."""
+        while True:
+            started = time.monotonic()
+            source = self.source
+            if source is not None:
+                try:
+                    snapshot = await source.fetch()
+                except PollError as exc:
+                    self.poll_error = str(exc)
+                else:
+                    self.poll_error = None
+                    self._on_snapshot(snapshot)
+                self.last_poll = time.monotonic()
+                self.refresh_view()
+            await asyncio.sleep(max(0.05, self.poll_interval - (time.monotonic() - started)))
+
+    def _on_snapshot(self, snapshot: MetricsSnapshot) -> None:
+        self.snapshot = snapshot
+        self.history.push(snapshot)
+        log_path = snapshot.engine.log_path
+        if log_path and "engine" not in self.tails:
+            server_log = self.tails.get("server")
+            if server_log is None or Path(log_path) != server_log.path:
+                self.tails["engine"] = FileTail(log_path, "engine")
+
+    def _tick_logs(self) -> None:
+        new = False
+        for tail in list(self.tails.values()):
+            for line in tail.read():
+                self.logbuf.add(tail.source, line)
+                new = True
+        if new:
+            for screen in self.screen_stack:
+                if isinstance(screen, DashboardScreen) and screen.is_mounted:
+                    screen.show_logs()
+                elif isinstance(screen, LogsScreen) and screen.is_mounted:
+                    screen.refresh_logs()
+
+    # -- drawing ---------------------------------------------------------------------------------
+
+    def header_info(self) -> HeaderInfo:
+        snap = self.snapshot
+        starting = self.phase in ("starting", "restarting", "idle")
+        state = dash_state(snap, starting=starting, failed=self.phase == "failed",
+                           reachable=self.poll_error is None)
+        if self.phase == "stopping":
+            state = "stopped"
+        model = (snap.engine.model if snap else "") or (self.config.served_name if self.config else "")
+        detail = ""
+        if starting:
+            detail = self.progress
+        elif self.phase == "draining":
+            detail = f"draining: {self.inflight()} in flight"
+        elif snap is not None and self.poll_error is None:
+            detail = snap.live.phase if snap.live.phase not in ("idle", "") else ""
+        return HeaderInfo(
+            model=model,
+            state=state,
+            url=self.url,
+            uptime_s=snap.uptime_s if snap is not None and not starting else None,
+            version=snap.engine.version if snap else None,
+            mode="attached" if self.mode == "attached" else "managed",
+            detail=detail,
+        )
+
+    def banner(self) -> tuple[str | None, str, str, str]:
+        if self.phase == "failed" and self.failure is not None:
+            message, tail = self.failure
+            keys = []
+            if self.config_path is not None and backup_path(self.config_path).exists():
+                keys.append("u restore the previous config (.bak) and restart")
+            if self.can_manage:
+                keys += ["r try again", "s settings"]
+            keys += ["l full log", "q quit"]
+            return "error", message, "\n".join(tail[-12:]), "   ".join(keys)
+        if self.phase in ("starting", "restarting"):
+            verb = "Restarting" if self.phase == "restarting" else "Starting"
+            lines = [line.text for line in self.logbuf.lines if line.source == "server"][-3:]
+            return "info", f"{verb} the server and the engine: {self.progress}", "\n".join(lines), ""
+        if self.phase == "draining":
+            return ("warn", f"Waiting for {self.inflight()} request(s) in flight to finish, then restarting",
+                    "", "x restart now   esc cancel the restart")
+        if self.phase == "stopping":
+            return "info", "Stopping the server and the engine ...", "", ""
+        if self.poll_error and self.base_url:
+            return "error", f"Cannot read {self.base_url}/metrics: {self.poll_error}", "", "q quit"
+        snap = self.snapshot
+        if snap is not None and (snap.engine.state == "dead" or snap.live.state == "dead"):
+            return ("error", "The engine stopped" + (f": {snap.engine.last_error}" if snap.engine.last_error else ""),
+                    f"restarts so far: {snap.engine.restarts}", "l full log   r restart")
+        return None, "", "", ""
+
+    def refresh_view(self) -> None:
+        dash = getattr(self, "dashboard", None)
+        if dash is None or not dash.is_mounted:
+            return
+        dash.show_header(self.header_info())
+        dash.show_banner(*self.banner())
+        if self.snapshot is not None:
+            dash.show_metrics(self.snapshot, self.history)
+        for screen in self.screen_stack:
+            hook = getattr(screen, "on_snapshot", None)
+            if hook is not None and self.snapshot is not None:
+                hook(self.snapshot)
+        self.refresh_bindings()
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_copy_url(self) -> None:
+        if not self.url:
+            self.notify("no URL yet", severity="warning")
+            return
+        self.copy_to_clipboard(self.url)
+        self.notify(f"copied {self.url}", title="URL for clients", timeout=3)
+
+    def action_logs(self) -> None:
+        sources = ", ".join(str(t.path) for t in self.tails.values()) or "no log files yet"
+        self.push_screen(LogsScreen(self.logbuf, sources))
+
+    def action_settings(self) -> None:
+        if not self.can_manage:
+            self.notify("settings need a server this dashboard manages", severity="warning")
+            return
+        from tui.screens.settings import SettingsScreen
+
+        self.push_screen(SettingsScreen())
+
+    def action_bench(self) -> None:
+        from tui.screens.bench import BenchScreen
+
+        self.push_screen(BenchScreen())
+
+    def action_restart(self) -> None:
+        if not self.can_manage:
+            return
+        if self.phase in ("starting", "restarting", "draining"):
+            self.notify("a start or restart is already under way", severity="warning")
+            return
+
+        def chosen(mode: str | None) -> None:
+            if mode is not None:
+                self.restart_server(mode)
+
+        self.push_screen(RestartScreen(inflight=self.inflight()), chosen)
+
+    def apply_settings(self, new: RunConfig, mode: str) -> None:
+        """Write `new` (atomic, .bak kept) and restart with it; mode "drain" or "now"."""
+        assert self.config_path is not None
+        save_config(new, self.config_path)
+        self.config = new
+        self.logbuf.add("desk", f"settings written to {self.config_path}")
+        self.restart_server(mode)
+
+    def reload_config(self) -> None:
+        if self.config_path is None:
+            return
+        try:
+            self.config = load_config(self.config_path)
+        except ConfigError as exc:
+            self.notify(str(exc), severity="error", title="config")
+
+    def config_diff(self, new: RunConfig) -> Diff:
+        old = self.config.model_dump() if self.config else {}
+        return [(k, old.get(k), v) for k, v in new.model_dump().items() if old.get(k) != v]
+
+    @work(group="lifecycle", exclusive=True, exit_on_error=False)
+    async def restart_server(self, mode: str = "now") -> None:
+        if mode == "drain":
+            self._drain_now = False
+            self.phase = "draining"
+            deadline = time.monotonic() + self.drain_timeout
+            self.refresh_view()
+            while self.inflight() > 0 and not self._drain_now and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                if self.phase != "draining":  # cancelled
+                    return
+        self.start_server(restart=True)
+
+    def action_restart_now(self) -> None:
+        self._drain_now = True
+
+    def on_key(self, event: object) -> None:
+        key = getattr(event, "key", "")
+        if key == "escape" and self.phase == "draining" and isinstance(self.screen, DashboardScreen):
+            self.workers.cancel_group(self, "lifecycle")
+            self.phase = "running"
+            self.notify("restart cancelled")
+            self.refresh_view()
+
+    def action_restore_backup(self) -> None:
+        if self.config_path is None:
+            return
+        bak = backup_path(self.config_path)
+        try:
+            previous = load_config(bak)
+        except ConfigError as exc:
+            self.notify(str(exc), severity="error", title="cannot restore the .bak")
+            return
+        save_config(previous, self.config_path)  # the failed config becomes the new .bak
+        self.config = previous
+        self.logbuf.add("desk", f"restored {bak.name} over {self.config_path.name}; restarting")
+        self.notify("previous config restored; restarting", timeout=3)
+        if self.server is not None:
+            self.start_server(restart=True)
+
+    def action_quit_desk(self) -> None:
+        if self.server is not None and self.server.running and self.phase != "failed":
+            def chosen(choice: str | None) -> None:
+                if choice == "stop":
+                    self.stop_and_exit()
+                elif choice == "leave":
+                    self.exit_choice = "leave"
+                    self.exit(0)
+
+            self.push_screen(QuitScreen(self.url, self.inflight()), chosen)
+            return
+        if self.server is not None and self.server.running:
+            self.stop_and_exit()  # a failed server is not worth leaving behind
+            return
+        self.exit(0)
+
+    @work(group="lifecycle", exclusive=True, exit_on_error=False)
+    async def stop_and_exit(self) -> None:
+        self.exit_choice = "stop"
+        self.phase = "stopping"
+        self.refresh_view()
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+        self.exit(0)
+
+    async def on_unmount(self) -> None:
+        if self.source is not None:
+            await self.source.aclose()
+
+
+def run_dashboard(
+    config_path: Path | None = None,
+    *,
+    attach_url: str | None = None,
+    api_key: str | None = None,
+    first_run: bool = False,
+    url: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+) -> int:
+    """Open the dashboard; returns the exit code.
+
+    config_path: start (or find running) and manage that server; attach_url: monitor a server it did
+    not start (settings and restart only when the state file says which config it runs); neither:
+    the first-run screen. `url` is an alias of attach_url, and host/port override the config's
+    listen address (both as the CLI passes them).
+    """
+    server = None
+    if config_path is not None and (host or port):
+        server = ServerProcess(Path(config_path), host=host, port=port)
+    app = StrataDeskApp(config_path=config_path, attach_url=attach_url or url, api_key=api_key,
+                        first_run=first_run, server=server)
+    result = app.run()
+    return int(result or 0)

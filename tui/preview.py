@@ -1,0 +1,131 @@
+"""Fixed /metrics snapshots: the snapshot tests, the docs screenshot and `python -m tui.preview`.
+
+Times are fixed (`T0`), so screens drawn from these are byte-for-byte repeatable.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from server.metrics_schema import MetricsSnapshot
+
+T0 = 1_780_000_000.0  # a fixed "now"
+
+
+def _base() -> dict[str, Any]:
+    return {
+        "time": T0,
+        "uptime_s": 3 * 3600 + 17 * 60 + 42,
+        "engine": {
+            "state": "ready", "model": "Qwen3-30B-A3B-Q4_K_M", "model_path": "/models/Qwen3-30B-A3B-Q4_K_M.gguf",
+            "max_context": 32768, "version": "0.1.0", "pid": 4242, "started_at": T0 - 11862, "ready_s": 41.5,
+            "log_path": None,
+            "info": {"engine": "0.1.0", "context": 32768, "batch_slots": 4, "batch_groups": 1,
+                     "expert_count": 128, "supports": "batch_groups"},
+        },
+        "live": {"state": "idle", "phase": "idle", "parallel": 4, "tok_s_mean": 71.4, "prefill_tok_s_mean": 2430.0,
+                 "slots": [
+                     {"slot": 0, "state": "idle", "held_tokens": 1834},
+                     {"slot": 1, "state": "idle", "held_tokens": 912},
+                     {"slot": 2, "state": "idle", "held_tokens": 0},
+                     {"slot": 3, "state": "idle", "held_tokens": 0},
+                 ]},
+        "requests": [
+            {"id": "r12", "time": T0 - 14, "duration_s": 6.2, "ttft_s": 0.41, "finish": "stop", "prompt_tokens": 1834,
+             "reused": 1620, "output_tokens": 412, "decode_tok_s": 72.3, "path": "solo"},
+            {"id": "r11", "time": T0 - 95, "duration_s": 12.9, "ttft_s": 0.62, "finish": "stop", "prompt_tokens": 912,
+             "reused": 0, "output_tokens": 730, "decode_tok_s": 58.1, "path": "solo+slot", "slot": 1},
+            {"id": "r10", "time": T0 - 140, "duration_s": 3.3, "ttft_s": 0.38, "finish": "length",
+             "prompt_tokens": 220, "output_tokens": 256, "decode_tok_s": 80.4, "path": "solo"},
+            {"id": "r09", "time": T0 - 301, "duration_s": 1.1, "ttft_s": 0.52, "finish": "disconnect",
+             "prompt_tokens": 5120, "output_tokens": 12, "decode_tok_s": 0.0, "path": "slot", "slot": 2},
+        ],
+        "totals": {"since": T0 - 11862, "requests": 12, "prompt_tokens": 18211, "reused": 4410,
+                   "output_tokens": 5320, "errors": 0},
+        "devices": [{
+            "index": 0, "name": "NVIDIA GeForce RTX 4090", "total_mib": 24564, "used_mib": 21650, "free_mib": 2914,
+            "util_pct": 3, "temp_c": 41, "power_w": 38, "power_limit_w": 450,
+            "split": {"weights_mib": 2310, "experts_mib": 15872, "slots_mib": 2240, "kv_mib": 512,
+                      "free_mib": 2914, "other_mib": 716},
+        }],
+        "host": {"cpu_pct": 4.0, "cpu_count": 16, "ram_total_mib": 65536, "ram_used_mib": 23800,
+                 "ram_available_mib": 41736, "engine_rss_mib": 17900},
+        "config": {"path": "/home/u/.config/strata-desk/strata-qwen3-30b-a3b-q4_k_m.json",
+                   "model": "/models/Qwen3-30B-A3B-Q4_K_M.gguf", "port": 8080, "parallel": 4,
+                   "adapt_every": 4, "adapt_swaps": 8, "adapt_decay": 0.9, "adapt_min_gain": 1.5, "context": 32768},
+        "tier": {"vram_share": 0.874, "pcie_share": 0.061, "cpu_share": 0.065, "hit_rate": 0.874, "swaps": 1536,
+                 "adapt_rounds": 211, "adapt_wait_ms": 0.3, "experts_cached": 4480, "experts_total": 6144},
+        "stats": {"windows": 9120, "rows": 15800, "ms_per_window": 21.4, "rows_per_window": 1.7, "at": T0 - 0.4},
+    }
+
+
+def idle() -> MetricsSnapshot:
+    return MetricsSnapshot.model_validate(_base())
+
+
+def busy() -> MetricsSnapshot:
+    data = _base()
+    data["live"].update({
+        "state": "generating", "phase": "answering", "running": 4, "queued": 2, "waiting_for_slot": 2,
+        "tok_s": 183.6, "prefill_tok_s": 2310.0,
+        "slots": [
+            {"slot": 0, "state": "decoding", "prompt_tokens": 1834, "generated": 312, "elapsed_s": 7.4, "tok_s": 47.2},
+            {"slot": 1, "state": "decoding", "prompt_tokens": 912, "generated": 88, "elapsed_s": 2.1, "tok_s": 45.9},
+            {"slot": 2, "state": "reading", "prompt_tokens": 5120, "generated": 0, "elapsed_s": 1.3, "tok_s": 0},
+            {"slot": 3, "state": "decoding", "prompt_tokens": 244, "generated": 1203, "elapsed_s": 25.8,
+             "tok_s": 44.6},
+        ],
+    })
+    data["devices"][0].update({"util_pct": 97, "temp_c": 71, "power_w": 388, "used_mib": 22010, "free_mib": 2554})
+    data["devices"][0]["split"].update({"kv_mib": 872, "free_mib": 2554})
+    data["host"]["cpu_pct"] = 38.0
+    data["tier"].update({"vram_share": 0.842, "pcie_share": 0.071, "cpu_share": 0.087, "hit_rate": 0.842})
+    return MetricsSnapshot.model_validate(data)
+
+
+def busy_history() -> list[MetricsSnapshot]:
+    """60 snapshots ramping up into `busy()`, so the sparklines have a shape."""
+    out = []
+    for i in range(60):
+        snap = busy()
+        factor = min(1.0, 0.15 + i / 40) * (0.92 + 0.08 * ((i * 7) % 5) / 4)
+        snap.live.tok_s = round(183.6 * factor, 1)
+        for slot in snap.live.slots:
+            if slot.state == "decoding":
+                slot.tok_s = round(slot.tok_s * factor, 1)
+        out.append(snap)
+    out.append(busy())
+    return out
+
+
+def dead() -> MetricsSnapshot:
+    data = _base()
+    data["engine"].update({"state": "dead", "restarts": 2,
+                           "last_error": "engine exited with code 3: CUDA error: out of memory"})
+    data["live"].update({"state": "dead", "phase": "", "slots": []})
+    return MetricsSnapshot.model_validate(data)
+
+
+def cpu_dense() -> MetricsSnapshot:
+    data = _base()
+    data["engine"]["model"] = "gemma-3-270m-it-Q4_K_M"
+    data["engine"]["info"] = {"engine": "0.1.0", "context": 4096, "expert_count": 0}
+    data["live"].update({"parallel": 1, "slots": []})
+    data["devices"] = []
+    data["tier"] = None
+    return MetricsSnapshot.model_validate(data)
+
+
+def main() -> None:  # pragma: no cover - manual preview
+    from tui.app import StrataDeskApp
+    from tui.client import FixedSource
+
+    kind = sys.argv[1] if len(sys.argv) > 1 else "busy"
+    snaps = {"idle": [idle()], "busy": busy_history(), "dead": [dead()], "dense": [cpu_dense()]}[kind]
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(*snaps), poll_interval=0.05)
+    app.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The app's screens: dashboard, first run, settings, bench, logs, help and the modals."""

@@ -1,0 +1,168 @@
+"""`b`: benchmark arms (concurrency levels x settings) through strata_desk.bench.run_bench; the
+table fills as rounds finish; results are saved with the settings and the hardware."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Button, DataTable, Footer, Input, Label, Static
+
+COLUMNS = ("arm", "setting", "concurrent", "total tok/s", "vs first", "per request", "first token med/last",
+           "rounds", "errors")
+
+
+def _secs(x: float) -> str:
+    return "-" if x != x else f"{x:.1f}s"  # NaN -> "-"
+
+
+def bench_out_path() -> Path:
+    from strata_desk import paths
+
+    return paths.data_dir() / "bench" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def parse_arms(text: str) -> list[dict[str, Any]]:
+    from strata_desk.bench import parse_arm
+
+    return [parse_arm(part) for part in text.replace("\n", ";").split(";") if part.strip()]
+
+
+class BenchScreen(Screen[None]):
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("ctrl+s", "run", "Run"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(id="bench")
+        self.running = False
+        self.rows: dict[tuple[int, int], str] = {}
+        self.rounds = 3
+
+    def compose(self) -> ComposeResult:
+        yield Static("Benchmark", classes="screen-title")
+        with Vertical(id="bench-form"):
+            with Horizontal(classes="bench-line"):
+                yield Label("concurrency", classes="bench-label")
+                yield Input("1,2,4", id="bench-conc")
+                yield Label("max tokens", classes="bench-label")
+                yield Input("256", id="bench-tokens", type="integer")
+                yield Label("rounds", classes="bench-label")
+                yield Input("3", id="bench-rounds", type="integer")
+            with Horizontal(classes="bench-line"):
+                yield Label("arms", classes="bench-label")
+                yield Input(placeholder="parallel=1; parallel=2   (empty: the server as it runs)", id="bench-arms")
+                yield Button("Run [ctrl+s]", id="bench-run", variant="primary")
+                yield Button("Stop", id="bench-stop", disabled=True)
+            yield Static("", id="bench-status")
+        table: DataTable[Text | str] = DataTable(id="bench-table", zebra_stripes=True, cursor_type="row")
+        table.add_columns(*COLUMNS)
+        yield table
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if not self.app.can_manage:
+            arms = self.query_one("#bench-arms", Input)
+            arms.disabled = True
+            arms.placeholder = "arms restart the server: only for a server this dashboard manages"
+        self.query_one("#bench-conc", Input).focus()
+
+    def status(self, text: str, style: str = "") -> None:
+        self.query_one("#bench-status", Static).update(Text(text, style=style))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "bench-run":
+            self.action_run()
+        elif event.button.id == "bench-stop":
+            self.workers.cancel_group(self, "bench")
+            self._finished("stopped")
+
+    def action_back(self) -> None:
+        if self.running:
+            self.notify("the benchmark keeps running in the background; b shows it again")
+        self.app.pop_screen()
+
+    def action_run(self) -> None:
+        if self.running:
+            return
+        from strata_desk.bench import BenchError, BenchSpec, parse_concurrency
+
+        try:
+            concurrency = parse_concurrency(self.query_one("#bench-conc", Input).value)
+            arms_text = self.query_one("#bench-arms", Input).value
+            arms = parse_arms(arms_text) if arms_text.strip() and self.app.can_manage else []
+            max_tokens = int(self.query_one("#bench-tokens", Input).value or 256)
+            self.rounds = int(self.query_one("#bench-rounds", Input).value or 3)
+        except (BenchError, ValueError) as exc:
+            self.status(str(exc), "bold red")
+            return
+        if not self.app.base_url:
+            self.status("no server yet", "bold red")
+            return
+        spec = BenchSpec(
+            url=self.app.base_url, concurrency=concurrency, max_tokens=max_tokens, rounds=self.rounds,
+            key=self.app.api_key or (self.app.config.api_key if self.app.config else None), arms=arms,
+            config=self.app.config_path if arms else None, out=bench_out_path(),
+        )
+        table = self.query_one(DataTable)
+        table.clear()
+        self.rows.clear()
+        self.running = True
+        self.query_one("#bench-run", Button).disabled = True
+        self.query_one("#bench-stop", Button).disabled = False
+        self.status("running ...", "italic")
+        self.run_bench(spec)
+
+    @work(group="bench", exclusive=True, exit_on_error=False)
+    async def run_bench(self, spec: Any) -> None:
+        from strata_desk.bench import run_bench
+
+        try:
+            result = await run_bench(spec, self.on_row, server=self.app.server if spec.arms else None,
+                                     on_status=self.on_status)
+        except Exception as exc:  # noqa: BLE001 - BenchError, ConfigError, LaunchError, HTTP errors
+            self._finished(f"failed: {exc}", "bold red")
+            return
+        finally:
+            if spec.arms and self.app.config_path is not None:
+                self.app.reload_config()
+        self._finished(f"done: {len(result.rows)} rows, saved to {spec.out} (with the settings and hardware)",
+                       "bold green")
+
+    def _finished(self, text: str, style: str = "") -> None:
+        self.running = False
+        if self.is_mounted:
+            self.query_one("#bench-run", Button).disabled = False
+            self.query_one("#bench-stop", Button).disabled = True
+            self.status(text, style)
+
+    def on_status(self, text: str) -> None:
+        if self.is_mounted:
+            self.status(text, "italic")
+
+    def on_row(self, row: Any) -> None:
+        if not self.is_mounted:
+            return
+        vs = "-" if row.versus_first is None else f"{(row.versus_first.ratio - 1) * 100:+.0f}%"
+        errors = Text(str(row.errors), style="bold red" if row.errors else "dim")
+        cells: list[Text | str] = [
+            str(row.arm + 1), row.setting, str(row.concurrency), f"{row.total_tok_s:.1f}", vs,
+            f"{row.per_request_tok_s:.1f}", f"{_secs(row.ttft_median_s)} / {_secs(row.ttft_last_s)}",
+            f"{len(row.rounds)}/{self.rounds}", errors,
+        ]
+        table = self.query_one(DataTable)
+        key = (row.arm, row.concurrency)
+        if key not in self.rows:
+            self.rows[key] = f"{row.arm}-{row.concurrency}"
+            table.add_row(*cells, key=self.rows[key])
+        else:
+            for col, value in zip(table.columns, cells, strict=True):
+                table.update_cell(self.rows[key], col, value)

@@ -1,0 +1,81 @@
+"""The top bar: model, state, the URL to give clients (click or `c` copies it), uptime, engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.widgets import Static
+
+from tui.format import duration
+from tui.view import DashState
+
+STATE_STYLE: dict[str, str] = {
+    "loading": "bold black on yellow",
+    "ready": "bold black on green",
+    "busy": "bold black on dodger_blue1",
+    "error": "bold white on red",
+    "stopped": "bold white on grey37",
+}
+
+
+@dataclass
+class HeaderInfo:
+    model: str = ""
+    state: DashState = "loading"
+    url: str = ""
+    uptime_s: float | None = None
+    version: str | None = None
+    mode: str = ""  # "managed", "attached"
+    detail: str = ""  # e.g. "starting the engine (12 s)"
+
+
+class UrlLabel(Static):
+    """The client URL; a click copies it."""
+
+    class Clicked(Message):
+        pass
+
+    def on_click(self) -> None:
+        self.post_message(self.Clicked())
+
+
+class HeaderBar(Horizontal):
+    DEFAULT_CSS = """
+    HeaderBar { height: 1; background: $panel; padding: 0 1; }
+    HeaderBar > Static { width: auto; margin-right: 2; }
+    HeaderBar #hdr-model { text-style: bold; color: $text; }
+    HeaderBar #hdr-url { color: $accent; text-style: underline; }
+    HeaderBar #hdr-url:hover { background: $accent 30%; }
+    HeaderBar #hdr-fill { width: 1fr; margin: 0; }
+    HeaderBar #hdr-right { margin-right: 0; color: $text-muted; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Static("strata-desk", id="hdr-model")
+        yield Static("", id="hdr-state")
+        yield UrlLabel("", id="hdr-url")
+        yield Static("", id="hdr-detail")
+        yield Static("", id="hdr-fill")
+        yield Static("", id="hdr-right")
+
+    def show(self, info: HeaderInfo) -> None:
+        self.query_one("#hdr-model", Static).update(info.model or "strata-desk")
+        self.query_one("#hdr-state", Static).update(
+            Text(f" {info.state} ", style=STATE_STYLE.get(info.state, "reverse"))
+        )
+        url = self.query_one("#hdr-url", UrlLabel)
+        url.update(info.url)
+        url.tooltip = "click or press c to copy" if info.url else None
+        self.query_one("#hdr-detail", Static).update(Text(info.detail, style="italic"))
+        parts = []
+        if info.uptime_s is not None:
+            parts.append(f"up {duration(info.uptime_s)}")
+        if info.version:
+            parts.append(f"engine {info.version}")
+        if info.mode == "attached":
+            parts.append("attached")
+        self.query_one("#hdr-right", Static).update("  ".join(parts))

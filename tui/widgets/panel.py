@@ -1,0 +1,30 @@
+"""The bordered box every dashboard panel sits in (title in the border, toggled by a digit)."""
+
+from __future__ import annotations
+
+from textual.containers import Vertical
+
+
+class Panel(Vertical):
+    """A titled box. Subclasses fill it and implement `show(snapshot, history)`."""
+
+    DEFAULT_CSS = """
+    Panel {
+        border: round $primary 60%;
+        border-title-color: $text;
+        border-title-style: bold;
+        border-subtitle-color: $text-muted;
+        height: auto;
+        padding: 0 1;
+    }
+    Panel:focus-within { border: round $accent; }
+    """
+
+    def __init__(self, title: str, key: str, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.key = key
+        self.base_title = title
+        self.border_title = f"{key} {title}"
+
+    def set_title(self, text: str) -> None:
+        self.border_title = f"{self.key} {text}"

@@ -1,0 +1,82 @@
+"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU, hit rate,
+swaps and adapt rounds, adapt wait; clear states for a dense model and for no data yet."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Static
+
+from server.metrics_schema import MetricsSnapshot
+from tui.format import count, pct
+from tui.view import History, has_tier_data, is_dense
+from tui.widgets.panel import Panel
+from tui.widgets.segment_bar import Segment, SegmentBar
+
+TIER_STYLES = (("VRAM", "green3"), ("PCIe", "gold3"), ("CPU", "orange_red1"))
+
+
+class TierPanel(Panel):
+    DEFAULT_CSS = """
+    TierPanel #tier-state { height: auto; }
+    TierPanel #tier-legend { height: 1; }
+    TierPanel #tier-lines { height: auto; }
+    """
+
+    def __init__(self, *, id: str | None = "tier") -> None:
+        super().__init__("Expert tier", "4", id=id)
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="tier-state")
+        yield SegmentBar(empty="", id="tier-bar")
+        yield Static("", id="tier-legend")
+        yield Static("", id="tier-lines")
+
+    def _show_parts(self, on: bool) -> None:
+        for wid in ("#tier-bar", "#tier-legend", "#tier-lines"):
+            self.query_one(wid).display = on
+
+    def show(self, snapshot: MetricsSnapshot, history: History) -> None:
+        state = self.query_one("#tier-state", Static)
+        if is_dense(snapshot):
+            state.update(Text.assemble(("dense model", "bold"), ": no routed experts, nothing to tier."))
+            state.display = True
+            self._show_parts(False)
+            return
+        if not has_tier_data(snapshot):
+            state.update(Text.assemble(("no tier data yet", "bold"),
+                                       ": figures appear after the first decoding windows."))
+            state.display = True
+            self._show_parts(False)
+            return
+        tier = snapshot.tier
+        assert tier is not None
+        state.display = False
+        self._show_parts(True)
+        shares = (tier.vram_share, tier.pcie_share, tier.cpu_share)
+        self.query_one(SegmentBar).segments = tuple(
+            Segment(label, value, style) for (label, style), value in zip(TIER_STYLES, shares, strict=True)
+        )
+        legend = Text()
+        for (label, style), value in zip(TIER_STYLES, shares, strict=True):
+            legend.append("■ ", style=style)
+            legend.append(f"{label} {pct(value, 1)}  ")
+        self.query_one("#tier-legend", Static).update(legend)
+        lines = Text()
+        lines.append("hit rate ", style="dim")
+        lines.append(pct(tier.hit_rate, 1), style="bold")
+        if tier.experts_cached is not None and tier.experts_total:
+            lines.append("  cached ", style="dim")
+            lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
+        lines.append("\nswaps ", style="dim")
+        lines.append(count(tier.swaps))
+        lines.append("  adapt rounds ", style="dim")
+        lines.append(count(tier.adapt_rounds))
+        lines.append("  adapt wait ", style="dim")
+        lines.append(f"{tier.adapt_wait_ms:.1f} ms")
+        if snapshot.stats is not None and snapshot.stats.ms_per_window is not None:
+            lines.append("\nwindow ", style="dim")
+            lines.append(f"{snapshot.stats.ms_per_window:.1f} ms")
+            if snapshot.stats.rows_per_window is not None:
+                lines.append(f"  {snapshot.stats.rows_per_window:.1f} rows", style="")
+        self.query_one("#tier-lines", Static).update(lines)
