@@ -60,7 +60,7 @@ async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
             save_config(config, config_path)
             await _say(on_status, f"arm {index + 1}/{len(configs)} {arm}: restarting the server")
             if server.running:
-                server.restart()
+                await server.arestart()
             else:
                 server.start()
             await server.wait_ready(spec.ready_timeout, on_status)
@@ -70,9 +70,9 @@ async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
         try:
             if keep_running:
                 await _say(on_status, "restoring the original config and restarting the server")
-                server.restart()
+                await server.arestart()
                 await server.wait_ready(spec.ready_timeout, on_status)
             else:
-                server.stop()
+                await server.astop()
         except LaunchError as exc:
             await _say(on_status, f"could not restart the server with the original config: {exc}")

@@ -221,6 +221,14 @@ class ServerProcess:
         self._pid = None
         self.start()
 
+    async def astop(self, timeout: float = 10) -> None:
+        """`stop` in a worker thread, so an event loop (the dashboard's) keeps running meanwhile."""
+        await asyncio.to_thread(self.stop, timeout)
+
+    async def arestart(self) -> None:
+        """`restart` in a worker thread (call wait_ready after)."""
+        await asyncio.to_thread(self.restart)
+
     # -- log -------------------------------------------------------------------------------------
 
     def log_tail(self, n: int = 40) -> list[str]:

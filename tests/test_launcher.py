@@ -205,3 +205,15 @@ async def test_error_status_fails_fast(tmp_path):
     finally:
         proc.stop()
     assert find_running() == []
+
+
+async def test_async_stop_and_restart(stand_in):
+    proc = stand_in(ready_after=0.0)
+    proc.start()
+    await proc.wait_ready(20)
+    first = proc.pid
+    await proc.arestart()
+    await proc.wait_ready(20)
+    assert proc.pid != first and proc.running
+    await proc.astop()
+    assert not proc.running and find_running() == []
