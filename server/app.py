@@ -55,6 +55,10 @@ class ServerState:
         self.metrics.on_finish(job)
         if job.finish != "error":
             self.last_timings = api.timings(job)
+        row = self.metrics.rows[0] if self.metrics.rows else None
+        if row is not None and row.id == job.id:
+            say(f"done: {row.output_tokens} tokens in {row.duration_s:.2f} s ({row.decode_tok_s:.1f} tok/s) "
+                f"({row.finish}, {row.path}), prompt {row.prompt_tokens} tokens ({row.reused} reused)")
 
     async def boot(self) -> None:
         try:

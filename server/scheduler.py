@@ -51,7 +51,7 @@ from engine.protocol import (
     Yielded,
     format_command,
 )
-from server.engine_client import EngineDied, EngineProcess, EngineSupervisor
+from server.engine_client import EngineDied, EngineProcess, EngineSupervisor, say
 
 MAX_YIELDS = 2
 MAX_RETURNS_TO_SOLO = 2
@@ -264,7 +264,7 @@ class Scheduler:
         self.control_job = job  # the control lines belong to this job from now on
         self.running.add(job)
         job.state = "reading"
-        self._spawn(self._run_control(engine, job, slot))
+        self._spawn(job, self._run_control(engine, job, slot))
 
     def _solo_ok(self, job: Job) -> bool:
         return job.reserved_slot is None and (job.remaining > 1 or not job.generated)
@@ -342,10 +342,40 @@ class Scheduler:
         return min(free, key=lambda s: s.last_used)
 
     # -- running ------------------------------------------------------------------------------
-    def _spawn(self, coro) -> None:
+    def _spawn(self, job: Job, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._task_done(job, t))
+
+    def _task_done(self, job: Job, task: asyncio.Task) -> None:
+        """A bug must not leave a client hanging: the job fails, the control lines are freed."""
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        say(f"internal error while running request {job.id}: {exc!r}")
+        if self.control_job is job:
+            self.control_job = None
+        engine = self.sup.engine
+        for s in self.slots:
+            if s.job is job:
+                s.job = None
+                if job.mode == "slot" and engine is not None and engine.alive:
+                    s.reserved_for = job  # nobody gets the slot before its BDONE is read
+                    self._send(engine, format_command(BStop(s.index)))
+                    asyncio.get_running_loop().create_task(self._drain_slot(engine, s, job))
+        self._fail(job, 500, f"internal server error: {exc!r}")
+        self._schedule()
+
+    async def _drain_slot(self, engine: EngineProcess, slot: Slot, job: Job) -> None:
+        q = engine.slot_queues[slot.index]
+        while True:
+            item = await q.get()
+            if type(item) is BDone or isinstance(item, EngineDied):
+                break
+        if slot.reserved_for is job:
+            slot.reserved_for = None
+        self._schedule()
 
     def _send(self, engine: EngineProcess, line: str) -> None:
         try:

@@ -17,7 +17,7 @@ CHAT = "/v1/chat/completions"
 
 
 def post(s: LiveServer, msgs, max_tokens, results: dict, key, **kw):
-    r = httpx.post(s.base + CHAT, json={"messages": msgs, "max_tokens": max_tokens, **kw}, timeout=60)
+    r = s.client.post(CHAT, json={"messages": msgs, "max_tokens": max_tokens, **kw})  # shared pool: no setup delay
     results[key] = (time.monotonic(), r)
 
 
@@ -195,7 +195,8 @@ def test_more_requests_than_slots_complete_in_order(tmp_path):
             i = next(i for i, m in enumerate(msgs) if 0 <= x["prompt"] - len(chat_ids(m)) < 100)
             if i not in order:
                 order.append(i)
-        assert order == list(range(6))
+        assert order == list(range(6)), (order, [(x["kind"], x["prompt"], x["slot"]) for x in s.admissions()],
+                                          [len(chat_ids(m)) for m in msgs], [res[i][0] for i in range(6)])
 
 
 def test_64_clients_on_4_slots_all_complete_and_correct(tmp_path):
