@@ -219,3 +219,20 @@ def test_engine_stats_line_as_documented_becomes_tier_and_stats():
     assert m._tier() is None  # a dense model
     m.on_stats({"windows": "garbage"})  # ignored, the last good one stays
     assert m._stats_view().windows == 120
+
+
+def test_fake_engine_text_and_utf8_split_across_tokens(tmp_path):
+    text = "Grüße, 世界! ✓ done."
+    with LiveServer(tmp_path, fake={"TOK_S": 500, "TEXT": text}) as s:
+        r = s.chat(user("say it"), max_tokens=200)
+        assert r["choices"][0]["message"]["content"] == text and r["choices"][0]["finish_reason"] == "stop"
+        assert r["usage"]["completion_tokens"] == len(text.encode()) + 1  # every byte, then the end token
+        body = {"messages": user("say it again"), "max_tokens": 200, "stream": True, "stop": ["done"]}
+        with s.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            events = sse_events(resp.read().decode())
+        pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
+        assert "".join(pieces) == text[: text.find("done")]
+        assert all("\ufffd" not in p for p in pieces)  # no multi-byte character cut in two
+        r = s.chat(user("short"), max_tokens=5)
+        assert r["choices"][0]["message"]["content"] == text.encode()[:5].decode("utf-8", "replace")
+        assert r["choices"][0]["finish_reason"] == "length"
