@@ -293,7 +293,7 @@ class Server:
     # -- main loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        while not (self.quit and not self.busy()):
+        while not (self.quit and not self.busy() and self.commands.empty()):
             self.poll()
             if self.reading is None and self.pending:
                 self.start_read()

@@ -1,0 +1,128 @@
+"""`strata-desk bench-engine --model X.gguf`: load time, prefill and decode speed, next to the bound.
+
+The bound is the device's measured copy bandwidth divided by the bytes one decoded token reads
+(the dense weights, the head, and `experts_used` of every layer's routed experts; the KV is left
+out, so at short contexts the bound is tight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from engine.__main__ import DTYPES, pick_device
+from engine.gguf_file import GGUFFile
+from engine.models import load_model
+from engine.models.base import Model
+from engine.runner import Runner
+
+GB = 1e9
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def bytes_per_token(model: Model) -> int:
+    h = model.hyper
+    experts = model.expert_bytes()
+    dense = model.w.bytes() - experts - model.w["token_embd"].numel() * model.w["token_embd"].element_size()
+    if "output" not in model.w:  # tied head: the embedding is read whole as the head
+        dense += model.w["token_embd"].numel() * model.w["token_embd"].element_size()
+    active_experts = experts * h.experts_used // h.experts if h.experts else 0
+    return dense + active_experts
+
+
+def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int) -> dict:
+    runner = Runner(model, slots, exact=False)
+    vocab = model.hyper.vocab
+    prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
+    sync(device)
+    t0 = time.perf_counter()
+    logits = runner.read(runner.solo, prompt)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    token = int(logits.argmax())
+    for _ in range(3):  # warm-up
+        token = int(runner.decode([(runner.solo, token)])[0].argmax())
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(decode):
+        token = int(runner.decode([(runner.solo, token)])[0].argmax())
+    sync(device)
+    decode_s = time.perf_counter() - t0
+    out = {"prefill_tok_s": prompt_len / prefill_s, "decode_tok_s": decode / decode_s}
+    if slots >= 2:
+        rows = []
+        for s in runner.sessions[:slots]:
+            runner.copy(runner.solo, s)
+            rows.append(s)
+        tokens = [token] * slots
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(decode):
+            logits = runner.decode(list(zip(rows, tokens, strict=True)))
+            tokens = logits.argmax(-1).tolist()
+        sync(device)
+        out["batch_tok_s"] = slots * decode / (time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="strata-desk bench-engine", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", choices=tuple(DTYPES))
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill figure")
+    p.add_argument("--decode", type=int, default=64, help="tokens to decode")
+    p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
+    p.add_argument("--context", type=int, default=2048)
+    args = p.parse_args(argv)
+
+    device = pick_device(args.device)
+    dtype = DTYPES[args.dtype or ("f32" if device.type == "cpu" else "bf16")]
+    t0 = time.perf_counter()
+    g = GGUFFile(args.model)
+    model = load_model(g, device, dtype, sessions=args.slots + 1, context=args.context)
+    sync(device)
+    load_s = time.perf_counter() - t0
+    bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 256 << 20)
+    per_token = bytes_per_token(model)
+    r = run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")
+    print(f"device       {device} {name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
+    print(f"load         {load_s:.2f} s")
+    print(f"prefill      {r['prefill_tok_s']:.1f} tok/s ({args.prompt} tokens, one chunk)")
+    print(f"decode       {r['decode_tok_s']:.1f} tok/s (one row)")
+    print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")
+    print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")
+    bound = bw / per_token
+    print(f"bound        {bound:.1f} tok/s  -> decode is {100 * r['decode_tok_s'] / bound:.1f}% of the bound")
+    if "batch_tok_s" in r:
+        print(f"batch        {r['batch_tok_s']:.1f} tok/s aggregate over {args.slots} rows "
+              f"({r['batch_tok_s'] / r['decode_tok_s']:.2f}x one row)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
