@@ -54,9 +54,9 @@ def test_long_prompt_read_while_two_slots_decode(driver):
     got = collect(lines).slots
     assert [got[0], got[1], got[2]] == expected
     # the slots decoded between the long prompt's chunks
-    long_chunks = [i for i, l in enumerate(lines) if l.startswith("PP") and P.parse_reply(l).total == len(long)]
+    long_chunks = [i for i, ln in enumerate(lines) if ln.startswith("PP") and P.parse_reply(ln).total == len(long)]
     assert len(long_chunks) == len(long) // 16 + (len(long) % 16 > 0)
-    assert any(l.startswith("BT 0") for l in lines[long_chunks[0] : long_chunks[-1]])
+    assert any(ln.startswith("BT 0") for ln in lines[long_chunks[0] : long_chunks[-1]])
 
 
 def test_read_that_gives_way_goes_on_from_its_slot(driver):
@@ -68,7 +68,7 @@ def test_read_that_gives_way_goes_on_from_its_slot(driver):
     # after the long read's second chunk the server asks it to give way
     hooks = [(lambda line: line.startswith("PP 32 120"), ["BYIELD 0"])]
     lines = driver.run([bgen(0, long, 20)], hooks)
-    yielded = [P.parse_reply(l) for l in lines if l.startswith("YIELDED")]
+    yielded = [P.parse_reply(ln) for ln in lines if ln.startswith("YIELDED")]
     assert yielded == [P.Yielded(0, 32)]
     assert lines[-2].endswith("cancel 0 0 0 0 0") and lines[-1] == "BADM 0 0"
     lines = driver.run([bgen(1, short, 20), bgen(0, long, 20)])
@@ -125,7 +125,7 @@ def test_stopped_in_slot_then_continued_on_the_solo_path(driver):
     hooks = [(lambda line, n=[0]: line.startswith("BT 0") and (n.__setitem__(0, n[0] + 1) or n[0] == 8), ["BSTOP 0"])]
     lines = driver.run([bgen(0, a, 30), bgen(1, b, 30)], hooks)
     part = collect(lines).slots[0]
-    bdone = next(P.parse_reply(l) for l in lines if l.startswith("BDONE 0"))
+    bdone = next(P.parse_reply(ln) for ln in lines if ln.startswith("BDONE 0"))
     assert bdone.finish == "cancel" and bdone.generated == len(part) - 1
     lines = driver.run([gen(a + part, 30 - len(part))])
     assert f"RESUME {len(a) + len(part) - 1}" in lines
@@ -136,5 +136,5 @@ def test_stopped_in_slot_then_continued_on_the_solo_path(driver):
 def test_bad_batch_commands(driver):
     driver.reset()
     lines = driver.run(["BGEN 9 4 1,2", "BGEN 0 4 1,2", "BGEN 0 4 3,4"])
-    errs = [l for l in lines if l.startswith("ERR")]
+    errs = [ln for ln in lines if ln.startswith("ERR")]
     assert errs == ["ERR slot 9 does not exist (0..7)", "ERR slot 0 is busy"]
