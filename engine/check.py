@@ -39,10 +39,11 @@ class Driver:
         self.server = self._fresh()
 
     @classmethod
-    def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, **kw) -> Driver:
+    def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, dtype: str | None = None,
+             **kw) -> Driver:
         g = GGUFFile(path)
         dev = pick_device(device)
-        dtype = DTYPES["f32" if dev.type == "cpu" else "bf16"]
+        dtype = DTYPES[dtype or ("f32" if dev.type == "cpu" else "bf16")]
         model = load_model(g, dev, dtype, sessions=slots + 1, context=context)
         return cls(model, stop_token_ids(g.metadata), slots, **kw)
 
