@@ -66,7 +66,7 @@ _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
 # Tokens that end a turn in the chat formats we know; they stop generation like EOS does.
 END_OF_TURN_TOKENS = (
     "<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
-    "<|return|>", "<|call|>", "<turn|>",
+    "<|return|>", "<|call|>",
 )
 
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -187,32 +187,40 @@ class StreamDecoder:
     full decode of the whole sequence.
     """
 
+    # Past this many held-back ids the tail is invalid bytes, not a character still arriving
+    # (UTF-8 needs at most 4 bytes): emit it rather than re-decode an ever longer window.
+    MAX_HELD = 32
+
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
         self._tok = tokenizer
         self._skip = skip_special
         self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window
+        self._prefix = 0  # start of the decode window (context for the decoder)
         self._read = 0  # ids before this have been emitted
+        self._before = ""  # decode of ids[prefix:read]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special=self._skip) if ids else ""
 
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        before = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
-        if text.endswith("\ufffd") or len(text) <= len(before):
+        held = len(self._ids) - self._read
+        if held < self.MAX_HELD and (text.endswith("\ufffd") or len(text) <= len(self._before)):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(before) :]
+        return self._advance(text)
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete character decodes as U+FFFD)."""
-        before = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        self._ids = self._ids[self._prefix :]
-        self._ids, self._prefix, self._read = [], 0, 0
-        return text[len(before) :] if len(text) > len(before) else ""
+        out = self._advance(self._decode(self._ids[self._prefix :]))
+        self._ids, self._prefix, self._read, self._before = [], 0, 0, ""
+        return out
+
+    def _advance(self, text: str) -> str:
+        out = text[len(self._before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._before = self._decode(self._ids[self._prefix : self._read])
+        return out
 
 
 # -- builders -------------------------------------------------------------------------------------

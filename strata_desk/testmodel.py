@@ -29,7 +29,7 @@ from gguf.quants import quantize
 QT = gguf.GGMLQuantizationType
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TOKENIZER_VOCAB = 4096  # target size of the trained BPE (the corpus may give fewer)
+TOKENIZER_VOCAB = 3072  # trained BPE plus the three ChatML specials
 
 # Qwen3's ChatML template (system, user, assistant with tool calls and <think> reasoning, tool
 # results, `enable_thinking`), as its instruct models ship it, without the multi-step tool heuristics.
@@ -160,8 +160,8 @@ def trained_tokenizer() -> BPEVocab:
         pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["qwen2"]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB - len(SPECIAL_TOKENS), min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer)
     model = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
@@ -221,47 +221,81 @@ def _rng(seed: int, name: str, part: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode()), part])
 
 
-def _uniform(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+class _Scratch:
+    """Reused buffers: fresh 16 MB arrays per chunk cost more in page faults than drawing the numbers."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        n = int(np.prod(shape))
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._bufs[key] = np.empty(max(n, _BLOCK_ELEMENTS), dtype)
+        return buf[:n].reshape(shape)
+
+
+def _uniform(rng: np.random.Generator, shape: tuple[int, ...], std: float, scratch: _Scratch | None = None
+             ) -> np.ndarray:
     """Uniform noise with the given standard deviation (much faster to draw than a normal)."""
-    out = rng.random(shape, dtype=np.float32)
+    out = scratch.get("draw", shape, np.float32) if scratch else np.empty(shape, np.float32)
+    rng.random(dtype=np.float32, out=out)
     out -= np.float32(0.5)
     out *= np.float32(std * 12**0.5)
     return out
 
 
-def _encode(data: np.ndarray, qtype: QT) -> np.ndarray:
+_BLOCK_ELEMENTS = 1 << 22  # draw and write large tensors in pieces of about 16 MB (f32)
+
+
+def _row_blocks(shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """(part number, rows) pieces of a tensor's first axis; 1-D tensors are one piece."""
+    if len(shape) == 1:
+        yield 0, shape[0]
+        return
+    step = max(1, _BLOCK_ELEMENTS // int(np.prod(shape[1:])))
+    for part, start in enumerate(range(0, shape[0], step)):
+        yield part, min(step, shape[0] - start)
+
+
+def _encode(data: np.ndarray, qtype: QT, scratch: _Scratch) -> np.ndarray:
     if qtype == QT.F32:
         return data
     if qtype == QT.BF16:  # truncate: the file is random anyway, and this is 3x faster than rounding
-        return (data.view(np.uint32) >> 16).astype(np.uint16)
+        out = scratch.get("bf16", data.shape, np.uint16)
+        np.right_shift(data.view(np.uint32), 16, out=out, casting="unsafe")
+        return out
     return quantize(data, qtype)
 
 
-def _plan(p: Preset, n_vocab: int, qtype: QT, seed: int, router_skew: float) -> list[_Tensor]:
+def _plan(p: Preset, n_vocab: int, qtype: QT, seed: int, router_skew: float, scratch: _Scratch
+          ) -> list[_Tensor]:
     h, hd = p.hidden, p.head_dim
     f32 = QT.F32
 
     def dense(name: str, shape: tuple[int, ...], std: float, q: QT = qtype, mean: float = 0.0) -> _Tensor:
         def gen() -> Iterator[np.ndarray]:
-            data = _uniform(_rng(seed, name), shape, std)
-            data += np.float32(mean)
-            yield data
+            for part, rows in _row_blocks(shape):
+                data = _uniform(_rng(seed, name, part), (rows, *shape[1:]), std, scratch)
+                data += np.float32(mean)
+                yield data
         return _Tensor(name, shape, q, gen)
 
     def experts(name: str, shape: tuple[int, int], std: float) -> _Tensor:
         def gen() -> Iterator[np.ndarray]:
             for e in range(p.experts):
-                yield _uniform(_rng(seed, name, e + 1), shape, std)
+                yield _uniform(_rng(seed, name, e + 1), shape, std, scratch)
         return _Tensor(name, (p.experts, *shape), qtype, gen)
 
     def embedding() -> _Tensor:
         name = "token_embd.weight"
 
         def gen() -> Iterator[np.ndarray]:
-            data = _uniform(_rng(seed, name), (n_vocab, h), 1.0)
-            if router_skew:
-                data[:, 0] = _SKEW_CHANNEL  # a constant input the routers can be biased on
-            yield data
+            for part, rows in _row_blocks((n_vocab, h)):
+                data = _uniform(_rng(seed, name, part), (rows, h), 1.0, scratch)
+                if router_skew:
+                    data[:, 0] = _SKEW_CHANNEL  # a constant input the routers can be biased on
+                yield data
         return _Tensor(name, (n_vocab, h), qtype, gen)
 
     def router(layer: int) -> _Tensor:
@@ -346,7 +380,8 @@ def write_test_model(out: Path, preset: str = "tiny", layers: int | None = None,
     writer.add_float32("strata.test_model.router_skew", float(router_skew))
     n_vocab = _tokenizer_metadata(writer, p.vocab)
 
-    plan = _plan(p, n_vocab, DTYPES[dtype], seed, router_skew)
+    scratch = _Scratch()
+    plan = _plan(p, n_vocab, DTYPES[dtype], seed, router_skew, scratch)
     for t in plan:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     try:
@@ -359,7 +394,7 @@ def write_test_model(out: Path, preset: str = "tiny", layers: int | None = None,
             writer.write_padding(fout, fout.tell())
             written = 0
             for chunk in t.chunks():
-                data = _encode(chunk, t.qtype)
+                data = _encode(chunk, t.qtype, scratch)
                 data.tofile(fout)
                 written += data.nbytes
             if written != t.nbytes:

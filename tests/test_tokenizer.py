@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -86,6 +87,15 @@ def test_tiny_special_tokens(tiny_model, tiny_tok):
 
 def test_tiny_stream_decoder(tiny_tok):
     _check_stream(tiny_tok)
+
+
+def test_stream_decoder_on_random_ids(tiny_tok):
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tiny_tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+        stream = tiny_tok.stream_decoder()
+        text = "".join(stream.push(i) for i in ids) + stream.flush()
+        assert text == tiny_tok.decode(ids)
 
 
 def test_stream_decoder_holds_back_partial_utf8(tiny_tok):
