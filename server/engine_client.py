@@ -272,12 +272,15 @@ class EngineSupervisor:
             engine = EngineProcess(self.command, self.env, self.log_path, on_stats=self.on_stats)
             engine.on_death = self._died
             self.engine = engine
+            ticker = asyncio.create_task(self._still_starting(engine))
             try:
                 await engine.start()
             except EngineDied as exc:
                 self.last_error = str(exc)
                 say(f"the engine failed to start: {exc}")
                 raise
+            finally:
+                ticker.cancel()
             info = " ".join(f"{k}={v}" for k, v in engine.info.items())
             say(f"engine ready in {engine.ready_s:.1f} s: context {engine.context}" + (f" ({info})" if info else ""))
             n = engine.info.get("batch_slots")
@@ -288,6 +291,12 @@ class EngineSupervisor:
             if self.on_ready is not None:
                 self.on_ready(engine)
             return engine
+
+    async def _still_starting(self, engine: EngineProcess, every_s: float = 10.0) -> None:
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(every_s)
+            say(f"still starting ({time.monotonic() - t0:.0f} s)")
 
     def _died(self, engine: EngineProcess) -> None:
         self.last_error = engine.death

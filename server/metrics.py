@@ -103,6 +103,8 @@ class Metrics:
         t.output_tokens += n
         t.prompt_ms += job.prompt_ms
         t.decode_ms += job.decode_ms
+        t.hits += job.hits
+        t.lookups += job.lookups
         t.requests_kept = len(self.rows)
         self.last_job = job
 
@@ -249,6 +251,8 @@ class _Collector:
         yield counter("strata_output_tokens", "tokens generated (streamed as they come)", self.m.output_tokens_live)
         yield counter("strata_prompt_seconds", "time spent reading prompts", t.prompt_ms / 1000)
         yield counter("strata_decode_seconds", "time spent decoding", t.decode_ms / 1000)
+        yield counter("strata_expert_hits", "routed-expert lookups served from VRAM (decode)", t.hits)
+        yield counter("strata_expert_lookups", "routed-expert lookups (decode)", t.lookups)
         live = snap.live
         yield gauge("strata_queued_requests", "requests waiting", live.queued)
         yield gauge("strata_running_requests", "requests on the engine", live.running)

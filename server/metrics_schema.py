@@ -171,6 +171,8 @@ class Totals(_Model):
     output_tokens: int = 0
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
+    hits: int = 0  # routed-expert lookups served from VRAM during decode (DONE's hits)
+    lookups: int = 0
     requests_kept: int = 0
 
 

@@ -173,7 +173,9 @@ def test_metrics_json_matches_schema_and_prometheus(srv):
     assert "prompt" not in json.dumps(json.loads(raw)["live"]["slots"])
     prom = srv.client.get("/metrics/prometheus")
     assert prom.status_code == 200 and prom.headers["content-type"].startswith("text/plain")
+    assert snap.totals.lookups >= snap.totals.hits > 0
     for name in ("strata_requests_total", "strata_output_tokens_total", "strata_tokens_per_second",
+                 "strata_expert_hits_total", "strata_expert_lookups_total",
                  "strata_host_memory_total_bytes"):
         assert name in prom.text
     all_rows = srv.client.get("/metrics", params={"requests": "all"}).json()["requests"]
