@@ -208,7 +208,11 @@ class StrataDeskApp(App[int]):
         self.refresh_view()
 
     @work(group="lifecycle", exclusive=True, exit_on_error=False)
-    async def start_server(self, *, restart: bool = False) -> None:
+    async def start_server(self, *, restart: bool = False, stop_timeout: float = 10.0) -> None:
+        """Start (or stop and start again) the server, showing progress; a failure shows why.
+
+        stop_timeout: how long the server may take to finish its requests after SIGTERM before it
+        is killed ("now" restarts use a short one)."""
         assert self.server is not None
         self.failure = None
         self.phase = "restarting" if restart else "starting"
@@ -216,9 +220,10 @@ class StrataDeskApp(App[int]):
         self.refresh_view()
         try:
             if restart:
-                await asyncio.to_thread(self.server.restart)
-            else:
-                await asyncio.to_thread(self.server.start)
+                await asyncio.to_thread(self.server.stop, stop_timeout)
+                self.progress = "starting the server"
+                self.refresh_view()
+            await asyncio.to_thread(self.server.start)
         except (LaunchError, ConfigError, OSError) as exc:
             self.fail("The server could not be started", str(exc).splitlines())
             return
@@ -424,7 +429,7 @@ class StrataDeskApp(App[int]):
                 await asyncio.sleep(0.2)
                 if self.phase != "draining":  # cancelled
                     return
-        self.start_server(restart=True)
+        self.start_server(restart=True, stop_timeout=10.0 if mode == "drain" else 2.0)
 
     def action_restart_now(self) -> None:
         self._drain_now = True

@@ -40,7 +40,9 @@ def supported_options(engine: EngineView | None) -> set[str]:
         if key in info:
             found.update(p.strip().replace("-", "_") for p in str(info[key]).split(",") if p.strip())
     for name in OPTIONAL_OPTIONS:
-        for key in (name, f"supports_{name}", f"{name}_supported"):
+        # a plain `batch_groups=` key is the group count the engine runs, not a capability flag
+        plain = () if name == "batch_groups" else (name,)
+        for key in (*plain, f"supports_{name}", f"{name}_supported"):
             if key in info and _truthy(info[key]):
                 found.add(name)
     for key in ("batch_groups", "max_batch_groups"):

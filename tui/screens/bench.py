@@ -57,6 +57,8 @@ class BenchScreen(Screen[None]):
                 yield Input("256", id="bench-tokens", type="integer")
                 yield Label("rounds", classes="bench-label")
                 yield Input("3", id="bench-rounds", type="integer")
+                yield Label("prompt words", classes="bench-label")
+                yield Input("800", id="bench-words", type="integer")
             with Horizontal(classes="bench-line"):
                 yield Label("arms", classes="bench-label")
                 yield Input(placeholder="parallel=1; parallel=2   (empty: the server as it runs)", id="bench-arms")
@@ -101,6 +103,7 @@ class BenchScreen(Screen[None]):
             arms = parse_arms(arms_text) if arms_text.strip() and self.app.can_manage else []
             max_tokens = int(self.query_one("#bench-tokens", Input).value or 256)
             self.rounds = int(self.query_one("#bench-rounds", Input).value or 3)
+            words = int(self.query_one("#bench-words", Input).value or 800)
         except (BenchError, ValueError) as exc:
             self.status(str(exc), "bold red")
             return
@@ -109,6 +112,7 @@ class BenchScreen(Screen[None]):
             return
         spec = BenchSpec(
             url=self.app.base_url, concurrency=concurrency, max_tokens=max_tokens, rounds=self.rounds,
+            prompt_words=words,
             key=self.app.api_key or (self.app.config.api_key if self.app.config else None), arms=arms,
             config=self.app.config_path if arms else None, out=bench_out_path(),
         )
@@ -165,4 +169,4 @@ class BenchScreen(Screen[None]):
             table.add_row(*cells, key=self.rows[key])
         else:
             for col, value in zip(table.columns, cells, strict=True):
-                table.update_cell(self.rows[key], col, value)
+                table.update_cell(self.rows[key], col, value, update_width=True)

@@ -42,7 +42,11 @@ def field_errors(err: ValidationError, names: list[str]) -> dict[str, str]:
     for e in err.errors():
         msg = str(e["msg"]).removeprefix("Value error, ")
         loc = [str(p) for p in e["loc"]]
-        name = loc[0] if loc else next((n for n in names if n in msg), names[0])
+        if loc:
+            name = loc[0]
+        else:  # the option named first in the message ("batch_groups (3) must divide parallel (4)")
+            named = [(msg.find(n), n) for n in names if n in msg]
+            name = min(named)[1] if named else names[0]
         out.setdefault(name, msg)
     return out
 
@@ -66,6 +70,7 @@ class SettingsScreen(Screen[None]):
         self.candidate: RunConfig | None = config
         self.errors: dict[str, str] = {}
         self.supported: set[str] = set()
+        self._intro_done = False
 
     def compose(self) -> ComposeResult:
         yield Static("Settings", classes="screen-title")
@@ -89,9 +94,10 @@ class SettingsScreen(Screen[None]):
 
     def on_snapshot(self, snapshot: MetricsSnapshot) -> None:
         supported = supported_options(snapshot.engine)
-        if supported == self.supported and self.query_one("#settings-intro", Static).renderable:
+        if supported == self.supported and self._intro_done:
             return
         self.supported = supported
+        self._intro_done = True
         engine = snapshot.engine.version or "engine"
         text = Text()
         text.append(f"{self.app.config_path}\n", style="bold")

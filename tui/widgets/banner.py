@@ -21,10 +21,10 @@ class Banner(Static):
             self.update("")
             return
         self.add_class(f"-{level}")
-        text = Text()
+        text = Text(no_wrap=True, overflow="ellipsis")
         text.append(message, style="bold")
-        if detail:
-            text.append("\n" + detail.rstrip(), style="" if level != "error" else "")
         if keys:
             text.append("\n" + keys, style="italic")
+        if detail:
+            text.append("\n" + detail.rstrip(), style="dim" if level != "error" else "")
         self.update(text)

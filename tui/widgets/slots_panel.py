@@ -83,7 +83,7 @@ class SlotsPanel(Panel):
         else:
             for i, row in enumerate(rows):
                 for col, value in zip(table.columns, row, strict=True):
-                    table.update_cell(str(i), col, value)
+                    table.update_cell(str(i), col, value, update_width=True)
         busy = sum(1 for s in live.slots if s.state != "idle")
         if live.parallel <= 1:
             self.set_title("Slots: solo path (parallel 1)")
