@@ -251,3 +251,20 @@ def test_queue_full_503(tmp_path):
         assert 503 in codes and 200 in codes
         busy = next(r for r in results if r.status_code == 503)
         assert busy.json()["error"]["code"] == "queue_full" and "queue_limit" in busy.json()["error"]["message"]
+
+
+def test_engine_death_with_batch_slots_fails_every_running_request(tmp_path):
+    import concurrent.futures as cf
+
+    with LiveServer(tmp_path, config={"parallel": 2}, fake={"TOK_S": 200, "DIE_AFTER": 60, "NO_EOS": 1}) as s:
+        def one(i):
+            return httpx.post(s.base + CHAT, json={"messages": user(f"d{i}"), "max_tokens": 100}, timeout=30)
+
+        with cf.ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(one, range(3)))
+        assert all(r.status_code == 503 for r in results), [r.text for r in results]  # each engine dies at 60
+        assert all("illegal memory access" in r.json()["error"]["message"] for r in results if r.status_code == 503)
+        text, _ = expected_chat(user("after"), 5, no_eos=True)
+        r = s.client.post(CHAT, json={"messages": user("after"), "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
+        assert s.client.get("/v1/status").json()["concurrency"]["serving"] == 2
