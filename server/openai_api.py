@@ -97,6 +97,19 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (only 'text')")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)

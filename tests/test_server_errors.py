@@ -35,6 +35,8 @@ BAD_CHAT = [
     ("message without role", {"messages": [{"content": "x"}]}, 400, "role"),
     ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("image content part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "not supported"),
     ("all content empty", {"messages": [{"role": "user", "content": ""}]}, 400, "empty"),
     ("negative max_tokens", {"messages": OK_MSGS, "max_tokens": -5}, 400, "max_tokens"),
     ("zero max_tokens", {"messages": OK_MSGS, "max_tokens": 0}, 400, "max_tokens"),
