@@ -32,7 +32,7 @@ def load_tensor(gguf: GGUFFile, name: str, dtype: torch.dtype, device: torch.dev
         raise GGUFError(f"{gguf.path}: missing tensor {name!r}")
     raw = gguf.tensor_data(name)
     if info.qtype == Q.BF16:
-        host = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(torch.bfloat16).reshape(info.shape)
+        host = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).reshape(info.shape)
     elif info.qtype in (Q.F32, Q.F16):
         host = torch.from_numpy(np.array(raw))
     else:
