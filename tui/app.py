@@ -63,6 +63,7 @@ class StrataDeskApp(App[int]):
         Binding("r", "restart", "Restart"),
         Binding("u", "restore_backup", "Restore .bak"),
         Binding("x", "restart_now", "Restart now", show=False),
+        Binding("escape", "cancel_drain", "Cancel restart", show=False),
         Binding("l", "logs", "Log"),
         Binding("b", "bench", "Bench"),
     ]
@@ -154,7 +155,7 @@ class StrataDeskApp(App[int]):
             return self.can_manage  # hidden (not just greyed out) for a server we cannot manage
         if action == "restore_backup":
             return self.phase == "failed" and self.config_path is not None and backup_path(self.config_path).exists()
-        if action == "restart_now":
+        if action in ("restart_now", "cancel_drain"):
             return self.phase == "draining"
         return True
 
@@ -434,13 +435,11 @@ class StrataDeskApp(App[int]):
     def action_restart_now(self) -> None:
         self._drain_now = True
 
-    def on_key(self, event: object) -> None:
-        key = getattr(event, "key", "")
-        if key == "escape" and self.phase == "draining" and isinstance(self.screen, DashboardScreen):
-            self.workers.cancel_group(self, "lifecycle")
-            self.phase = "running"
-            self.notify("restart cancelled")
-            self.refresh_view()
+    def action_cancel_drain(self) -> None:
+        self.workers.cancel_group(self, "lifecycle")
+        self.phase = "running"
+        self.notify("restart cancelled (the settings file keeps any change you applied)")
+        self.refresh_view()
 
     def action_restore_backup(self) -> None:
         if self.config_path is None:

@@ -117,13 +117,56 @@ def cpu_dense() -> MetricsSnapshot:
     return MetricsSnapshot.model_validate(data)
 
 
-def main() -> None:  # pragma: no cover - manual preview
+SAMPLE_LOG = [
+    ("server", "[strata] starting the engine: python -m engine --serve --model Qwen3-30B-A3B-Q4_K_M.gguf --batch 4"),
+    ("engine", "strata serve: expert cache 4480 slots, 15.5 GiB; 2914 MiB of VRAM free with everything loaded"),
+    ("server", "[strata] engine ready in 41.5 s: context 32768 (batch_slots=4 batch_groups=1)"),
+    ("server", "[strata] ready: http://127.0.0.1:8080/v1 (model Qwen3-30B-A3B-Q4_K_M)"),
+    ("server", "[strata] done: 412 tokens in 6.2 s (72.3 tok/s) (stop), expert cache 87.4% hit"),
+    ("engine", "strata batch: 4 rows in 21.4 ms; adapt 1 round, 8 swaps; VRAM 84% PCIe 7% CPU 9%"),
+    ("server", "[strata] reading the prompt: 2048 of 5120 tokens, 0.9 s so far"),
+]
+
+
+def write_screenshot(path: str, size: tuple[int, int] = (130, 40)) -> str:
+    """Save the busy dashboard as an SVG (docs/screenshot.svg), drawn by Textual itself."""
+    from textual._doc import take_svg_screenshot
+
     from tui.app import StrataDeskApp
     from tui.client import FixedSource
 
+    history = busy_history()
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(history[-1]), poll_interval=3600)
+    for snap in history[:-1]:
+        app.history.push(snap)
+    for source, text in SAMPLE_LOG:
+        app.logbuf.add(source, text)
+
+    async def settle(pilot) -> None:  # type: ignore[no-untyped-def]
+        while app.snapshot is None:
+            await pilot.pause(0.05)
+        await pilot.pause()
+        app.screen.set_focus(None)
+
+    svg = take_svg_screenshot(app, terminal_size=size, run_before=settle, title="strata-desk")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(svg)
+    return path
+
+
+def main() -> None:  # pragma: no cover - manual preview
+    """`python -m tui.preview [busy|idle|dead|dense]` shows fixed data; `--screenshot FILE` saves one."""
+    from tui.app import StrataDeskApp
+    from tui.client import FixedSource
+
+    if len(sys.argv) > 2 and sys.argv[1] == "--screenshot":
+        print(write_screenshot(sys.argv[2]))
+        return
     kind = sys.argv[1] if len(sys.argv) > 1 else "busy"
     snaps = {"idle": [idle()], "busy": busy_history(), "dead": [dead()], "dense": [cpu_dense()]}[kind]
-    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(*snaps), poll_interval=0.05)
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(*snaps), poll_interval=0.2)
+    for source, text in SAMPLE_LOG:
+        app.logbuf.add(source, text)
     app.run()
 
 

@@ -14,10 +14,10 @@ from tui.format import duration
 from tui.view import DashState
 
 STATE_STYLE: dict[str, str] = {
-    "loading": "bold black on yellow",
-    "ready": "bold black on green",
-    "busy": "bold black on dodger_blue1",
-    "error": "bold white on red",
+    "loading": "bold black on #ffd75f",
+    "ready": "bold black on #5fd75f",
+    "busy": "bold black on #5fafff",
+    "error": "bold white on #d70000",
     "stopped": "bold white on grey37",
 }
 
