@@ -130,6 +130,8 @@ PRESETS: dict[str, Preset] = {
                             dense_ff=6144, heads=32, kv_heads=4, head_dim=128, context=40960, vocab=151936),
 }
 
+_SKEW_CHANNEL = 4.0  # value of embedding column 0 when --router-skew is set
+
 DTYPES: dict[str, QT] = {"f32": QT.F32, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 _FILE_TYPE = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -305,10 +307,11 @@ def _plan(p: Preset, n_vocab: int, qtype: QT, seed: int, router_skew: float, scr
             rng = _rng(seed, name)
             data = _uniform(rng, (p.experts, h), 2.0 / h**0.5)
             if router_skew:
-                # Zipf-like popularity, a different order per layer, on the constant channel
-                rank = rng.permutation(p.experts)
-                profile = 1.0 / (rank + 1.0)
-                data[:, 0] += np.float32(router_skew) * (profile - profile.mean()).astype(np.float32) / 0.8
+                # Zipf-like popularity in a different order per layer, on the constant channel:
+                # at X=1 the hottest expert's logit rises by about 3.5 on every token
+                zipf = 1.0 / (rng.permutation(p.experts) + 1.0)
+                profile = (zipf - zipf.mean()) / (zipf.max() - zipf.mean())
+                data[:, 0] += (router_skew * profile).astype(np.float32)
             yield data
         return _Tensor(name, (p.experts, h), f32, gen)
 
@@ -336,9 +339,6 @@ def _plan(p: Preset, n_vocab: int, qtype: QT, seed: int, router_skew: float, scr
         dense("output.weight", (n_vocab, h), 4.0 / h**0.5),
     ]
     return plan
-
-
-_SKEW_CHANNEL = 4.0
 
 
 # -- writing --------------------------------------------------------------------------------------
