@@ -58,6 +58,7 @@ class StrataDeskApp(App[int]):
     BINDINGS = [
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit_desk", "Quit"),
+        Binding("ctrl+q", "quit_desk", "Quit", show=False, priority=True),
         Binding("c", "copy_url", "Copy URL"),
         Binding("s", "settings", "Settings"),
         Binding("r", "restart", "Restart"),
@@ -151,6 +152,8 @@ class StrataDeskApp(App[int]):
         return self.snapshot.live.running + self.snapshot.live.queued
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if self.mode == "setup" and action not in ("help", "quit_desk", "command_palette"):
+            return False  # the first-run screen: nothing to monitor yet
         if action in ("settings", "restart"):
             return self.can_manage  # hidden (not just greyed out) for a server we cannot manage
         if action == "restore_backup":

@@ -51,7 +51,7 @@ class FirstRunScreen(Screen[Path | None]):
 
     BINDINGS = [
         Binding("escape", "quit_setup", "Quit"),
-        Binding("ctrl+d", "demo", "Demo model"),
+        Binding("ctrl+d", "demo", "Demo model", priority=True),
     ]
 
     def __init__(self) -> None:

@@ -80,9 +80,9 @@ class SettingsScreen(Screen[None]):
                 yield SettingRow(name, kind, getattr(self.base, name), desc)
         with Horizontal(id="settings-buttons", classes="dialog-buttons"):
             yield Static("", id="settings-summary")
-            yield Button("Apply and restart [ctrl+s]", id="apply", variant="warning")
-            yield Button("Revert [ctrl+r]", id="revert")
-            yield Button("Back [esc]", id="back")
+            yield Button("Apply and restart [ctrl+s]", id="apply", variant="warning", compact=True)
+            yield Button("Revert [ctrl+r]", id="revert", compact=True)
+            yield Button("Back [esc]", id="back", compact=True)
         yield Footer()
 
     def on_mount(self) -> None:

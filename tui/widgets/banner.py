@@ -8,7 +8,7 @@ from textual.widgets import Static
 
 class Banner(Static):
     DEFAULT_CSS = """
-    Banner { height: auto; max-height: 16; padding: 0 1; display: none; }
+    Banner { height: auto; max-height: 16; padding: 0 1; display: none; text-wrap: nowrap; text-overflow: ellipsis; }
     Banner.-info { display: block; background: $primary 25%; }
     Banner.-warn { display: block; background: $warning 25%; }
     Banner.-error { display: block; background: $error 25%; border-left: thick $error; }

@@ -50,7 +50,7 @@ class HeaderBar(Horizontal):
     HeaderBar #hdr-model { text-style: bold; color: $text; }
     HeaderBar #hdr-url { color: $accent; text-style: underline; }
     HeaderBar #hdr-url:hover { background: $accent 30%; }
-    HeaderBar #hdr-fill { width: 1fr; margin: 0; }
+    HeaderBar #hdr-detail { width: 1fr; text-wrap: nowrap; text-overflow: ellipsis; color: $text-muted; }
     HeaderBar #hdr-right { margin-right: 0; color: $text-muted; }
     """
 
@@ -59,7 +59,6 @@ class HeaderBar(Horizontal):
         yield Static("", id="hdr-state")
         yield UrlLabel("", id="hdr-url")
         yield Static("", id="hdr-detail")
-        yield Static("", id="hdr-fill")
         yield Static("", id="hdr-right")
 
     def show(self, info: HeaderInfo) -> None:

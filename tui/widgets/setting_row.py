@@ -13,12 +13,12 @@ Kind = Literal["int", "float", "bool", "groups"]
 
 class SettingRow(Vertical):
     DEFAULT_CSS = """
-    SettingRow { height: auto; padding: 0 1; }
+    SettingRow { height: auto; padding: 0 1; margin-bottom: 1; }
     SettingRow > Horizontal { height: auto; }
-    SettingRow .setting-name { width: 16; padding: 1 0 0 0; text-style: bold; }
-    SettingRow Input { width: 14; }
-    SettingRow Switch { width: 14; }
-    SettingRow .setting-desc { width: 1fr; padding: 1 0 0 1; color: $text-muted; }
+    SettingRow .setting-name { width: 16; text-style: bold; }
+    SettingRow Input { width: 12; }
+    SettingRow Switch { width: 12; height: 1; border: none; padding: 0; }
+    SettingRow .setting-desc { width: 1fr; padding: 0 0 0 2; color: $text-muted; }
     SettingRow .setting-msg { height: auto; padding: 0 0 0 17; display: none; }
     SettingRow.-error .setting-msg { display: block; color: $error; }
     SettingRow.-note .setting-msg { display: block; color: $warning; }
@@ -39,7 +39,7 @@ class SettingRow(Vertical):
             if self.kind == "bool":
                 yield Switch(value=bool(self.initial), id=f"in-{self.key}")
             else:
-                yield Input(value=self._text(self.initial), id=f"in-{self.key}", compact=False)
+                yield Input(value=self._text(self.initial), id=f"in-{self.key}", compact=True)
             yield Static(self.description, classes="setting-desc")
         yield Static("", classes="setting-msg")
 

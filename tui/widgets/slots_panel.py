@@ -85,7 +85,10 @@ class SlotsPanel(Panel):
                 for col, value in zip(table.columns, row, strict=True):
                     table.update_cell(str(i), col, value, update_width=True)
         busy = sum(1 for s in live.slots if s.state != "idle")
-        if live.parallel <= 1:
+        if snapshot.engine.state == "starting" or live.state == "loading":
+            self.set_title("Slots: waiting for the engine")
+            note = ""
+        elif live.parallel <= 1:
             self.set_title("Slots: solo path (parallel 1)")
             note = "one request at a time; others wait in the queue"
         else:
