@@ -1,0 +1,86 @@
+"""Our engine against an independent reference: transformers loading the same GGUF in float32.
+
+For each prompt our engine reads the prompt and decodes greedily; the reference then scores
+prompt + our continuation in one forward pass. Logits must agree within a tight tolerance at every
+position, and the reference's argmax at every position must be the token we chose: that is the
+greedy continuation being equal, token by token.
+"""
+
+import pytest
+import torch
+
+from engine.check import Driver
+from engine.layers import Span
+from engine.tokenizer import Tokenizer
+from tests.reference import reference_logits
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Water boils at a temperature of",
+]
+
+
+def our_logits(driver: Driver, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation of `ids` and the logits that chose each token, [n, vocab]."""
+    model, rows = driver.model, []
+    logits = model.forward(torch.tensor(ids), [Span(0, 0, len(ids))])[0]
+    out, pos = [], len(ids)
+    for _ in range(n):
+        rows.append(logits)
+        out.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor([out[-1]]), [Span(0, pos, 1)])[0]
+        pos += 1
+    return out, torch.stack(rows)
+
+
+def check(path, driver, prompt: str, n: int, atol: float):
+    ids = Tokenizer.from_gguf(path).encode(prompt)
+    tokens, ours = our_logits(driver, ids, n)
+    ref = reference_logits(path, ids + tokens)[len(ids) - 1 : len(ids) - 1 + n]
+    assert ours.shape == ref.shape
+    err = (ours - ref).abs().max().item()
+    assert err < atol, f"max logit difference {err} for {prompt!r}"
+    assert ref.argmax(-1).tolist() == tokens, f"greedy continuation differs for {prompt!r}"
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return tiny_model, Driver.load(str(tiny_model), slots=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tiny_model_q8):
+    return tiny_model_q8, Driver.load(str(tiny_model_q8), slots=0)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tiny_matches_reference(tiny, prompt):
+    path, driver = tiny
+    check(path, driver, prompt, 16, atol=1e-3)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_tiny_q8_0_matches_reference(tiny_q8, prompt):
+    path, driver = tiny_q8
+    check(path, driver, prompt, 16, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model):
+    return demo_model, Driver.load(str(demo_model), slots=0, context=512)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_demo_matches_reference(demo, prompt):
+    path, driver = demo
+    check(path, driver, prompt, 16, atol=2e-2)
+
+
+def test_demo_known_continuation(demo):
+    path, driver = demo
+    tokens = check(path, driver, PROMPTS[0], 16, atol=2e-2)
+    # model-notes.md: " the capital of the country of France. It is the largest city in France and"
+    assert tokens[:15] == [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001]
