@@ -424,3 +424,41 @@ async def test_live_first_run_setup_writes_config_and_starts(tmp_path: Path, tin
         written = paths.config_path_for(tiny_model)
         assert written.is_file() and app.config_path == written.resolve()
         await stop_and_quit(pilot, app)
+
+
+async def test_live_broken_config_file_restored_from_backup(tmp_path: Path) -> None:
+    config = fake_config(tmp_path, flags=("--tok-s", "50"))
+    save_config(load_config(config).model_copy(update={"parallel": 2}), config)  # .bak: parallel 4
+    config.write_text('{"model": "x.gguf", "parallel": ')  # then the file breaks
+    app = StrataDeskApp(config_path=config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "The config cannot be used" in screen_text(app), 5, "the config error")
+        assert "not valid JSON" in screen_text(app)
+        await pilot.press("s")  # no settings on a config that does not load
+        await pilot.pause()
+        assert app.screen.id == "dashboard"
+        await pilot.press("u")
+        await wait_ready(pilot, app)
+        assert load_config(config).parallel == 4
+        assert backup_path(config).read_text().endswith('"parallel": ')  # the broken text is kept as .bak
+        await stop_and_quit(pilot, app)
+
+
+async def test_live_engine_death_is_shown(tmp_path: Path) -> None:
+    """An engine that dies under a request: the dashboard shows the error and why; r restarts."""
+    config = fake_config(tmp_path, flags=("--tok-s", "50", "--no-eos", "--die-after", "20"))
+    app = StrataDeskApp(config_path=config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        results: list = []
+        await completion(app.server.url, 100, results)
+        assert results[0][0] == "error"
+        await wait_for(pilot, lambda: "The engine stopped" in screen_text(app), 3, "the engine error banner")
+        text = screen_text(app)
+        assert " error " in text and "illegal memory access" in text
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.screen.id == "restart", 5, "the restart dialog")
+        await pilot.press("enter")
+        await wait_ready(pilot, app)
+        assert "The engine stopped" not in screen_text(app)
+        await stop_and_quit(pilot, app)

@@ -104,9 +104,13 @@ class StrataDeskApp(App[int]):
         self.exit_choice: str | None = None
         if self.server is not None:
             self.config_path = self.server.config_path
-        if self.config_path is not None:
-            self.mode: Mode = "managed"
-            self.phase: Phase = "idle"
+        if first_run and attach_url is None:
+            self.mode: Mode = "setup"  # asked for the first-run screen (even with a config around)
+            self.phase: Phase = "setup"
+            self.config_path = None
+        elif self.config_path is not None:
+            self.mode = "managed"
+            self.phase = "idle"
         elif attach_url:
             self.mode = "attached"
             self.phase = "attached"
@@ -172,12 +176,14 @@ class StrataDeskApp(App[int]):
             from tui.screens.first_run import FirstRunScreen
 
             self.push_screen(FirstRunScreen(), self._first_run_done)
-        elif self.mode == "managed" and self.phase != "failed":
+        elif self.mode == "managed":
             if self.server is None:
                 assert self.config_path is not None
                 found = running_for(self.config_path)
                 self.server = ServerProcess.adopt(found) if found else ServerProcess(self.config_path)
-            if self.server.running:
+            if self.phase == "failed":  # the config did not load: the banner says why, u / s / r help
+                pass
+            elif self.server.running:
                 self._use_url(self.server.url)
                 self.phase = "running"
             else:
@@ -316,6 +322,8 @@ class StrataDeskApp(App[int]):
             version=snap.engine.version if snap else None,
             mode="attached" if self.mode == "attached" else "managed",
             detail=detail,
+            restarts=snap.engine.restarts if snap else 0,
+            last_error=snap.engine.last_error if snap else None,
         )
 
     def banner(self) -> tuple[str | None, str, str, str]:
@@ -341,8 +349,10 @@ class StrataDeskApp(App[int]):
             return "error", f"Cannot read {self.base_url}/metrics: {self.poll_error}", "", "q quit"
         snap = self.snapshot
         if snap is not None and (snap.engine.state == "dead" or snap.live.state == "dead"):
-            return ("error", "The engine stopped" + (f": {snap.engine.last_error}" if snap.engine.last_error else ""),
-                    f"restarts so far: {snap.engine.restarts}", "l full log   r restart")
+            first, _, rest = (snap.engine.last_error or "").partition("\n")
+            detail = rest + (f"\nrestarts so far: {snap.engine.restarts}" if snap.engine.restarts else "")
+            keys = "r restart   l full log" if self.can_manage else "l full log"
+            return "error", "The engine stopped" + (f": {first}" if first else ""), detail.strip(), keys
         return None, "", "", ""
 
     def refresh_view(self) -> None:
@@ -379,6 +389,9 @@ class StrataDeskApp(App[int]):
     def action_settings(self) -> None:
         if not self.can_manage:
             self.notify("settings need a server this dashboard manages", severity="warning")
+            return
+        if self.config is None:
+            self.notify("the config file does not load (see the banner); u restores the .bak", severity="error")
             return
         from tui.screens.settings import SettingsScreen
 
@@ -457,8 +470,9 @@ class StrataDeskApp(App[int]):
         self.config = previous
         self.logbuf.add("desk", f"restored {bak.name} over {self.config_path.name}; restarting")
         self.notify("previous config restored; restarting", timeout=3)
-        if self.server is not None:
-            self.start_server(restart=True)
+        if self.server is None:
+            self.server = ServerProcess(self.config_path)
+        self.start_server(restart=self.server.running)
 
     def action_quit_desk(self) -> None:
         if self.server is not None and self.server.running and self.phase != "failed":

@@ -31,6 +31,8 @@ class HeaderInfo:
     version: str | None = None
     mode: str = ""  # "managed", "attached"
     detail: str = ""  # e.g. "starting the engine (12 s)"
+    restarts: int = 0  # times the server had to restart a dead engine
+    last_error: str | None = None
 
 
 class UrlLabel(Static):
@@ -70,11 +72,15 @@ class HeaderBar(Horizontal):
         url.update(info.url)
         url.tooltip = "click or press c to copy" if info.url else None
         self.query_one("#hdr-detail", Static).update(Text(info.detail, style="italic"))
-        parts = []
+        parts: list[str | Text] = []
+        right = self.query_one("#hdr-right", Static)
+        if info.restarts:
+            parts.append(Text(f"engine restarted {info.restarts}x", style="bold yellow"))
+            right.tooltip = f"last engine error: {info.last_error}" if info.last_error else None
         if info.uptime_s is not None:
             parts.append(f"up {duration(info.uptime_s)}")
         if info.version:
             parts.append(f"engine {info.version}")
         if info.mode == "attached":
             parts.append("attached")
-        self.query_one("#hdr-right", Static).update("  ".join(parts))
+        right.update(Text("  ").join(Text(p) if isinstance(p, str) else p for p in parts))

@@ -40,14 +40,25 @@ class RequestsPanel(Panel):
 
     def compose(self) -> ComposeResult:
         table: DataTable[Text] = DataTable(cursor_type="row", zebra_stripes=True)
-        table.add_columns(*COLUMNS)
+        self._ago = table.add_columns(*COLUMNS)[0]
+        self._ids: list[str] = []
         yield table
 
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         table = self.query_one(DataTable)
-        table.clear()
-        for row in snapshot.requests[:50]:
-            table.add_row(*request_cells(row, snapshot.time))
+        rows = snapshot.requests[:50]
+        ids = [row.id for row in rows]
+        if ids == self._ids:  # same requests: only the ages move; the cursor and scroll stay put
+            for row in rows:
+                table.update_cell(row.id, self._ago, request_cells(row, snapshot.time)[0], update_width=True)
+        else:
+            cursor = table.cursor_row
+            table.clear()
+            for row in rows:
+                table.add_row(*request_cells(row, snapshot.time), key=row.id)
+            if rows:
+                table.move_cursor(row=min(cursor, len(rows) - 1), animate=False)
+            self._ids = ids
         t = snapshot.totals
         self.set_title(f"Recent requests ({t.requests} total)")
         tail = f"{count(t.output_tokens)} tokens out, {count(t.prompt_tokens)} in"

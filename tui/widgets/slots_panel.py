@@ -85,7 +85,10 @@ class SlotsPanel(Panel):
                 for col, value in zip(table.columns, row, strict=True):
                     table.update_cell(str(i), col, value, update_width=True)
         busy = sum(1 for s in live.slots if s.state != "idle")
-        if snapshot.engine.state == "starting" or live.state == "loading":
+        if snapshot.engine.state == "dead" or live.state == "dead":
+            self.set_title("Slots: the engine stopped")
+            note = ""
+        elif snapshot.engine.state == "starting" or live.state == "loading":
             self.set_title("Slots: waiting for the engine")
             note = ""
         elif live.parallel <= 1:
