@@ -379,6 +379,10 @@ async def test_live_bench_screen_arms(tmp_path: Path) -> None:
         await pilot.press("ctrl+s")
         table = screen.query_one("#bench-table")
         await wait_for(pilot, lambda: table.row_count >= 1, 30, "the first result row")
+        await pilot.press("escape")  # back to the dashboard: the bench goes on, the banner says so
+        await wait_for(pilot, lambda: "Benchmark running" in screen_text(app), 5, "the bench banner")
+        await pilot.press("b")
+        assert app.screen is screen
         await wait_for(pilot, lambda: not screen.running, 90, "the bench to finish")
         status = str(screen.query_one("#bench-status").content)
         assert "done" in status, status

@@ -21,7 +21,7 @@ from tui.logs import FileTail, LogBuffer
 from tui.screens.restart import diff_text
 from tui.screens.settings import divisors, field_errors
 from tui.view import History, dash_state, has_tier_data, is_dense, solo_active, solo_tok_s, supported_options
-from tui.widgets.gpu_panel import gpu_segments
+from tui.widgets.gpu_card import gpu_segments
 from tui.widgets.path_suggester import PathSuggester
 from tui.widgets.segment_bar import split_cells
 

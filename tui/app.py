@@ -102,6 +102,7 @@ class StrataDeskApp(App[int]):
         self.failure: tuple[str, list[str]] | None = None
         self._drain_now = False
         self.exit_choice: str | None = None
+        self.bench_status: str | None = None  # set by the bench screen while arms restart the server
         if self.server is not None:
             self.config_path = self.server.config_path
         if first_run and attach_url is None:
@@ -345,6 +346,8 @@ class StrataDeskApp(App[int]):
                     "", "x restart now   esc cancel the restart")
         if self.phase == "stopping":
             return "info", "Stopping the server and the engine ...", "", ""
+        if self.bench_status:
+            return "info", f"Benchmark running: {self.bench_status}", "", "b shows the bench"
         if self.poll_error and self.base_url:
             return "error", f"Cannot read {self.base_url}/metrics: {self.poll_error}", "", "q quit"
         snap = self.snapshot
@@ -398,9 +401,13 @@ class StrataDeskApp(App[int]):
         self.push_screen(SettingsScreen())
 
     def action_bench(self) -> None:
+        """The bench screen is installed once, so a benchmark goes on while the dashboard shows."""
         from tui.screens.bench import BenchScreen
 
-        self.push_screen(BenchScreen())
+        if not self.is_screen_installed("bench"):
+            self.install_screen(BenchScreen(), name="bench")
+        if self.screen.id != "bench":
+            self.push_screen("bench")
 
     def action_restart(self) -> None:
         if not self.can_manage:

@@ -143,16 +143,19 @@ class BenchScreen(Screen[None]):
 
     def _finished(self, text: str, style: str = "") -> None:
         self.running = False
+        self.app.bench_status = None
         if self.is_mounted:
             self.query_one("#bench-run", Button).disabled = False
             self.query_one("#bench-stop", Button).disabled = True
             self.status(text, style)
 
     def on_status(self, text: str) -> None:
+        self.app.bench_status = text
         if self.is_mounted:
             self.status(text, "italic")
 
     def on_row(self, row: Any) -> None:
+        self.app.bench_status = f"{row.setting}, {row.concurrency} concurrent: {row.total_tok_s:.1f} tok/s"
         if not self.is_mounted:
             return
         vs = "-" if row.versus_first is None else f"{(row.versus_first.ratio - 1) * 100:+.0f}%"

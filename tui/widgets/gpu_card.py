@@ -1,0 +1,82 @@
+"""One GPU: a VRAM bar split into weights, expert cache, slot sessions, KV, other and free, with
+util, temperature and power."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+
+from server.metrics_schema import GpuInfo
+from tui.format import mib
+from tui.widgets.segment_bar import Segment, SegmentBar
+
+PARTS = (
+    ("weights", "weights_mib", "dodger_blue2"),
+    ("experts", "experts_mib", "medium_purple2"),
+    ("slots", "slots_mib", "gold3"),
+    ("KV", "kv_mib", "green3"),
+    ("other", "other_mib", "grey50"),
+)
+FREE_STYLE = "grey23"
+
+
+def gpu_segments(gpu: GpuInfo) -> list[Segment]:
+    segs: list[Segment] = []
+    if gpu.split is not None:
+        accounted = 0.0
+        for label, attr, style in PARTS:
+            value = getattr(gpu.split, attr) or 0.0
+            accounted += value
+            segs.append(Segment(label, value, style))
+        free = gpu.split.free_mib if gpu.split.free_mib is not None else gpu.free_mib
+        if gpu.split.other_mib is None:
+            other = max(0.0, gpu.total_mib - free - accounted)
+            segs[-1] = Segment("other", other, "grey50")
+    else:
+        segs.append(Segment("used", gpu.used_mib, "grey62"))
+        free = gpu.free_mib
+    segs.append(Segment("free", max(0.0, free), FREE_STYLE, "░"))
+    return segs
+
+
+def legend(segs: list[Segment]) -> Text:
+    text = Text()
+    for seg in segs:
+        if seg.value <= 0 and seg.label not in ("free",):
+            continue
+        text.append("■ ", style=seg.style if seg.label != "free" else "grey50")
+        text.append(f"{seg.label} {mib(seg.value)}  ")
+    return text
+
+
+class GpuCard(Vertical):
+    DEFAULT_CSS = """
+    GpuCard { height: auto; margin-bottom: 0; }
+    GpuCard .gpu-title { height: 1; }
+    GpuCard .gpu-legend { height: auto; color: $text-muted; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="gpu-title")
+        yield SegmentBar(empty="no memory figures")
+        yield Static("", classes="gpu-legend")
+
+    def show(self, gpu: GpuInfo) -> None:
+        title = Text()
+        title.append(f"GPU{gpu.index} ", style="bold")
+        title.append(f"{gpu.name}  ")
+        title.append(f"{mib(gpu.used_mib)} / {mib(gpu.total_mib)}", style="bold")
+        if gpu.util_pct is not None:
+            title.append(f"  util {gpu.util_pct:.0f}%")
+        if gpu.temp_c is not None:
+            title.append(f"  {gpu.temp_c:.0f}°C", style="bold red" if gpu.temp_c >= 85 else "")
+        if gpu.power_w is not None:
+            title.append(f"  {gpu.power_w:.0f} W")
+            if gpu.power_limit_w:
+                title.append(f"/{gpu.power_limit_w:.0f}", style="dim")
+        self.query_one(".gpu-title", Static).update(title)
+        segs = gpu_segments(gpu)
+        self.query_one(SegmentBar).segments = tuple(segs)
+        self.query_one(".gpu-legend", Static).update(legend(segs))
