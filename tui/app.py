@@ -8,6 +8,7 @@ running; a failed start -> failed (the log tail on screen, `u` restores the .bak
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 from typing import Literal
@@ -37,6 +38,17 @@ HERE = Path(__file__).parent
 
 def backup_path(config_path: Path) -> Path:
     return config_path.with_name(config_path.name + ".bak")
+
+
+def lan_address() -> str | None:
+    """This machine's address on its network (no packet is sent), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(("10.255.255.255", 1))
+            address = sock.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
 
 
 def _norm_url(url: str) -> str:
@@ -149,7 +161,17 @@ class StrataDeskApp(App[int]):
 
     @property
     def url(self) -> str:
-        return api_url(self.base_url) if self.base_url else ""
+        """The URL to give clients: on a server listening on all interfaces, this machine's address
+        on the network (others cannot use 127.0.0.1)."""
+        if not self.base_url:
+            return ""
+        host = self.config.host if self.config is not None else None
+        if self.mode != "attached" and host in ("0.0.0.0", "::"):
+            address = lan_address()
+            if address:
+                port = self.base_url.rsplit(":", 1)[-1]
+                return api_url(f"http://{address}:{port}")
+        return api_url(self.base_url)
 
     def inflight(self) -> int:
         if self.snapshot is None or self.poll_error:
@@ -324,6 +346,7 @@ class StrataDeskApp(App[int]):
             mode="attached" if self.mode == "attached" else "managed",
             detail=detail,
             restarts=snap.engine.restarts if snap else 0,
+            key=bool(snap.config.api_key_set) if snap else False,
             last_error=snap.engine.last_error if snap else None,
         )
 

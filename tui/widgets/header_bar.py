@@ -32,6 +32,7 @@ class HeaderInfo:
     mode: str = ""  # "managed", "attached"
     detail: str = ""  # e.g. "starting the engine (12 s)"
     restarts: int = 0  # times the server had to restart a dead engine
+    key: bool = False  # clients need an API key
     last_error: str | None = None
 
 
@@ -77,6 +78,8 @@ class HeaderBar(Horizontal):
         if info.restarts:
             parts.append(Text(f"engine restarted {info.restarts}x", style="bold yellow"))
             right.tooltip = f"last engine error: {info.last_error}" if info.last_error else None
+        if info.key:
+            parts.append(Text("API key on", style="bold"))
         if info.uptime_s is not None:
             parts.append(f"up {duration(info.uptime_s)}")
         if info.version:
