@@ -291,6 +291,8 @@ class StrataDeskApp(App[int]):
                     snapshot = await source.fetch()
                 except PollError as exc:
                     self.poll_error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - polling must outlive any surprise
+                    self.poll_error = f"{type(exc).__name__}: {exc}"
                 else:
                     self.poll_error = None
                     self._on_snapshot(snapshot)
