@@ -231,7 +231,11 @@ class StrataDeskApp(App[int]):
         self.base_url = _norm_url(base_url)
         if self.source is None or isinstance(self.source, MetricsClient):
             if not (isinstance(self.source, MetricsClient) and self.source.base_url == self.base_url):
-                self.source = MetricsClient(self.base_url, self.api_key or (self.config.api_key if self.config else None))
+                old = self.source
+                key = self.api_key or (self.config.api_key if self.config else None)
+                self.source = MetricsClient(self.base_url, key)
+                if old is not None:
+                    self.run_worker(old.aclose(), exit_on_error=False)
                 self.poll()
         if self.server is not None and "server" not in self.tails:
             self.tails["server"] = FileTail(self.server.log_path, "server")
