@@ -383,7 +383,8 @@ class StrataDeskApp(App[int]):
         if snap is not None and (snap.engine.state == "dead" or snap.live.state == "dead"):
             first, _, rest = (snap.engine.last_error or "").partition("\n")
             detail = rest + (f"\nrestarts so far: {snap.engine.restarts}" if snap.engine.restarts else "")
-            keys = "r restart   l full log" if self.can_manage else "l full log"
+            keys = "the server starts it again for the next request   " + (
+                "r restart now   l full log" if self.can_manage else "l full log")
             return "error", "The engine stopped" + (f": {first}" if first else ""), detail.strip(), keys
         return None, "", "", ""
 
