@@ -84,7 +84,24 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
             tokens = logits.argmax(-1).tolist()
         sync(device)
         out["batch_tok_s"] = slots * decode / (time.perf_counter() - t0)
+        out["batch_rows"] = list(zip(rows, tokens, strict=True))
+    out["solo_row"] = (runner.solo, token)
+    out["runner"] = runner
     return out
+
+
+def profile(runner: Runner, rows: list, device: torch.device, windows: int = 3) -> str:
+    """Where a window's time goes: the top operators by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(windows):
+            runner.decode(rows)
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=64, help="tokens to decode")
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
     args = p.parse_args(argv)
 
     device = pick_device(args.device)
@@ -121,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if "batch_tok_s" in r:
         print(f"batch        {r['batch_tok_s']:.1f} tok/s aggregate over {args.slots} rows "
               f"({r['batch_tok_s'] / r['decode_tok_s']:.2f}x one row)")
+    if args.profile:
+        print("\none row:\n" + profile(r["runner"], [r["solo_row"]], device))
+        if "batch_rows" in r:
+            print(f"\n{args.slots} rows:\n" + profile(r["runner"], r["batch_rows"], device))
     return 0
 
 

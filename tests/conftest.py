@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The tiny test model gains nothing from threads, and on a busy two-core machine torch's thread pool
+# makes it many times slower; engine processes the tests start inherit this too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

@@ -10,6 +10,7 @@ import torch
 
 from engine import protocol as P
 from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
+from engine.layers import Span
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +139,16 @@ def test_bad_batch_commands(driver):
     lines = driver.run(["BGEN 9 4 1,2", "BGEN 0 4 1,2", "BGEN 0 4 3,4"])
     errs = [ln for ln in lines if ln.startswith("ERR")]
     assert errs == ["ERR slot 9 does not exist (0..7)", "ERR slot 0 is busy"]
+
+
+def test_default_mode_window_agrees_with_rows_alone(driver):
+    """Without --exact the rows share each product (and one attention call): equal within rounding."""
+    prompts = sample_prompts(driver.model.hyper.vocab, 4, seed=71)
+    driver.reset()
+    lines = driver.run([bgen(i, p, 1) for i, p in enumerate(prompts)])
+    firsts = collect(lines).slots
+    spans = [Span(i, len(p), 1) for i, p in enumerate(prompts)]
+    tokens = torch.tensor([firsts[i][0] for i in range(4)])
+    together = driver.model.forward(tokens, spans)
+    alone = torch.cat([driver.model.forward(tokens[i : i + 1], [spans[i]]) for i in range(4)])
+    assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4)

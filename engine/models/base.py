@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.kv import KVCache
-from engine.layers import Span
+from engine.layers import Rope, Span, Window, attend, rms_norm
 from engine.quants import load_tensor
 
 
@@ -91,22 +92,29 @@ class Model:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.w["token_embd"][tokens]
 
-    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def block(self, i: int, x: torch.Tensor, rows: Window) -> torch.Tensor:
         raise NotImplementedError
+
+    def attention(self, i: int, a: torch.Tensor, rows: Window, rope: Rope, scale: float,
+                  window: int | None = None) -> torch.Tensor:
+        """q/k/v projections, per-head q/k RMSNorm, rope, attention over the sessions: [N, Hq * D]."""
+        w, h, p = self.w, self.hyper, f"blk.{i}."
+        q = F.linear(a, w[p + "attn_q"]).view(-1, h.heads, h.head_dim)
+        k = F.linear(a, w[p + "attn_k"]).view(-1, h.kv_heads, h.head_dim)
+        v = F.linear(a, w[p + "attn_v"]).view(-1, h.kv_heads, h.head_dim)
+        q = rope(rms_norm(q, w[p + "attn_q_norm"], h.eps), rows.positions)
+        k = rope(rms_norm(k, w[p + "attn_k_norm"], h.eps), rows.positions)
+        return attend(q, k, v, self.kv.k[i], self.kv.v[i], rows, scale, window)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         """Feed the window's rows; returns float32 logits of each span's last row, [len(spans), vocab]."""
-        positions = torch.cat([torch.arange(s.start, s.end) for s in spans]).to(self.device)
+        rows = Window.of(spans, self.device)
         x = self.embed(tokens.to(self.device))
         for i in range(self.hyper.layers):
-            x = self.block(i, x, positions, spans)
-        last = torch.tensor([0] + [s.length for s in spans]).cumsum(0)[1:] - 1
-        x = self.final_norm(x[last.to(self.device)])
-        return torch.nn.functional.linear(x, self.head_weight).float()
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+            x = self.block(i, x, rows)
+        x = rms_norm(x[rows.last], self.w["output_norm"], self.hyper.eps)
+        return F.linear(x, self.head_weight).float()
 
     def expert_bytes(self) -> int:
         return self.w.bytes(lambda n: "_exps" in n)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.gguf_file import GGUFFile
-from engine.layers import Rope, Span, attend, rms_norm
+from engine.layers import Rope, Window, rms_norm
 from engine.models.base import Hyper, Model
 
 LOCAL_ROPE_BASE = 10_000.0  # not in the GGUF metadata: Gemma 3's sliding layers use this base
@@ -35,22 +35,14 @@ class Gemma3(Model):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.w["token_embd"][tokens] * self.embed_scale.to(self.device)
 
-    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def block(self, i: int, x: torch.Tensor, rows: Window) -> torch.Tensor:
         w, h = self.w, self.hyper
         p = f"blk.{i}."
         full = self.is_full(i)
-        rope = self.rope_full if full else self.rope_local
         a = rms_norm(x, w[p + "attn_norm"], h.eps)
-        q = F.linear(a, w[p + "attn_q"]).view(-1, h.heads, h.head_dim)
-        k = F.linear(a, w[p + "attn_k"]).view(-1, h.kv_heads, h.head_dim)
-        v = F.linear(a, w[p + "attn_v"]).view(-1, h.kv_heads, h.head_dim)
-        q = rope(rms_norm(q, w[p + "attn_q_norm"], h.eps), positions)
-        k = rope(rms_norm(k, w[p + "attn_k_norm"], h.eps), positions)
-        o = attend(q, k, v, self.kv.k[i], self.kv.v[i], spans, self.scale, None if full else self.window)
+        rope = self.rope_full if full else self.rope_local
+        o = self.attention(i, a, rows, rope, self.scale, None if full else self.window)
         x = x + rms_norm(F.linear(o, w[p + "attn_output"]), w[p + "post_attention_norm"], h.eps)
         m = rms_norm(x, w[p + "ffn_norm"], h.eps)
         f = F.gelu(F.linear(m, w[p + "ffn_gate"]), approximate="tanh") * F.linear(m, w[p + "ffn_up"])
         return x + rms_norm(F.linear(f, w[p + "ffn_down"]), w[p + "post_ffw_norm"], h.eps)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.w["output_norm"], self.hyper.eps)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.gguf_file import GGUFFile
-from engine.layers import Rope, Span, attend, default_scale, moe_swiglu, rms_norm, route
+from engine.layers import Rope, Window, default_scale, moe_swiglu, rms_norm, route
 from engine.models.base import Hyper, Model
 
 
@@ -21,20 +21,11 @@ class Qwen3Moe(Model):
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device)
         self.scale = default_scale(hyper.head_dim)
 
-    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def block(self, i: int, x: torch.Tensor, rows: Window) -> torch.Tensor:
         w, h = self.w, self.hyper
         p = f"blk.{i}."
-        a = rms_norm(x, w[p + "attn_norm"], h.eps)
-        q = F.linear(a, w[p + "attn_q"]).view(-1, h.heads, h.head_dim)
-        k = F.linear(a, w[p + "attn_k"]).view(-1, h.kv_heads, h.head_dim)
-        v = F.linear(a, w[p + "attn_v"]).view(-1, h.kv_heads, h.head_dim)
-        q = self.rope(rms_norm(q, w[p + "attn_q_norm"], h.eps), positions)
-        k = self.rope(rms_norm(k, w[p + "attn_k_norm"], h.eps), positions)
-        o = attend(q, k, v, self.kv.k[i], self.kv.v[i], spans, self.scale)
+        o = self.attention(i, rms_norm(x, w[p + "attn_norm"], h.eps), rows, self.rope, self.scale)
         x = x + F.linear(o, w[p + "attn_output"])
         m = rms_norm(x, w[p + "ffn_norm"], h.eps)
         weights, ids = route(m, w[p + "ffn_gate_inp"], h.experts_used, normalize=True)
         return x + moe_swiglu(m, weights, ids, w[p + "ffn_gate_exps"], w[p + "ffn_up_exps"], w[p + "ffn_down_exps"])
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.w["output_norm"], self.hyper.eps)
