@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+ATTEND_BUCKET = 256
+
 
 @dataclass(frozen=True)
 class Span:
@@ -126,7 +128,9 @@ def _attend_rows(q, k, v, k_cache, v_cache, rows: Window, scale: float, window: 
     spans, sessions, pos = rows.spans, rows.sessions, rows.positions
     k_cache[sessions, :, pos] = k
     v_cache[sessions, :, pos] = v
-    length = max(s.end for s in spans)
+    # padded to a multiple of ATTEND_BUCKET: the attention kernels then see a handful of shapes
+    # instead of a new one every step (cuDNN plans a kernel per shape, ~3 ms of CPU each)
+    length = min(-(-max(s.end for s in spans) // ATTEND_BUCKET) * ATTEND_BUCKET, k_cache.shape[2])
     n_rep = q.shape[1] // k.shape[1]
     keys = k_cache[sessions, :, :length].repeat_interleave(n_rep, dim=1)  # [R, Hq, L, D]
     values = v_cache[sessions, :, :length].repeat_interleave(n_rep, dim=1)
