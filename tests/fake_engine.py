@@ -447,7 +447,8 @@ class FakeEngine:
     def run(self) -> None:
         threading.Thread(target=self.reader, daemon=True).start()
         self.log(f"loading (startup {self.startup_s} s, {self.nslots} slots)")
-        info = {"engine": "fake-0.1", "context": self.context, "kv": "fp16", "expert_slots": 96, "pcie_frac": 0}
+        info = {"engine": "fake-0.1", "context": self.context, "kv": "fp16", "expert_slots": 96, "pcie_frac": 0,
+                "experts": 128, "unsupported": "batch_mtp,adapt_async" + ("" if self.groups > 1 else ",batch_groups")}
         if self.nslots:
             info.update(batch_slots=self.nslots, slot_cache=1, batch_groups=self.groups)
         self.send(Info(info))

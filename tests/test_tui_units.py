@@ -20,7 +20,16 @@ from tui.format import duration, rate, spark, spark_rows
 from tui.logs import FileTail, LogBuffer
 from tui.screens.restart import diff_text
 from tui.screens.settings import divisors, field_errors
-from tui.view import History, dash_state, has_tier_data, is_dense, solo_active, solo_tok_s, supported_options
+from tui.view import (
+    History,
+    dash_state,
+    has_tier_data,
+    is_dense,
+    solo_active,
+    solo_tok_s,
+    supported_options,
+    unsupported_options,
+)
 from tui.widgets.gpu_card import gpu_segments
 from tui.widgets.path_suggester import PathSuggester
 from tui.widgets.segment_bar import split_cells
@@ -54,9 +63,9 @@ def test_gpu_segments_split_and_unaccounted_memory() -> None:
 
 def test_supported_options_from_info_keys() -> None:
     assert supported_options(EngineView(info={"batch_groups": 1, "batch_slots": 4})) == set()
-    assert supported_options(EngineView(info={"batch_groups": 2})) == {"batch_groups"}
-    assert supported_options(EngineView(info={"supports": "batch_mtp,adapt-async"})) == {"batch_mtp", "adapt_async"}
-    assert supported_options(EngineView(info={"batch_mtp": 1, "adapt_async": "0"})) == {"batch_mtp"}
+    assert supported_options(EngineView(info={"unsupported": "batch_mtp,adapt_async,pcie_frac"})) == {"batch_groups"}
+    assert supported_options(EngineView(info={"unsupported": ""})) == {"batch_mtp", "adapt_async", "batch_groups"}
+    assert unsupported_options(EngineView(info={"unsupported": "batch_mtp,pcie_frac"})) == {"batch_mtp", "pcie_frac"}
     assert supported_options(None) == set()
 
 
@@ -64,11 +73,10 @@ def test_dense_and_tier_states() -> None:
     assert is_dense(preview.cpu_dense())
     moe = preview.idle()
     assert not is_dense(moe) and has_tier_data(moe)
-    moe.engine.info = {}
     moe.tier = None
     moe.stats = None
     assert not is_dense(moe) and not has_tier_data(moe)  # no data yet
-    moe.stats = preview.idle().stats  # STATS arrived without a tier: a dense model
+    moe.engine.info = {"experts": 0}  # the engine says the model is dense
     assert is_dense(moe)
 
 

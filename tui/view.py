@@ -14,65 +14,31 @@ from server.metrics_schema import EngineView, LiveView, MetricsSnapshot
 
 DashState = Literal["loading", "ready", "busy", "error", "stopped"]
 
-# Options a stock engine may not run yet: shown as "not supported by this engine yet" unless the
-# engine says otherwise in its INFO keys (see `supported_options`).
+# Options the engine may not run yet; a running engine lists the ones it accepts but does not run
+# in its INFO key `unsupported` (docs/protocol.md). The first three change what a window does; the
+# tier options only tune an expert tier that is not the whole model.
 OPTIONAL_OPTIONS = ("batch_mtp", "adapt_async", "batch_groups")
+TIER_OPTIONS = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "pcie_frac")
 
-_TRUE = {"1", "true", "yes", "on"}
 
-
-def _truthy(value: object) -> bool:
-    return str(value).strip().lower() in _TRUE
+def unsupported_options(engine: EngineView | None) -> set[str]:
+    """What the engine says it does not run (empty before it has started)."""
+    if engine is None:
+        return set()
+    return {p.strip() for p in str(engine.info.get("unsupported", "")).split(",") if p.strip()}
 
 
 def supported_options(engine: EngineView | None) -> set[str]:
-    """The optional options this engine runs, from its INFO keys.
-
-    Recognised forms (any of them): `supports=batch_mtp,adapt_async` (also `options=`,
-    `features=`), or one key per option: `batch_mtp=1`, `supports_batch_mtp=1`, `adapt_async=1`,
-    and `batch_groups` / `max_batch_groups` above 1 for pipelined groups.
-    """
-    found: set[str] = set()
-    if engine is None:
-        return found
-    info = {str(k).lower().replace("-", "_"): v for k, v in engine.info.items()}
-    for key in ("supports", "options", "features", "supported_options"):
-        if key in info:
-            found.update(p.strip().replace("-", "_") for p in str(info[key]).split(",") if p.strip())
-    for name in OPTIONAL_OPTIONS:
-        # a plain `batch_groups=` key is the group count the engine runs, not a capability flag
-        plain = () if name == "batch_groups" else (name,)
-        for key in (*plain, f"supports_{name}", f"{name}_supported"):
-            if key in info and _truthy(info[key]):
-                found.add(name)
-    for key in ("batch_groups", "max_batch_groups"):
-        try:
-            if key in info and int(float(info[key])) > 1:
-                found.add("batch_groups")
-        except ValueError:
-            pass
-    return found & set(OPTIONAL_OPTIONS)
+    """The optional options this engine runs: none until an engine has said otherwise."""
+    if engine is None or "unsupported" not in engine.info:
+        return set()
+    return set(OPTIONAL_OPTIONS) - unsupported_options(engine)
 
 
 def is_dense(snapshot: MetricsSnapshot) -> bool:
     """True when the model has no routed experts (the tier panels say "dense model")."""
-    info = {str(k).lower(): v for k, v in snapshot.engine.info.items()}
-    for key in ("expert_count", "experts", "n_experts", "routed_experts"):
-        if key in info:
-            try:
-                return int(float(info[key])) == 0
-            except ValueError:
-                pass
-    for key in ("moe", "is_moe"):
-        if key in info:
-            return not _truthy(info[key])
-    if "dense" in info:
-        return _truthy(info["dense"])
-    if snapshot.tier is not None:
-        return snapshot.tier.experts_total == 0
-    # The engine's STATS carry `tier: null` for a dense model: once STATS arrived without a tier,
-    # the model is dense; before the first STATS we do not know yet.
-    return snapshot.stats is not None and snapshot.stats.at is not None
+    experts = snapshot.engine.info.get("experts")
+    return experts is not None and int(experts) == 0
 
 
 def has_tier_data(snapshot: MetricsSnapshot) -> bool:

@@ -17,7 +17,7 @@ from textual.widgets import Button, Footer, Input, Static, Switch
 from server.config import RunConfig
 from server.metrics_schema import MetricsSnapshot
 from tui.screens.restart import RestartScreen
-from tui.view import OPTIONAL_OPTIONS, supported_options
+from tui.view import OPTIONAL_OPTIONS, TIER_OPTIONS, supported_options, unsupported_options
 from tui.widgets.setting_row import Kind, SettingRow
 
 SETTINGS: list[tuple[str, Kind, str]] = [
@@ -152,6 +152,9 @@ class SettingsScreen(Screen[None]):
             else:
                 notes[option] = UNSUPPORTED
         notes.setdefault("batch_groups", self._groups_note(data))
+        snapshot = self.app.snapshot
+        for option in set(TIER_OPTIONS) & unsupported_options(snapshot.engine if snapshot else None):
+            notes.setdefault(option, "kept in the config; no effect yet: this engine holds every expert in memory")
         for row in self.rows():
             row.show_message(errors.get(row.key), notes.get(row.key))
             row.set_class(row.key not in errors and data.get(row.key) != getattr(self.base, row.key), "-changed")
