@@ -12,17 +12,16 @@ import torch
 from engine import __version__
 from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
-from engine.kv import KVCache
-from engine.memory import MIB, free_bytes
-from engine.models import load_model
+from engine.loading import DTYPES, fit_slots, log, pick_device, pick_dtype
+from engine.memory import MIB
+from engine.models import architecture_of, load_model
 from engine.runner import Runner
 from engine.serve import Server
 from engine.stop_tokens import stop_token_ids
 
-MAX_SLOTS = 8  # a window holds at most 8 slot rows, as upstream's
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident).
-UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "pcie_frac", "adapt_every")
+UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "adapt_every", "adapt_swaps", "adapt_decay",
+               "adapt_min_gain", "pcie_frac")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,41 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def log(msg: str) -> None:
-    print(f"strata-engine: {msg}", file=sys.stderr, flush=True)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise GGUFError("--device cuda: CUDA is not available in this torch build or on this machine")
-    return torch.device(name)
-
-
-def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device) -> int:
-    """As many slots as asked that fit in memory beside the weights; 0 when not two fit."""
-    if asked <= 0:
-        return 0
-    if asked > MAX_SLOTS:
-        log(f"--batch {asked}: a window holds at most {MAX_SLOTS} slots; running {MAX_SLOTS}")
-    want = min(asked, MAX_SLOTS)
-    arch = g.architecture
-    heads = int(g.arch_key("attention.head_count", 1))
-    per_session = KVCache.bytes_per_session(
-        int(g.arch_key("block_count", 1)), int(g.arch_key("attention.head_count_kv", heads)), context,
-        int(g.arch_key("attention.key_length", int(g.arch_key("embedding_length", 1)) // heads)), dtype)
-    weights = sum(t.nbytes for t in g.tensors.values()) * (4 if dtype == torch.float32 else 2)  # upper bound
-    free, _ = free_bytes(device)
-    reserve = 1024 * MIB
-    fit = max(0, (free - weights - reserve) // per_session - 1)  # the solo session comes first
-    n = min(want, int(fit))
-    if n < want:
-        log(f"--batch {asked}: {n} slots fit ({per_session / MIB:.0f} MiB each at context {context}, "
-            f"{free / MIB:.0f} MiB free before loading {arch})")
-    return n if n >= 2 else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -89,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         device = pick_device(args.device)
-        dtype = DTYPES[args.dtype or ("f32" if device.type == "cpu" else "bf16")]
+        dtype = pick_dtype(args.dtype, device)
         g = GGUFFile(args.model)
+        architecture_of(g)
         model_ctx = int(g.arch_key("context_length", args.max_context))
         context = max(64, min(args.max_context, model_ctx))
         slots = fit_slots(args.batch, g, context, dtype, device)

@@ -13,9 +13,7 @@ import time
 
 import torch
 
-from engine.__main__ import DTYPES, pick_device
-from engine.gguf_file import GGUFFile
-from engine.models import load_model
+from engine.loading import DTYPES, open_model
 from engine.models.base import Model
 from engine.runner import Runner
 
@@ -116,11 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
     args = p.parse_args(argv)
 
-    device = pick_device(args.device)
-    dtype = DTYPES[args.dtype or ("f32" if device.type == "cpu" else "bf16")]
     t0 = time.perf_counter()
-    g = GGUFFile(args.model)
-    model = load_model(g, device, dtype, sessions=args.slots + 1, context=args.context)
+    g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context)
+    device, dtype = model.device, model.dtype
     sync(device)
     load_s = time.perf_counter() - t0
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 256 << 20)

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import protocol as P
-from engine.__main__ import DTYPES, pick_device
-from engine.gguf_file import GGUFFile
-from engine.models import load_model
+from engine.loading import open_model
 from engine.models.base import Model
 from engine.runner import Runner
 from engine.serve import Server
@@ -41,10 +39,7 @@ class Driver:
     @classmethod
     def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, dtype: str | None = None,
              **kw) -> Driver:
-        g = GGUFFile(path)
-        dev = pick_device(device)
-        dtype = DTYPES[dtype or ("f32" if dev.type == "cpu" else "bf16")]
-        model = load_model(g, dev, dtype, sessions=slots + 1, context=context)
+        g, model = open_model(path, device, dtype, slots, context)
         return cls(model, stop_token_ids(g.metadata), slots, **kw)
 
     def _fresh(self) -> Server:
@@ -110,11 +105,16 @@ def collect(lines: list[str]) -> Streams:
 
 
 def gen(ids: list[int], max_new: int, keys: str = "") -> str:
-    return f"GEN {max_new} {keys} {','.join(map(str, ids))}".replace("  ", " ")
+    return P.format_command(P.Gen(max_new, tuple(ids), _sampling(keys)))
 
 
 def bgen(slot: int, ids: list[int], max_new: int, keys: str = "") -> str:
-    return f"BGEN {slot} {max_new} {keys} {','.join(map(str, ids))}".replace("  ", " ")
+    return P.format_command(P.BGen(slot, max_new, tuple(ids), _sampling(keys)))
+
+
+def _sampling(keys: str) -> P.Sampling:
+    """`"temperature=0.7 seed=3"` -> Sampling, through the protocol's own parser."""
+    return P.parse_command(f"GEN 1 {keys} 0").sampling
 
 
 def sample_prompts(vocab: int, n: int, seed: int = 0, lo: int = 8, hi: int = 40) -> list[list[int]]:

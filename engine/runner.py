@@ -7,11 +7,13 @@ copied into another session.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.layers import Span
+from engine.loading import log
 from engine.models.base import Model
 
 
@@ -56,9 +58,16 @@ class Runner:
             if n > best_n:
                 best, best_n = s, n
         n = min(best_n, len(prompt) - 1)
-        self.model.kv.copy(best.index, target.index, n)
+        if best is not target and n:
+            t0 = time.perf_counter()
+            self.model.kv.copy(best.index, target.index, n)
+            log(f"reuse: {n} tokens copied from {self.name(best)} to {self.name(target)} "
+                f"in {(time.perf_counter() - t0) * 1000:.1f} ms")
         target.tokens = prompt[:n]
         return n
+
+    def name(self, session: Session) -> str:
+        return "the solo session" if session is self.solo else f"slot {session.index}"
 
     def copy(self, src: Session, dst: Session) -> None:
         self.model.kv.copy(src.index, dst.index, len(src.tokens))

@@ -22,6 +22,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from engine.stop_tokens import stop_token_ids
+
 # llama.cpp token types (gguf spec)
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -62,12 +64,6 @@ PRE_TOKENIZER_SPLITS: dict[str, str] = {
 
 # Architectures whose SentencePiece vocabulary is Gemma-shaped (see `_sentencepiece`).
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
-
-# Tokens that end a turn in the chat formats we know; they stop generation like EOS does.
-END_OF_TURN_TOKENS = (
-    "<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
-    "<|return|>", "<|call|>",
-)
 
 SUPPORTED_MODELS = ("gpt2", "llama")
 
@@ -141,13 +137,11 @@ class Tokenizer:
             return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
         bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
-        stops = {i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
-        stops.update(i for i in map(backend.token_to_id, END_OF_TURN_TOKENS) if i is not None)
         return cls(
             backend, model=kind, bos_id=bos_id, eos_id=eos_id,
             add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos)),
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-            stop_ids=stops,
+            stop_ids=stop_token_ids(metadata),
         )
 
     # -- use ----------------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import platformdirs
 
 from engine.protocol import BDone, BToken, Info, ProtocolError, Ready, Stats, parse_reply
 
@@ -335,12 +338,9 @@ class EngineSupervisor:
 def default_log_path(config_log: str | None, model_name: str) -> Path:
     if config_log:
         return Path(config_log).expanduser()
-    try:
-        import platformdirs
-
-        base = Path(platformdirs.user_log_dir("strata-desk"))
-    except Exception:  # pragma: no cover - platformdirs is a dependency
-        base = Path.home() / ".strata-desk"
+    # the same place strata_desk.paths.log_dir() names (the server cannot import strata_desk)
+    home = os.environ.get("STRATA_DESK_HOME")
+    base = Path(home) / "logs" if home else Path(platformdirs.user_log_dir("strata-desk"))
     return base / f"strata-{model_name}.log"
 
 

@@ -190,7 +190,7 @@ def openai_stand_in(tmp_path, monkeypatch):
         return [sys.executable, str(script), str(self.config_path), str(self._listen()[1])]
 
     monkeypatch.setattr(ServerProcess, "command", command)
-    from test_launcher import free_port
+    from ports import free_port
 
     config = save_config(RunConfig(model=str(tmp_path / "m.gguf"), port=free_port()),
                          tmp_path / "strata-m.json")
@@ -253,7 +253,7 @@ async def test_bench_arms_reject_bad_keys(openai_stand_in):
 @pytest.mark.skipif(not (ROOT / "server" / "__main__.py").is_file(), reason="server/__main__.py has not landed yet")
 @pytest.mark.skipif(not FAKE_ENGINE.is_file(), reason="tests/fake_engine.py has not landed yet")
 async def test_bench_real_server_fake_engine(tmp_path):
-    from test_launcher import free_port
+    from ports import free_port
 
     config = save_config(RunConfig(model=str(tmp_path / "m.gguf"), port=free_port(),
                                    engine_command=[sys.executable, str(FAKE_ENGINE)], tokenizer="bytes",

@@ -257,7 +257,7 @@ def test_serve_headless_for_real(tmp_path):
     import time
 
     import httpx
-    from test_launcher import free_port
+    from ports import free_port
 
     from strata_desk.state import find_running
 

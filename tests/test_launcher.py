@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 from server.config import RunConfig, save_config
 from strata_desk import paths, state
@@ -50,12 +51,6 @@ STAND_IN = textwrap.dedent('''
 @pytest.fixture(autouse=True)
 def _home(tmp_path, monkeypatch):
     monkeypatch.setenv(paths.HOME_ENV, str(tmp_path / "home"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_config(tmp_path: Path, port: int, **extra) -> Path:

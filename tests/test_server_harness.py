@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,12 @@ FAKE = ROOT / "tests" / "fake_engine.py"
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fake_engine import reference_reply  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from server.tokens import ByteTokenizer, ChatMLTemplate  # noqa: E402
 
 TOK = ByteTokenizer()
 TEMPLATE = ChatMLTemplate()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat_ids(messages: list[dict[str, str]]) -> list[int]:

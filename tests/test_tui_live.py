@@ -15,7 +15,6 @@ import contextlib
 import html
 import json
 import re
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 from server.config import RunConfig, load_config, save_config
 from strata_desk import paths, state
@@ -37,12 +37,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 SIZE = (120, 40)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

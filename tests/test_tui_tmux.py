@@ -5,7 +5,6 @@ exit 0 with the server stopped. Skipped only when tmux is not installed."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 from server.config import RunConfig, save_config
 
@@ -24,12 +24,6 @@ pytestmark = [
     pytest.mark.skipif(not (ROOT / "server" / "__main__.py").is_file() or not FAKE_ENGINE.is_file(),
                        reason="needs the server and the fake engine"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fake_config(tmp_path: Path) -> Path:

@@ -13,10 +13,15 @@ from engine.quants import check_supported
 ARCHITECTURES: dict[str, type[Model]] = {"qwen3moe": Qwen3Moe, "gemma3": Gemma3}
 
 
-def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int) -> Model:
+def architecture_of(g: GGUFFile) -> type[Model]:
+    """The module for the file's architecture; refuses one we cannot run, naming it."""
     cls = ARCHITECTURES.get(g.architecture)
     if cls is None:
         known = ", ".join(sorted(ARCHITECTURES))
         raise GGUFError(f"{g.path}: architecture {g.architecture or '(none)'!r} is not supported (supported: {known})")
     check_supported(g)
-    return cls(g, device, dtype, sessions, context)
+    return cls
+
+
+def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int) -> Model:
+    return architecture_of(g)(g, device, dtype, sessions, context)

@@ -1,0 +1,61 @@
+"""From a path and a few options to a loaded model: device, dtype, context and how many slots fit."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine.gguf_file import GGUFError, GGUFFile
+from engine.kv import KVCache
+from engine.memory import MIB, free_bytes
+from engine.models import load_model
+from engine.models.base import Hyper, Model
+
+MAX_SLOTS = 8  # a window holds at most 8 slot rows, as upstream's
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+RESERVE = 1024 * MIB  # left free beside weights and sessions
+
+
+def log(msg: str) -> None:
+    print(f"strata-engine: {msg}", file=sys.stderr, flush=True)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise GGUFError("--device cuda: CUDA is not available in this torch build or on this machine")
+    return torch.device(name)
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    return DTYPES[name or ("f32" if device.type == "cpu" else "bf16")]
+
+
+def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device) -> int:
+    """As many slots as asked that fit in memory beside the weights; 0 when not two fit."""
+    if asked <= 0:
+        return 0
+    if asked > MAX_SLOTS:
+        log(f"--batch {asked}: a window holds at most {MAX_SLOTS} slots; running {MAX_SLOTS}")
+    want = min(asked, MAX_SLOTS)
+    h = Hyper.from_gguf(g)
+    per_session = KVCache.bytes_per_session(h.layers, h.kv_heads, context, h.head_dim, dtype)
+    weights = sum(t.nbytes for t in g.tensors.values()) * (4 if dtype == torch.float32 else 2)  # an upper bound
+    free, _ = free_bytes(device)
+    fit = max(0, (free - weights - RESERVE) // per_session - 1)  # the solo session comes first
+    n = min(want, int(fit))
+    if n < want:
+        log(f"--batch {asked}: {n} slots fit ({per_session / MIB:.0f} MiB each at context {context}, "
+            f"{free / MIB:.0f} MiB free before loading)")
+    return n if n >= 2 else 0
+
+
+def open_model(path: str, device: str = "auto", dtype: str | None = None, slots: int = 0,
+               context: int = 4096) -> tuple[GGUFFile, Model]:
+    """Load `path` with room for `slots` batch sessions beside the solo session."""
+    g = GGUFFile(path)
+    dev = pick_device(device)
+    model_ctx = int(g.arch_key("context_length", context))
+    return g, load_model(g, dev, pick_dtype(dtype, dev), sessions=slots + 1, context=max(64, min(context, model_ctx)))
