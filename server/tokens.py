@@ -108,7 +108,6 @@ def load_vocabulary(model_path: str, kind: str = "gguf") -> tuple[TokenizerLike,
     if kind == "bytes":
         return ByteTokenizer(), ChatMLTemplate()
     from engine.chat_template import ChatTemplate
-
     from engine.gguf_file import GGUFFile
     from engine.tokenizer import Tokenizer
 
