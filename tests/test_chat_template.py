@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from reference import reference_tokenizer
 
 from engine.chat_template import ChatTemplate
 from engine.gguf_file import GGUFFile
-from tests.reference import reference_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather for a city",
                                              "parameters": {"type": "object",

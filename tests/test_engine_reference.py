@@ -8,11 +8,11 @@ greedy continuation being equal, token by token.
 
 import pytest
 import torch
+from reference import reference_logits
 
 from engine.check import Driver
 from engine.layers import Span
 from engine.tokenizer import Tokenizer
-from tests.reference import reference_logits
 
 PROMPTS = [
     "The capital of France is",

@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 import torch
+from reference import reference_greedy, reference_logits
 
 from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer
 from strata_desk import testmodel
-from tests.reference import reference_greedy, reference_logits
 
 QWEN3MOE_KEYS = [
     "context_length", "embedding_length", "block_count", "feed_forward_length", "expert_feed_forward_length",

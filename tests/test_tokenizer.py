@@ -6,10 +6,10 @@ import random
 import time
 
 import pytest
+from reference import reference_tokenizer
 
 from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer, TokenizerError
-from tests.reference import reference_tokenizer
 
 TEXTS = [
     "The capital of France is",
