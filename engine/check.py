@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in failures:
         print("FAIL", f)
     if not failures:
-        print(f"PASS: {args.slots} conversations of {args.max_new} tokens, batch tokens equal solo tokens ({args.device}, exact mode)")
+        print(f"PASS: {args.slots} conversations of {args.max_new} tokens, batch tokens equal solo tokens ({driver.model.device}, exact mode)")
     return 1 if failures else 0
 
 
