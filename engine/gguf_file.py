@@ -140,11 +140,6 @@ class GGUFFile:
         """`{arch}.{suffix}`, e.g. arch_key("block_count")."""
         return self.metadata.get(f"{self.architecture}.{suffix}", default)
 
-    def require(self, key: str) -> Any:
-        if key not in self.metadata:
-            raise GGUFError(f"{self.path}: missing metadata key {key!r}")
-        return self.metadata[key]
-
     def tensor_data(self, name: str) -> np.ndarray:
         """Raw bytes of a tensor as uint8 rows (quantized) or its float dtype, shaped like torch."""
         info = self.tensors[name]

@@ -14,7 +14,6 @@ from typing import Any
 from server.openai_api import error_body
 
 PUBLIC_PATHS = frozenset({"/health"})
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
 def is_loopback(host: str) -> bool:

@@ -21,14 +21,20 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and what is allowed."""
 
 
-class SamplingDefaults(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class SamplingFields(BaseModel):
+    """The sampling keys and their limits, shared by the config's defaults and the API's bodies
+    (the engine checks the same limits again in engine.protocol.Sampling.validate)."""
+
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     max_tokens: int | None = Field(None, ge=1)
+
+
+class SamplingDefaults(SamplingFields):
+    model_config = ConfigDict(extra="forbid")
 
 
 class RunConfig(BaseModel):

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.protocol import CONTEXT_SLACK, Sampling
+from server.config import SamplingFields
 
 MAX_STOP_STRINGS = 16
 
@@ -27,27 +28,18 @@ class ApiError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param, self.code)
-
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": ApiError.TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
 
 
-class _Body(BaseModel):
+class _Body(SamplingFields):
     # strict: "5" is not an integer, "true" is not a boolean; unknown fields are accepted and ignored
     # unless listed in `_refused`.
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -67,10 +67,6 @@ class QueueFull(Exception):
     pass
 
 
-class NotReady(Exception):
-    pass
-
-
 _ids = itertools.count(1)
 
 

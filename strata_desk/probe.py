@@ -1,4 +1,4 @@
-"""The machine as setup sees it: GPUs (server.hardware when present, else NVML), RAM and CPU."""
+"""The machine as setup sees it: GPUs (through the server's NVML probe), RAM and CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from typing import Any
 
 import psutil
 
+from server.hardware import probe_gpus
+
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -40,61 +43,6 @@ class HardwareInfo:
         return out
 
 
-def _field(obj: Any, *names: str) -> Any:
-    for name in names:
-        if isinstance(obj, dict) and name in obj:
-            return obj[name]
-        if hasattr(obj, name):
-            return getattr(obj, name)
-    return None
-
-
-def _gpus_from_server() -> list[GpuInfo] | None:
-    """Use the server's probe when it is there; None when it is not (or gives nothing usable)."""
-    try:
-        from server.hardware import probe_gpus  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    try:
-        found = list(probe_gpus())
-    except Exception:  # noqa: BLE001 - a broken probe must not stop setup; NVML is the fallback
-        return None
-    out = []
-    for i, gpu in enumerate(found):
-        total = _field(gpu, "total_bytes", "memory_total", "vram_total", "total", "mem_total")
-        if total is None:
-            mib = _field(gpu, "total_mib", "memory_total_mib", "vram_total_mib")
-            total = None if mib is None else float(mib) * (1 << 20)
-        if total is None:
-            return None
-        index = _field(gpu, "index")
-        name = _field(gpu, "name") or "GPU"
-        out.append(GpuInfo(int(index if index is not None else i), str(name), float(total) / GIB))
-    return out
-
-
-def _gpus_from_nvml() -> list[GpuInfo]:
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - pynvml raises NVMLError subclasses: no driver, no GPU
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-            out.append(GpuInfo(i, name, total / GIB))
-        return out
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -110,9 +58,7 @@ def _cpu_name() -> str:
 
 def probe_hardware() -> HardwareInfo:
     """Probe GPUs, RAM and CPU. Never raises: missing pieces read as none/unknown."""
-    gpus = _gpus_from_server()
-    if gpus is None:
-        gpus = _gpus_from_nvml()
+    gpus = [GpuInfo(g.index, g.name, g.total_mib * MIB / GIB) for g in probe_gpus()]
     return HardwareInfo(
         gpus=gpus,
         ram_gib=psutil.virtual_memory().total / GIB,

@@ -174,17 +174,13 @@ def test_write_config_and_reuse(tmp_path):
 
 
 def test_probe_uses_server_hardware(monkeypatch):
-    import sys
-    import types
-
     from server.metrics_schema import GpuInfo as ServerGpu
-    from strata_desk.probe import probe_hardware
+    from strata_desk import probe
 
-    module = types.ModuleType("server.hardware")
-    module.probe_gpus = lambda: [ServerGpu(index=0, name="RTX 5070", total_mib=12 * 1024, used_mib=0, free_mib=0),
-                                 ServerGpu(index=1, name="H200", total_mib=143771, used_mib=0, free_mib=0)]
-    monkeypatch.setitem(sys.modules, "server.hardware", module)
-    hw = probe_hardware()
+    monkeypatch.setattr(probe, "probe_gpus", lambda: [
+        ServerGpu(index=0, name="RTX 5070", total_mib=12 * 1024, used_mib=0, free_mib=0),
+        ServerGpu(index=1, name="H200", total_mib=143771, used_mib=0, free_mib=0)])
+    hw = probe.probe_hardware()
     assert [g.name for g in hw.gpus] == ["RTX 5070", "H200"]
     assert hw.gpu_vram_gib == pytest.approx([12.0, 140.4], abs=0.05)
     assert hw.ram_gib > 0 and hw.cpu_cores > 0

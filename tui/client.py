@@ -6,8 +6,6 @@ JSON it reads here.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 import httpx
@@ -59,13 +57,6 @@ class MetricsClient:
         except ValidationError as exc:
             raise PollError(f"/metrics sent an unexpected shape: {exc.errors()[0]['msg']}") from None
 
-    async def health(self) -> int | None:
-        """HTTP status of /health, or None when nothing answers."""
-        try:
-            return (await self._http.get("/health")).status_code
-        except httpx.HTTPError:
-            return None
-
     async def aclose(self) -> None:
         await self._http.aclose()
 
@@ -89,6 +80,3 @@ class FixedSource:
     async def aclose(self) -> None:
         return None
 
-
-Clock = Callable[[], float]
-wall_clock: Clock = time.time
