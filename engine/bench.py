@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from engine.loading import DTYPES, open_model
 from engine.models.base import Model
-from engine.runner import Runner
+from engine.runner import Runner, Session
 
 GB = 1e9
 
@@ -50,42 +52,56 @@ def bytes_per_token(model: Model) -> int:
     return dense + active_experts
 
 
-def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int) -> dict:
+def timed(device: torch.device, work: Callable[[], object]) -> float:
+    """Seconds `work()` takes, the device's queue drained before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    work()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Figures:
+    prefill_tok_s: float
+    decode_tok_s: float
+    batch_tok_s: float | None
+    runner: Runner  # kept for --profile, with its sessions at the end of the run
+    solo_row: tuple[Session, int]
+    batch_rows: list[tuple[Session, int]]
+
+
+def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int) -> Figures:
     runner = Runner(model, slots, exact=False)
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
-    sync(device)
-    t0 = time.perf_counter()
-    logits = runner.read(runner.solo, prompt)
-    sync(device)
-    prefill_s = time.perf_counter() - t0
-    token = int(logits.argmax())
-    for _ in range(3):  # warm-up
-        token = int(runner.decode([(runner.solo, token)])[0].argmax())
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(decode):
-        token = int(runner.decode([(runner.solo, token)])[0].argmax())
-    sync(device)
-    decode_s = time.perf_counter() - t0
-    out = {"prefill_tok_s": prompt_len / prefill_s, "decode_tok_s": decode / decode_s}
+    state = {"token": 0}
+
+    def read() -> None:
+        state["token"] = int(runner.read(runner.solo, prompt).argmax())
+
+    def one_row(steps: int) -> None:
+        for _ in range(steps):
+            state["token"] = int(runner.decode([(runner.solo, state["token"])])[0].argmax())
+
+    prefill_s = timed(device, read)
+    one_row(3)  # warm-up
+    decode_s = timed(device, lambda: one_row(decode))
+    rows: list[tuple[Session, int]] = []
+    batch_tok_s = None
     if slots >= 2:
-        rows = []
         for s in runner.sessions[:slots]:
             runner.copy(runner.solo, s)
-            rows.append(s)
-        tokens = [token] * slots
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(decode):
-            logits = runner.decode(list(zip(rows, tokens, strict=True)))
-            tokens = logits.argmax(-1).tolist()
-        sync(device)
-        out["batch_tok_s"] = slots * decode / (time.perf_counter() - t0)
-        out["batch_rows"] = list(zip(rows, tokens, strict=True))
-    out["solo_row"] = (runner.solo, token)
-    out["runner"] = runner
-    return out
+            rows.append((s, state["token"]))
+
+        def windows() -> None:
+            nonlocal rows
+            for _ in range(decode):
+                tokens = runner.decode(rows).argmax(-1).tolist()
+                rows = [(s, t) for (s, _), t in zip(rows, tokens, strict=True)]
+
+        batch_tok_s = slots * decode / timed(device, windows)
+    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, (runner.solo, state["token"]), rows)
 
 
 def profile(runner: Runner, rows: list, device: torch.device, windows: int = 3) -> str:
@@ -126,19 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")
     print(f"device       {device} {name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
     print(f"load         {load_s:.2f} s")
-    print(f"prefill      {r['prefill_tok_s']:.1f} tok/s ({args.prompt} tokens, one chunk)")
-    print(f"decode       {r['decode_tok_s']:.1f} tok/s (one row)")
+    print(f"prefill      {r.prefill_tok_s:.1f} tok/s ({args.prompt} tokens, one chunk)")
+    print(f"decode       {r.decode_tok_s:.1f} tok/s (one row)")
     print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")
     bound = bw / per_token
-    print(f"bound        {bound:.1f} tok/s  -> decode is {100 * r['decode_tok_s'] / bound:.1f}% of the bound")
-    if "batch_tok_s" in r:
-        print(f"batch        {r['batch_tok_s']:.1f} tok/s aggregate over {args.slots} rows "
-              f"({r['batch_tok_s'] / r['decode_tok_s']:.2f}x one row)")
+    print(f"bound        {bound:.1f} tok/s  -> decode is {100 * r.decode_tok_s / bound:.1f}% of the bound")
+    if r.batch_tok_s is not None:
+        print(f"batch        {r.batch_tok_s:.1f} tok/s aggregate over {args.slots} rows "
+              f"({r.batch_tok_s / r.decode_tok_s:.2f}x one row)")
     if args.profile:
-        print("\none row:\n" + profile(r["runner"], [r["solo_row"]], device))
-        if "batch_rows" in r:
-            print(f"\n{args.slots} rows:\n" + profile(r["runner"], r["batch_rows"], device))
+        print("\none row:\n" + profile(r.runner, [r.solo_row], device))
+        if r.batch_rows:
+            print(f"\n{args.slots} rows:\n" + profile(r.runner, r.batch_rows, device))
     return 0
 
 

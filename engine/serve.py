@@ -21,6 +21,7 @@ import torch
 
 from engine import protocol as P
 from engine.memory import memory_split
+from engine.models.base import Model
 from engine.runner import Runner, Session
 from engine.sampling import sample
 
@@ -71,7 +72,6 @@ class Server:
         self.quit = False  # QUIT or end of stdin seen: exit once idle
         self.stats = _StatsCounter()
         self.last_stats = 0.0
-        self.experts_per_token = self.model.hyper.layers * self.model.hyper.experts_used
 
     # -- I/O ----------------------------------------------------------------------------------
 
@@ -285,8 +285,7 @@ class Server:
 
     def done(self, job: Job, finish: str) -> None:
         decode_ms = (time.perf_counter() - job.decode_started) * 1000 if job.decode_started else 0.0
-        lookups = max(job.generated - 1, 0) * self.experts_per_token
-        hits = 0 if self.model.device.type == "cpu" else lookups
+        hits, lookups = expert_lookups(self.model, max(job.generated - 1, 0))
         self.emit(P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
                          reused=job.reused, hits=hits, lookups=lookups))
 
@@ -322,7 +321,6 @@ class _StatsCounter:
         self.slot_tokens: dict[str, int] = {}
         self.interval_windows = self.interval_rows = 0
         self.interval_s = 0.0
-        self.lookups = 0
         self.dirty = False
 
     def prefill(self, n: int, seconds: float) -> None:
@@ -342,9 +340,7 @@ class _StatsCounter:
                 self.slot_tokens[key] = self.slot_tokens.get(key, 0) + 1
         self.dirty = True
 
-    def snapshot(self, model, n_slots: int) -> dict:
-        h = model.hyper
-        lookups = self.tokens * h.layers * h.experts_used
+    def snapshot(self, model: Model, n_slots: int) -> dict:
         n = max(self.interval_windows, 1)
         snap = {
             "windows": self.windows,
@@ -354,7 +350,7 @@ class _StatsCounter:
             "slot_tokens": dict(self.slot_tokens),
             "prefill_tokens": self.prefill_tokens,
             "prefill_ms": round(self.prefill_s * 1000, 1),
-            "tier": _tier(model, lookups),
+            "tier": _tier(model, self.tokens),
             "memory": memory_split(model, n_slots),
         }
         self.interval_windows = self.interval_rows = 0
@@ -363,10 +359,17 @@ class _StatsCounter:
         return snap
 
 
-def _tier(model, lookups: int) -> dict | None:
+def expert_lookups(model: Model, tokens: int) -> tuple[int, int]:
+    """(hits, lookups) of the routed experts for `tokens` decoded tokens: every expert is resident,
+    so a lookup is a hit in device memory on CUDA and served by the CPU on the CPU."""
+    lookups = tokens * model.hyper.layers * model.hyper.experts_used
+    return (0 if model.device.type == "cpu" else lookups), lookups
+
+
+def _tier(model: Model, tokens: int) -> dict | None:
     if not model.hyper.experts:
         return None
+    hits, lookups = expert_lookups(model, tokens)
     on_cpu = model.device.type == "cpu"
     return {"mode": "resident", "vram": 0.0 if on_cpu else 1.0, "pcie": 0.0, "cpu": 1.0 if on_cpu else 0.0,
-            "hits": 0 if on_cpu else lookups, "lookups": lookups, "swaps": 0, "adapt_rounds": 0,
-            "adapt_wait_ms": 0.0}
+            "hits": hits, "lookups": lookups, "swaps": 0, "adapt_rounds": 0, "adapt_wait_ms": 0.0}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import random
 import time
@@ -32,6 +31,7 @@ import httpx
 from server.config import load_config
 from strata_desk.bench_stats import RatioCI, bootstrap_ratio_ci, median
 from strata_desk.bench_words import TOPICS, WORDS
+from strata_desk.launcher import call_back
 
 
 class BenchError(RuntimeError):
@@ -281,13 +281,6 @@ async def _model_id(client: httpx.AsyncClient) -> str:
     return str(data[0]["id"])
 
 
-async def _emit(callback: Callable[..., Any] | None, *args: Any) -> None:
-    if callback is not None:
-        result = callback(*args)
-        if inspect.isawaitable(result):
-            await result
-
-
 def _client(url: str, key: str | None, timeout: float) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.AsyncClient(base_url=url, headers=headers,
@@ -316,7 +309,7 @@ async def _run_table(spec: BenchSpec, url: str, key: str | None, arm_index: int,
                 salt = f"a{arm_index}c{concurrency}r{round_index}-"
                 row.rounds.append(await _run_round(client, model, spec, concurrency, salt))
                 _compare(result, row)
-                await _emit(on_result, row)
+                await call_back(on_result, row)
             if row.errors == concurrency * spec.rounds:
                 first = next(r.error for rnd in row.rounds for r in rnd.requests if r.error)
                 raise BenchError(f"every request failed at concurrency {concurrency}: {first}")
@@ -364,9 +357,9 @@ def _target(spec: BenchSpec) -> tuple[str, str | None]:
         config = load_config(spec.config)
         key = key or config.api_key
         if url is None:
-            from strata_desk.launcher import _url
+            from strata_desk.launcher import server_url
 
-            url = _url(config.host, config.port)
+            url = server_url(config.host, config.port)
     if url is None:
         raise BenchError("no server: give --url URL or --config FILE")
     return url.rstrip("/"), key

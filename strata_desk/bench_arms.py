@@ -10,16 +10,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from server.config import ConfigError, load_config, save_config, validate_config
-from strata_desk.launcher import LaunchError, ServerProcess, running_for
+from strata_desk.launcher import LaunchError, ServerProcess, call_back, running_for
 
 TableRunner = Callable[[int, dict[str, Any], str, str | None], Awaitable[None]]
-
-
-async def _say(on_status: Callable[[str], Any] | None, text: str) -> None:
-    if on_status is not None:
-        result = on_status(text)
-        if hasattr(result, "__await__"):
-            await result
 
 
 def _host_port(url: str | None) -> tuple[str | None, int | None]:
@@ -58,7 +51,7 @@ async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
     try:
         for index, (arm, config) in enumerate(zip(spec.arms, configs, strict=True)):
             save_config(config, config_path)
-            await _say(on_status, f"arm {index + 1}/{len(configs)} {arm}: restarting the server")
+            await call_back(on_status, f"arm {index + 1}/{len(configs)} {arm}: restarting the server")
             if server.running:
                 await server.arestart()
             else:
@@ -69,10 +62,10 @@ async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
         save_config(original, config_path)
         try:
             if keep_running:
-                await _say(on_status, "restoring the original config and restarting the server")
+                await call_back(on_status, "restoring the original config and restarting the server")
                 await server.arestart()
                 await server.wait_ready(spec.ready_timeout, on_status)
             else:
                 await server.astop()
         except LaunchError as exc:
-            await _say(on_status, f"could not restart the server with the original config: {exc}")
+            await call_back(on_status, f"could not restart the server with the original config: {exc}")

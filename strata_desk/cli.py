@@ -152,19 +152,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def _server_main() -> Callable[[list[str]], int]:
-    for module in ("server", "server.main", "server.__main__"):
-        try:
-            found = getattr(importlib.import_module(module), "main", None)
-        except ImportError:
-            continue
-        if callable(found):
-            return found
-    raise CliError("the server is not available in this install (server.main)")
+    from server import main
+
+    return main
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from strata_desk import state
-    from strata_desk.launcher import _url
+    from strata_desk.launcher import server_args, server_url
 
     config_path = _config_from_args(args) or paths.last_config()
     if config_path is None:
@@ -174,16 +169,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if running is not None:
         raise CliError(f"a server with this config is already running at {running.url} (pid {running.pid}): "
                        "open it with `strata-desk attach`, or stop it first")
-    argv = ["--config", str(config_path)]
-    if args.host:
-        argv += ["--host", args.host]
-    if args.port:
-        argv += ["--port", str(args.port)]
-    if args.api_key:
-        argv += ["--api-key", args.api_key]
+    argv = server_args(config_path, args.host, args.port, args.api_key)
     server_main = _server_main()
     paths.remember_last_config(config_path)
-    url = _url(args.host or config.host, args.port or config.port)
+    url = server_url(args.host or config.host, args.port or config.port)
     state.record(state.RunningServer(os.getpid(), url, str(Path(config_path).resolve()),
                                      create_time=state.process_create_time(os.getpid())))
     try:
@@ -256,7 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_attach(args: argparse.Namespace) -> int:
     import httpx
 
-    from strata_desk.launcher import _url
+    from strata_desk.launcher import server_url
     from strata_desk.state import find_running
 
     url, key = args.url, args.key
@@ -268,7 +257,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
             config = Path(running[-1].config) if running[-1].config else None
         elif (config := paths.last_config()) is not None:
             c = load_config(config)
-            url = _url(c.host, c.port)
+            url = server_url(c.host, c.port)
         else:
             raise CliError("no running server known: give its URL (strata-desk attach http://HOST:PORT)")
     if key is None and config is not None and config.is_file():

@@ -49,9 +49,23 @@ def connect_host(host: str) -> str:
     return host
 
 
-def _url(host: str, port: int) -> str:
+def server_url(host: str, port: int) -> str:
+    """The URL a client uses for a server listening on host:port."""
     host = connect_host(host)
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def server_args(config_path: Path | str, host: str | None = None, port: int | None = None,
+                api_key: str | None = None) -> list[str]:
+    """`python -m server`'s arguments; only what overrides the config is passed."""
+    argv = ["--config", str(config_path)]
+    if host:
+        argv += ["--host", host]
+    if port:
+        argv += ["--port", str(port)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -107,7 +121,7 @@ class ServerProcess:
     @property
     def url(self) -> str:
         """The base URL (`http://127.0.0.1:8080`), from the overrides or the config."""
-        return _url(*self._listen())
+        return server_url(*self._listen())
 
     @property
     def pid(self) -> int | None:
@@ -124,14 +138,7 @@ class ServerProcess:
     # -- start -----------------------------------------------------------------------------------
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "server", "--config", str(self.config_path)]
-        if self.host:
-            cmd += ["--host", self.host]
-        if self.port:
-            cmd += ["--port", str(self.port)]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        return cmd
+        return [sys.executable, "-m", "server", *server_args(self.config_path, self.host, self.port, self.api_key)]
 
     def start(self) -> None:
         """Spawn the server in its own session and record it; returns at once (see wait_ready)."""
@@ -153,7 +160,7 @@ class ServerProcess:
             )
         self._pid = None
         self._create_time = state.process_create_time(self._proc.pid)
-        state.record(RunningServer(self._proc.pid, _url(host, port), str(self.config_path),
+        state.record(RunningServer(self._proc.pid, server_url(host, port), str(self.config_path),
                                    str(self.log_path), create_time=self._create_time))
         paths.remember_last_config(self.config_path)
 
@@ -172,7 +179,7 @@ class ServerProcess:
                 try:
                     reply = await client.get(url)
                     if reply.status_code == 200:
-                        await _call(on_progress, f"ready after {elapsed:.1f} s")
+                        await call_back(on_progress, f"ready after {elapsed:.1f} s")
                         return
                     body = _json(reply)
                     if body.get("status") == "error":  # the server gave up (bad model, engine died)
@@ -181,7 +188,7 @@ class ServerProcess:
                     status = f"{body.get('status') or 'loading'} ({reply.status_code}), {elapsed:.0f} s"
                 except httpx.HTTPError:
                     status = f"starting, {elapsed:.0f} s"
-                await _call(on_progress, status)
+                await call_back(on_progress, status)
                 if elapsed > timeout:
                     raise LaunchError(f"the server was not ready after {timeout:.0f} s", self.log_tail())
                 await asyncio.sleep(0.2 if elapsed < 5 else 0.5)
@@ -267,9 +274,10 @@ def _json(reply: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-async def _call(callback: ProgressCallback | None, text: str) -> None:
+async def call_back(callback: Callable[..., Any] | None, *args: Any) -> None:
+    """Call a progress/result callback that may be a plain function or a coroutine function."""
     if callback is None:
         return
-    result = callback(text)
+    result = callback(*args)
     if inspect.isawaitable(result):
         await result
