@@ -12,11 +12,12 @@ import torch
 from engine import __version__
 from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
-from engine.loading import DTYPES, fit_slots, log, pick_device, pick_dtype
+from engine.kv import KV_DTYPES
+from engine.loading import DTYPES, fit_slots, log, pick_device, pick_dtype, pick_kv_dtype
+from engine.loop import EngineLoop
 from engine.memory import MIB
 from engine.models import architecture_of, load_model
 from engine.runner import Runner
-from engine.serve import Server
 from engine.stop_tokens import stop_token_ids
 
 # Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident).
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on CPU, bf16 on CUDA)")
     p.add_argument("--max-context", type=int, default=4096, help="context in tokens (at most the model's)")
     p.add_argument("--prefill", type=int, default=512, help="prompt chunk size in tokens")
+    p.add_argument("--kv", choices=tuple(KV_DTYPES), help="KV storage (default: f16 on CPU, the weights dtype on CUDA)")
     p.add_argument("--batch", "--slots", dest="batch", type=int, default=0, help="batch slots (2..8)")
     p.add_argument("--exact", action="store_true", help="row-invariant windows: batch tokens equal solo tokens")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
@@ -58,22 +60,25 @@ def main(argv: list[str] | None = None) -> int:
         architecture_of(g)
         model_ctx = int(g.arch_key("context_length", args.max_context))
         context = max(64, min(args.max_context, model_ctx))
-        slots = fit_slots(args.batch, g, context, dtype, device)
-        model = load_model(g, device, dtype, sessions=slots + 1, context=context)
+        kv_dtype = pick_kv_dtype(args.kv, device, dtype)
+        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype)
+        model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill,
+                           kv_dtype=kv_dtype)
     except (GGUFError, ValueError, RuntimeError, OSError) as exc:
         log(f"cannot load {args.model}: {exc}")
         print(P.format_reply(P.Err(f"cannot load model: {exc}")), flush=True)
         return 1
     load_s = time.perf_counter() - t0
     h = model.hyper
-    kv_mib = model.kv.bytes_per_session(h.layers, h.kv_heads, context, h.head_dim, dtype) / MIB
+    kv_mib = model.kv.session_bytes() / MIB
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
-        f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB, {slots} batch slots, context {context}")
+        f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB ({model.w.describe()}), "
+        f"{slots} batch slots, context {context}")
     if h.experts:
         log("expert tier: every expert resident in device memory; the adapt options have no effect yet")
     info: dict[str, int | float | str] = {
         "engine": __version__, "model": os.path.basename(args.model), "arch": g.architecture,
-        "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "kv": str(kv_dtype).removeprefix("torch."),
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
         "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",
@@ -82,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch:
         info.update(batch_slots=slots, slot_cache=1, batch_groups=1)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
-    server = Server(Runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
-    server.emit(P.Info(info))
-    server.emit(P.Ready(context, stop=True))
-    server.start_reader(sys.stdin)
-    server.run()
+    loop = EngineLoop(Runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
+    loop.emit(P.Info(info))
+    loop.emit(P.Ready(context, stop=True))
+    loop.start_reader(sys.stdin)
+    loop.run()
     log("quit")
     return 0
 

@@ -17,7 +17,8 @@ import torch
 
 from engine.loading import DTYPES, open_model
 from engine.models.base import Model
-from engine.runner import Runner, Session
+from engine.protocol import Sampling
+from engine.runner import Row, Runner
 
 GB = 1e9
 
@@ -42,16 +43,6 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / best
 
 
-def bytes_per_token(model: Model) -> int:
-    h = model.hyper
-    experts = model.expert_bytes()
-    dense = model.w.bytes() - experts - model.w["token_embd"].numel() * model.w["token_embd"].element_size()
-    if "output" not in model.w:  # tied head: the embedding is read whole as the head
-        dense += model.w["token_embd"].numel() * model.w["token_embd"].element_size()
-    active_experts = experts * h.experts_used // h.experts if h.experts else 0
-    return dense + active_experts
-
-
 def timed(device: torch.device, work: Callable[[], object]) -> float:
     """Seconds `work()` takes, the device's queue drained before and after."""
     sync(device)
@@ -67,14 +58,15 @@ class Figures:
     decode_tok_s: float
     batch_tok_s: float | None
     runner: Runner  # kept for --profile, with its sessions at the end of the run
-    solo_row: tuple[Session, int]
-    batch_rows: list[tuple[Session, int]]
+    solo_row: Row
+    batch_rows: list[Row]
 
 
 def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int) -> Figures:
     runner = Runner(model, slots, exact=False)
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
+    greedy = Sampling()
     state = {"token": 0}
 
     def read() -> None:
@@ -82,26 +74,27 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
 
     def one_row(steps: int) -> None:
         for _ in range(steps):
-            state["token"] = int(runner.decode([(runner.solo, state["token"])])[0].argmax())
+            state["token"] = runner.decode([Row(runner.solo, state["token"], greedy, 0)])[0]
 
     prefill_s = timed(device, read)
     one_row(3)  # warm-up
     decode_s = timed(device, lambda: one_row(decode))
-    rows: list[tuple[Session, int]] = []
+    rows: list[Row] = []
     batch_tok_s = None
     if slots >= 2:
         for s in runner.sessions[:slots]:
             runner.copy(runner.solo, s)
-            rows.append((s, state["token"]))
+            rows.append(Row(s, state["token"], greedy, 0))
 
-        def windows() -> None:
+        def steps() -> None:
             nonlocal rows
             for _ in range(decode):
-                tokens = runner.decode(rows).argmax(-1).tolist()
-                rows = [(s, t) for (s, _), t in zip(rows, tokens, strict=True)]
+                tokens = runner.decode(rows)
+                rows = [Row(r.session, t, greedy, 0) for r, t in zip(rows, tokens, strict=True)]
 
-        batch_tok_s = slots * decode / timed(device, windows)
-    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, (runner.solo, state["token"]), rows)
+        batch_tok_s = slots * decode / timed(device, steps)
+    solo = Row(runner.solo, state["token"], greedy, 0)
+    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows)
 
 
 def profile(runner: Runner, rows: list, device: torch.device, windows: int = 3) -> str:
@@ -136,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     sync(device)
     load_s = time.perf_counter() - t0
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 256 << 20)
-    per_token = bytes_per_token(model)
+    per_token = model.bytes_per_token()
     r = run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")

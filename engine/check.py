@@ -17,9 +17,9 @@ import torch
 
 from engine import protocol as P
 from engine.loading import open_model
+from engine.loop import EngineLoop
 from engine.models.base import Model
 from engine.runner import Runner
-from engine.serve import Server
 from engine.stop_tokens import stop_token_ids
 
 Hook = tuple[Callable[[str], bool], list[str]]
@@ -38,18 +38,18 @@ class Driver:
 
     @classmethod
     def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, dtype: str | None = None,
-             **kw) -> Driver:
-        g, model = open_model(path, device, dtype, slots, context)
+             kv: str | None = None, **kw) -> Driver:
+        g, model = open_model(path, device, dtype, slots, context, max_chunk=kw.get("prefill", 16), kv=kv)
         return cls(model, stop_token_ids(g.metadata), slots, **kw)
 
-    def _fresh(self) -> Server:
-        return Server(Runner(self.model, self.slots, self.exact), self.stop_ids, self.prefill, self.decode_share, out=self)
+    def _fresh(self) -> EngineLoop:
+        return EngineLoop(Runner(self.model, self.slots, self.exact), self.stop_ids, self.prefill, self.decode_share, out=self)
 
     def reset(self) -> None:
         """Forget every held session (a fresh engine, the model kept)."""
         self.server = self._fresh()
 
-    # the Server writes its replies here
+    # the loop writes its replies here
     def write(self, text: str) -> None:
         for line in text.splitlines():
             self.lines.append(line)

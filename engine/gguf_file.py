@@ -10,6 +10,7 @@ that `engine.quants` dequantizes.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
+_SPLIT = re.compile(r"^(?P<base>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types (gguf spec): id -> struct format for scalars
@@ -37,26 +39,50 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy/torch order (slowest first), the reverse of ggml's ne
     qtype: GGMLQuantizationType
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in its file
     nbytes: int
+    part: int = 0  # which file of a split GGUF holds it
+
+
+def split_parts(model: Path) -> list[Path]:
+    """All files of a split GGUF (`-00001-of-00003.gguf` ...), or just the file itself."""
+    match = _SPLIT.match(model.name)
+    if not match:
+        return [model]
+    count = int(match["n"])
+    return [model.with_name(f"{match['base']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
 class GGUFFile:
-    """Header, metadata and tensor table of one GGUF file, with its data memory-mapped."""
+    """Header, metadata and tensor table of a GGUF model, with its data memory-mapped. A split model
+    (`-00001-of-0000N.gguf`) is opened from any of its parts: metadata from the first, tensors from all."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        parts = split_parts(self.path)
+        self._open(parts[0])
+        self._bufs = [self._buf]
+        for i, part in enumerate(parts[1:], start=1):
+            other = GGUFFile.__new__(GGUFFile)
+            other._open(part)
+            self._bufs.append(other._buf)
+            for name, info in other.tensors.items():
+                self.tensors[name] = TensorInfo(name, info.shape, info.qtype, info.offset, info.nbytes, part=i)
+        self.parts = parts
+
+    def _open(self, path: Path) -> None:
+        self.path = path
         try:
-            with open(self.path, "rb") as fh:
+            with open(path, "rb") as fh:
                 self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
-            raise GGUFError(f"{self.path}: cannot open: {exc}") from exc
+            raise GGUFError(f"{path}: cannot open: {exc}") from exc
         self._buf = memoryview(self._map)
         self._pos = 0
         try:
             self._parse()
         except (struct.error, IndexError, UnicodeDecodeError) as exc:
-            raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({exc})") from exc
+            raise GGUFError(f"{path}: truncated or corrupt GGUF header ({exc})") from exc
 
     # -- parsing -------------------------------------------------------------------------------
 
@@ -140,13 +166,18 @@ class GGUFFile:
         """`{arch}.{suffix}`, e.g. arch_key("block_count")."""
         return self.metadata.get(f"{self.architecture}.{suffix}", default)
 
-    def tensor_data(self, name: str) -> np.ndarray:
-        """Raw bytes of a tensor as uint8 rows (quantized) or its float dtype, shaped like torch."""
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """A tensor's bytes as uint8 rows, `[..., row_bytes]` (a read-only view of the map)."""
         info = self.tensors[name]
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        if info.qtype == GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(info.shape)
-        if info.qtype == GGMLQuantizationType.F16:
-            return raw.view(np.float16).reshape(info.shape)
+        raw = np.frombuffer(self._bufs[info.part], dtype=np.uint8, count=info.nbytes, offset=info.offset)
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return raw.reshape(*info.shape[:-1], info.nbytes // rows)
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """A tensor's data: its float dtype (F32, F16) shaped like torch, else `tensor_bytes`."""
+        info = self.tensors[name]
+        if info.qtype == GGMLQuantizationType.F32:
+            return self.tensor_bytes(name).view(np.float32).reshape(info.shape)
+        if info.qtype == GGMLQuantizationType.F16:
+            return self.tensor_bytes(name).view(np.float16).reshape(info.shape)
+        return self.tensor_bytes(name)

@@ -1,28 +1,60 @@
-"""Per-session KV caches, preallocated for the whole context so a window's shapes never change."""
+"""Per-session KV caches, preallocated so a window's shapes never change.
+
+A full-attention layer keeps the whole context. A sliding-window layer keeps a ring of
+`window + max_chunk` positions (position p in slot p % ring): enough for a chunk of `max_chunk`
+rows whose first row still sees `window` positions back. The ring is what makes a 32K-context
+Gemma 3 session cost a few MiB instead of hundreds, and it is also why a ring layer can only
+continue a session from near its end (`usable_prefix`).
+"""
 
 from __future__ import annotations
 
 import torch
 
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def ring_lengths(windows: list[int | None], context: int, max_chunk: int) -> list[int]:
+    """Positions each layer keeps per session: the context, or a sliding layer's ring."""
+    return [context if w is None else min(context, w + max_chunk) for w in windows]
+
 
 class KVCache:
-    """Keys and values of every layer for `sessions` sessions: `[sessions, kv_heads, context, head_dim]`."""
+    """Keys and values of every layer for `sessions` sessions: `[sessions, kv_heads, length, head_dim]`,
+    `length` per layer from `ring_lengths`."""
 
-    def __init__(self, layers: int, sessions: int, kv_heads: int, context: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (sessions, kv_heads, context, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+    def __init__(self, windows: list[int | None], sessions: int, kv_heads: int, context: int, head_dim: int,
+                 max_chunk: int, dtype: torch.dtype, device: torch.device):
+        self.lengths = ring_lengths(windows, context, max_chunk)
+        self.k = [torch.zeros((sessions, kv_heads, n, head_dim), dtype=dtype, device=device) for n in self.lengths]
+        self.v = [torch.zeros((sessions, kv_heads, n, head_dim), dtype=dtype, device=device) for n in self.lengths]
         self.sessions = sessions
+        self.context = context
+        self.max_chunk = max_chunk
 
     @staticmethod
-    def bytes_per_session(layers: int, kv_heads: int, context: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * layers * kv_heads * context * head_dim * torch.tensor([], dtype=dtype).element_size()
+    def bytes_per_session(windows: list[int | None], kv_heads: int, context: int, head_dim: int,
+                          max_chunk: int, dtype: torch.dtype) -> int:
+        positions = sum(ring_lengths(windows, context, max_chunk))
+        return 2 * positions * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def session_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+
+    def usable_prefix(self, held: int, n: int) -> int:
+        """Of the first `n` positions of a session that wrote `held`, how many a read can continue
+        from: all when every ring still holds the `window` positions before `n`, else none."""
+        shortest = min(self.lengths)
+        if n == 0 or held <= shortest or shortest == self.context:
+            return n
+        # the ring kept positions held - shortest .. held - 1; continuing at n reads back to n - window
+        return n if n >= held - self.max_chunk else 0
 
     def copy(self, src: int, dst: int, n: int) -> None:
-        """Copy the first `n` positions of session `src` into session `dst`."""
+        """Copy the first `n` positions of session `src` into session `dst` (a ring: all of it)."""
         if src == dst or n == 0:
             return
         for k, v in zip(self.k, self.v, strict=True):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
+            m = n if k.shape[2] == self.context else k.shape[2]
+            k[dst, :, :m] = k[src, :, :m]
+            v[dst, :, :m] = v[src, :, :m]

@@ -7,10 +7,12 @@ import sys
 import torch
 
 from engine.gguf_file import GGUFError, GGUFFile
-from engine.kv import KVCache
+from engine.hyper import Hyper
+from engine.kv import KV_DTYPES, KVCache
 from engine.memory import MIB, free_bytes
-from engine.models import load_model
-from engine.models.base import Hyper, Model
+from engine.models import architecture_of, load_model
+from engine.models.base import Model
+from engine.weights import planned_bytes
 
 MAX_SLOTS = 8  # a window holds at most 8 slot rows, as upstream's
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -33,16 +35,31 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name or ("f32" if device.type == "cpu" else "bf16")]
 
 
-def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device) -> int:
+def pick_kv_dtype(name: str | None, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """KV storage: fp16 on the CPU (half the bytes of float32, more mantissa than bf16), else the
+    compute dtype (no cast per attention call on the GPU)."""
+    if name:
+        return KV_DTYPES[name]
+    return torch.float16 if device.type == "cpu" else dtype
+
+
+def session_bytes(g: GGUFFile, context: int, max_chunk: int, kv_dtype: torch.dtype) -> int:
+    """One session's KV bytes, sliding-window rings included."""
+    h = Hyper.from_gguf(g)
+    windows = architecture_of(g).layer_windows(g, h)
+    return KVCache.bytes_per_session(windows, h.kv_heads, context, h.head_dim, max_chunk, kv_dtype)
+
+
+def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device,
+              max_chunk: int, kv_dtype: torch.dtype) -> int:
     """As many slots as asked that fit in memory beside the weights; 0 when not two fit."""
     if asked <= 0:
         return 0
     if asked > MAX_SLOTS:
         log(f"--batch {asked}: a window holds at most {MAX_SLOTS} slots; running {MAX_SLOTS}")
     want = min(asked, MAX_SLOTS)
-    h = Hyper.from_gguf(g)
-    per_session = KVCache.bytes_per_session(h.layers, h.kv_heads, context, h.head_dim, dtype)
-    weights = sum(t.nbytes for t in g.tensors.values()) * (4 if dtype == torch.float32 else 2)  # an upper bound
+    per_session = session_bytes(g, context, max_chunk, kv_dtype)
+    weights = planned_bytes(g, device, dtype)
     free, _ = free_bytes(device)
     fit = max(0, (free - weights - RESERVE) // per_session - 1)  # the solo session comes first
     n = min(want, int(fit))
@@ -53,9 +70,11 @@ def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device:
 
 
 def open_model(path: str, device: str = "auto", dtype: str | None = None, slots: int = 0,
-               context: int = 4096) -> tuple[GGUFFile, Model]:
+               context: int = 4096, max_chunk: int = 512, kv: str | None = None) -> tuple[GGUFFile, Model]:
     """Load `path` with room for `slots` batch sessions beside the solo session."""
     g = GGUFFile(path)
     dev = pick_device(device)
     model_ctx = int(g.arch_key("context_length", context))
-    return g, load_model(g, dev, pick_dtype(dtype, dev), sessions=slots + 1, context=max(64, min(context, model_ctx)))
+    dt = pick_dtype(dtype, dev)
+    return g, load_model(g, dev, dt, sessions=slots + 1, context=max(64, min(context, model_ctx)),
+                         max_chunk=max_chunk, kv_dtype=pick_kv_dtype(kv, dev, dt))

@@ -26,7 +26,7 @@ def memory_split(model, n_slots: int) -> list[dict]:
         "device": name,
         "total_mib": total // MIB,
         "weights_mib": model.w.bytes() // MIB,
-        "experts_mib": model.expert_bytes() // MIB,
+        "experts_mib": model.w.expert_bytes() // MIB,
         "slots_mib": per_session * n_slots // MIB,
         "kv_mib": per_session // MIB,
         "free_mib": free // MIB,

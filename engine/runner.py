@@ -12,15 +12,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.layers import Span
+from engine.batch import BatchBuilder, Span
 from engine.loading import log
 from engine.models.base import Model
+from engine.protocol import Sampling
+from engine.sampling import Draw, sample_rows
 
 
 @dataclass
 class Session:
     index: int
     tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a decode step: `session` is fed `token`, then draws its next token."""
+
+    session: Session
+    token: int
+    sampling: Sampling
+    seed: int
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -36,6 +48,7 @@ class Runner:
         self.model = model
         self.exact = exact
         self.sessions = [Session(i) for i in range(n_slots + 1)]
+        self.batches = BatchBuilder(model.device, max(model.kv.max_chunk, n_slots + 1), n_slots + 1)
 
     @property
     def solo(self) -> Session:
@@ -50,14 +63,14 @@ class Runner:
         The prompt's last token is always left to read (its logits choose the first new token).
         Returns the number of tokens reused.
         """
-        best, best_n = target, common_prefix(target.tokens, prompt)
+        best, best_n = target, self.usable(target, prompt)
         for s in self.sessions:
             if s.index in busy or s is target:
                 continue
-            n = common_prefix(s.tokens, prompt)
+            n = self.usable(s, prompt)
             if n > best_n:
                 best, best_n = s, n
-        n = min(best_n, len(prompt) - 1)
+        n = best_n
         if best is not target and n:
             t0 = time.perf_counter()
             self.model.kv.copy(best.index, target.index, n)
@@ -66,6 +79,10 @@ class Runner:
         target.tokens = prompt[:n]
         return n
 
+    def usable(self, session: Session, prompt: list[int]) -> int:
+        """How much of `prompt` a read can continue from `session`'s cache."""
+        return self.model.kv.usable_prefix(len(session.tokens), common_prefix(session.tokens, prompt[:-1]))
+
     def name(self, session: Session) -> str:
         return "the solo session" if session is self.solo else f"slot {session.index}"
 
@@ -73,25 +90,37 @@ class Runner:
         self.model.kv.copy(src.index, dst.index, len(src.tokens))
         dst.tokens = list(src.tokens)
 
+    @torch.inference_mode()
+    def forward(self, spans: list[Span], tokens: list[int]) -> torch.Tensor:
+        """One forward pass; float32 logits of each span's last row, [len(spans), vocab]."""
+        return self.model.logits(self.model.forward(self.batches.build(spans, tokens)))
+
     def read(self, session: Session, ids: list[int]) -> torch.Tensor:
-        """Feed a prompt chunk into `session`; returns the logits after its last token, [vocab]."""
-        span = Span(session.index, len(session.tokens), len(ids))
-        logits = self.model.forward(torch.tensor(ids), [span])
-        session.tokens.extend(ids)
+        """Feed prompt tokens into `session` (in forwards of at most the KV's `max_chunk` rows);
+        returns the logits after the last one, [vocab]."""
+        step = self.model.kv.max_chunk
+        for lo in range(0, len(ids), step):
+            chunk = ids[lo : lo + step]
+            logits = self.forward([Span(session.index, len(session.tokens), len(chunk))], chunk)
+            session.tokens.extend(chunk)
         return logits[0]
 
-    def decode(self, rows: list[tuple[Session, int]]) -> torch.Tensor:
-        """One window: each (session, token) row feeds one token. Returns logits [rows, vocab].
+    def sample(self, logits: torch.Tensor, draws: list[Draw]) -> list[int]:
+        """Each row's next token (logits [rows, vocab]), read back to the host once."""
+        return sample_rows(logits, draws)
 
-        Exact mode computes every row with the arithmetic of a window of one, so a row's result does
+    def decode(self, rows: list[Row]) -> list[int]:
+        """One decode step: every row feeds its token, then samples its next one.
+
+        Exact mode computes every row with the arithmetic of a step of one, so a row's result does
         not depend on the other rows; otherwise the rows share each matrix product.
         """
-        spans = [Span(s.index, len(s.tokens), 1) for s, _ in rows]
-        tokens = torch.tensor([t for _, t in rows])
+        spans = [Span(r.session.index, len(r.session.tokens), 1) for r in rows]
+        tokens = [r.token for r in rows]
         if self.exact and len(rows) > 1:
-            logits = torch.cat([self.model.forward(tokens[i : i + 1], [span]) for i, span in enumerate(spans)])
+            logits = torch.cat([self.forward([span], [token]) for span, token in zip(spans, tokens, strict=True)])
         else:
-            logits = self.model.forward(tokens, spans)
-        for s, t in rows:
-            s.tokens.append(t)
-        return logits
+            logits = self.forward(spans, tokens)
+        for r in rows:
+            r.session.tokens.append(r.token)
+        return self.sample(logits, [Draw(r.sampling, r.seed, len(r.session.tokens)) for r in rows])

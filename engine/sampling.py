@@ -7,6 +7,8 @@ sampled request's tokens depend only on its seed, its logits and its positions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.protocol import TOP_K_MAX, Sampling
@@ -27,21 +29,44 @@ def philox_uniform(seed: int, position: int) -> float:
     return ((c0 << 21) ^ (c1 >> 11)) / float(1 << 53)
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, seed: int, position: int) -> int:
-    """Choose the token for one row. logits: [vocab] float32."""
-    if sampling.greedy:
-        return int(torch.argmax(logits))
-    k = min(sampling.top_k or TOP_K_MAX, TOP_K_MAX, logits.shape[-1])
-    top_logits, top_ids = torch.topk(logits.double() / sampling.temperature, k)  # sorted, descending
-    probs = torch.softmax(top_logits, dim=-1)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if sampling.top_p < 1.0:
-        before = torch.cumsum(probs, dim=-1) - probs
-        keep &= before < sampling.top_p
-    if sampling.min_p > 0.0:
-        keep &= probs >= sampling.min_p * probs[0]
+@dataclass(frozen=True)
+class Draw:
+    """How one row chooses its token: the request's sampling, its seed, and the token's position."""
+
+    sampling: Sampling
+    seed: int
+    position: int
+
+
+def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
+    """Choose every row's token in one pass and one device-to-host read. logits: [rows, vocab] float32.
+
+    Sampled rows all keep TOP_K_MAX candidates and mask their own top_k, so a row's arithmetic is
+    the same alone or beside any other rows.
+    """
+    chosen = logits.argmax(dim=-1)
+    sampled = [i for i, d in enumerate(draws) if not d.sampling.greedy]
+    if sampled:
+        chosen[sampled] = _sample(logits[sampled], [draws[i] for i in sampled])
+    return chosen.tolist()
+
+
+def _sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    def column(values: list[float], dtype=torch.float64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=logits.device)[:, None]
+
+    k = min(TOP_K_MAX, logits.shape[-1])
+    temperature = column([d.sampling.temperature for d in draws])
+    top_logits, top_ids = torch.topk(logits.double() / temperature, k)  # sorted, descending
+    top_k = column([min(d.sampling.top_k or k, k) for d in draws], torch.int64)
+    rank = torch.arange(k, device=logits.device)[None, :]
+    probs = torch.softmax(top_logits.masked_fill(rank >= top_k, float("-inf")), dim=-1)
+    keep = rank < top_k
+    top_p = column([d.sampling.top_p for d in draws])
+    keep &= (torch.cumsum(probs, dim=-1) - probs < top_p) | (top_p >= 1.0)
+    keep &= probs >= column([d.sampling.min_p for d in draws]) * probs[:, :1]
     probs = torch.where(keep, probs, torch.zeros_like(probs))
-    cdf = torch.cumsum(probs / probs.sum(), dim=-1)
-    u = torch.tensor(philox_uniform(seed, position), dtype=cdf.dtype, device=cdf.device)
-    index = min(int(torch.searchsorted(cdf, u, right=True)), k - 1)
-    return int(top_ids[index])
+    cdf = torch.cumsum(probs / probs.sum(dim=-1, keepdim=True), dim=-1)
+    u = column([philox_uniform(d.seed, d.position) for d in draws])
+    index = torch.minimum(torch.searchsorted(cdf, u, right=True), top_k - 1)
+    return top_ids.gather(1, index)[:, 0]

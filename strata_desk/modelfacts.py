@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 GIB = 1 << 30
-_SPLIT = re.compile(r"^(?P<base>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
-
-
-def split_parts(model: Path) -> list[Path]:
-    """All files of a split GGUF (`-00001-of-00003.gguf` ...), or just the file itself."""
-    match = _SPLIT.match(model.name)
-    if not match:
-        return [model]
-    count = int(match["n"])
-    return [model.with_name(f"{match['base']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-
-
-def _as_int(value: Any, default: int = 0) -> int:
-    if value is None:
-        return default
-    if hasattr(value, "__len__"):  # per-layer arrays (e.g. head_count_kv): the largest entry
-        values = [int(v) for v in value]
-        return max(values) if values else default
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -66,27 +45,23 @@ class ModelFacts:
     @classmethod
     def from_gguf(cls, model: Path) -> ModelFacts:
         """Read the facts from the header(s); raises engine.gguf_file.GGUFError or FileNotFoundError."""
-        from engine.gguf_file import GGUFFile
+        from engine.gguf_file import GGUFFile, split_parts  # numpy and gguf: imported when used
+        from engine.hyper import Hyper
 
         parts = split_parts(Path(model))
         missing = [p for p in parts if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"model file not found: {missing[0]}")
-        first = GGUFFile(parts[0])
-        expert_bytes = sum(t.nbytes for t in first.tensors.values() if "_exps" in t.name)
-        for part in parts[1:]:
-            expert_bytes += sum(t.nbytes for t in GGUFFile(part).tensors.values() if "_exps" in t.name)
-        n_heads = _as_int(first.arch_key("attention.head_count"), 1)
-        embd = _as_int(first.arch_key("embedding_length"), 0)
-        head_dim = _as_int(first.arch_key("attention.key_length"), embd // max(n_heads, 1))
+        g = GGUFFile(parts[0])
+        h = Hyper.from_gguf(g)
         return cls(
-            architecture=first.architecture,
-            n_layers=_as_int(first.arch_key("block_count")),
-            n_kv_heads=_as_int(first.arch_key("attention.head_count_kv"), n_heads),
-            head_dim=head_dim,
-            n_experts=_as_int(first.arch_key("expert_count")),
-            n_experts_used=_as_int(first.arch_key("expert_used_count")),
-            expert_bytes=expert_bytes,
+            architecture=g.architecture,
+            n_layers=h.layers,
+            n_kv_heads=h.kv_heads,
+            head_dim=h.head_dim,
+            n_experts=h.experts,
+            n_experts_used=h.experts_used,
+            expert_bytes=sum(t.nbytes for t in g.tensors.values() if "_exps" in t.name),
             total_bytes=sum(p.stat().st_size for p in parts),
-            context_length=_as_int(first.arch_key("context_length")),
+            context_length=h.context,
         )

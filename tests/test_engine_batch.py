@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import protocol as P
+from engine.batch import Span
 from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
-from engine.layers import Span
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,8 @@ def test_default_mode_window_agrees_with_rows_alone(driver):
     lines = driver.run([bgen(i, p, 1) for i, p in enumerate(prompts)])
     firsts = collect(lines).slots
     spans = [Span(i, len(p), 1) for i, p in enumerate(prompts)]
-    tokens = torch.tensor([firsts[i][0] for i in range(4)])
-    together = driver.model.forward(tokens, spans)
-    alone = torch.cat([driver.model.forward(tokens[i : i + 1], [spans[i]]) for i in range(4)])
+    tokens = [firsts[i][0] for i in range(4)]
+    runner = driver.server.runner
+    together = runner.forward(spans, tokens)
+    alone = torch.cat([runner.forward([spans[i]], tokens[i : i + 1]) for i in range(4)])
     assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4)

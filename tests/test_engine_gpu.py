@@ -23,10 +23,10 @@ def test_cuda_f32_matches_cpu_f32(tiny_model):
     cpu = Driver.load(str(tiny_model), slots=0, device="cpu")
     gpu = Driver.load(str(tiny_model), slots=0, device="cuda", dtype="f32")
     for ids in sample_prompts(cpu.model.hyper.vocab, 4, seed=3):
-        from engine.layers import Span
+        from engine.batch import Span
 
-        a = cpu.model.forward(torch.tensor(ids), [Span(0, 0, len(ids))])
-        b = gpu.model.forward(torch.tensor(ids), [Span(0, 0, len(ids))]).cpu()
+        a = cpu.server.runner.forward([Span(0, 0, len(ids))], ids)
+        b = gpu.server.runner.forward([Span(0, 0, len(ids))], ids).cpu()
         assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (a - b).abs().max()
         assert greedy(cpu, ids)[:8] == greedy(gpu, ids)[:8]
 
@@ -46,14 +46,20 @@ def test_cuda_serve_process(tiny_model):
 
 
 def test_grouped_experts_match_the_per_expert_loop():
-    from engine.layers import moe_swiglu, route
+    from engine.experts import ResidentExperts, route
+    from engine.weights import LinearStack
+
+    def experts(tensors, device):
+        return ResidentExperts(*(LinearStack.of_dense(t) for t in tensors), torch.device(device))
 
     torch.manual_seed(0)
     E, Fd, H, k = 16, 64, 128, 4
     w = [torch.randn(E, Fd, H) * 0.05, torch.randn(E, Fd, H) * 0.05, torch.randn(E, H, Fd) * 0.05]
-    x = torch.randn(8, H)
-    weights, ids = route(x, torch.randn(E, H), k, normalize=True)
-    ref = moe_swiglu(x, weights, ids, *w)  # CPU float32: the loop path
-    cuda = [t.cuda().bfloat16() for t in w]
-    got = moe_swiglu(x.cuda().bfloat16(), weights.cuda(), ids.cuda(), *cuda).float().cpu()
-    assert torch.allclose(got, ref, atol=3e-2, rtol=3e-2), (got - ref).abs().max()
+    for rows in (1, 8):
+        x = torch.randn(rows, H)
+        weights, ids = route(x, torch.randn(E, H), k, normalize=True)
+        ref = experts(w, "cpu")(x, weights, ids)  # CPU float32: the per-expert path
+        gpu = experts([t.cuda().bfloat16() for t in w], "cuda")
+        assert gpu.grouped
+        got = gpu(x.cuda().bfloat16(), weights.cuda(), ids.cuda()).float().cpu()
+        assert torch.allclose(got, ref, atol=3e-2, rtol=3e-2), (got - ref).abs().max()

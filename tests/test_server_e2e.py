@@ -11,14 +11,14 @@ import httpx
 import pytest
 from test_server_harness import ROOT, LiveServer, sse_events
 
-ENGINE_SERVE = ROOT / "engine" / "serve.py"
+ENGINE_SERVE = ROOT / "engine" / "loop.py"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def real(request, tmp_path_factory):
     if not ENGINE_SERVE.exists():
-        pytest.skip("the real engine (engine/serve.py) is not in this tree yet")
+        pytest.skip("the real engine (engine/loop.py) is not in this tree yet")
     try:
         model = request.getfixturevalue("tiny_model")
     except pytest.FixtureLookupError:

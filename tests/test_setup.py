@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.gguf_file import split_parts
 from strata_desk import paths
-from strata_desk.modelfacts import GIB, ModelFacts, split_parts
+from strata_desk.modelfacts import GIB, ModelFacts
 from strata_desk.probe import GpuInfo, HardwareInfo
 from strata_desk.setup import COST_NOTE, SetupError, build_config, recommend, write_config
 

@@ -23,5 +23,7 @@ def architecture_of(g: GGUFFile) -> type[Model]:
     return cls
 
 
-def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int) -> Model:
-    return architecture_of(g)(g, device, dtype, sessions, context)
+def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
+               max_chunk: int = 512, kv_dtype: torch.dtype | None = None) -> Model:
+    """The model with KV for `sessions` sessions; reads feed at most `max_chunk` rows per forward."""
+    return architecture_of(g)(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype)

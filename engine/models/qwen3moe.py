@@ -4,28 +4,31 @@ SwiGLU experts renormalised over the chosen k, untied output head."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from engine.batch import Batch
+from engine.experts import ResidentExperts, route
 from engine.gguf_file import GGUFFile
-from engine.layers import Rope, Window, default_scale, moe_swiglu, rms_norm, route
-from engine.models.base import Hyper, Model
+from engine.hyper import Hyper
+from engine.layers import Rope, default_scale, rms_norm
+from engine.models.base import Model
 
 
 class Qwen3Moe(Model):
     arch = "qwen3moe"
 
-    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int):
-        hyper = Hyper.from_gguf(g, experts=int(g.arch_key("expert_count", 0)),
-                                experts_used=int(g.arch_key("expert_used_count", 0)))
-        super().__init__(g, hyper, device, dtype, sessions, context)
+    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
+                 max_chunk: int, kv_dtype: torch.dtype):
+        hyper = Hyper.from_gguf(g)
+        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype)
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device)
         self.scale = default_scale(hyper.head_dim)
+        for b in self.blk:
+            b.experts = ResidentExperts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
 
-    def block(self, i: int, x: torch.Tensor, rows: Window) -> torch.Tensor:
-        w, h = self.w, self.hyper
-        p = f"blk.{i}."
-        o = self.attention(i, rms_norm(x, w[p + "attn_norm"], h.eps), rows, self.rope, self.scale)
-        x = x + F.linear(o, w[p + "attn_output"])
-        m = rms_norm(x, w[p + "ffn_norm"], h.eps)
-        weights, ids = route(m, w[p + "ffn_gate_inp"], h.experts_used, normalize=True)
-        return x + moe_swiglu(m, weights, ids, w[p + "ffn_gate_exps"], w[p + "ffn_up_exps"], w[p + "ffn_down_exps"])
+    def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
+        b, h = self.blk[i], self.hyper
+        o = self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale)
+        x = x + b.attn_output(o)
+        m = rms_norm(x, b.ffn_norm, h.eps)
+        weights, ids = route(m, b.ffn_gate_inp, h.experts_used, normalize=True)
+        return x + b.experts(m, weights, ids)

@@ -1,9 +1,10 @@
-"""The protocol loop: commands from stdin, prompt reads and decode windows, replies on stdout.
+"""The protocol loop `EngineLoop`: commands from stdin, prompt reads and decode steps, replies on stdout.
 
 One main thread does all model work; a reader thread only queues stdin lines, so STOP, BSTOP and
-BYIELD are seen between chunks and windows. One read (a GEN's or an admission's prompt) runs at a
+BYIELD are seen between chunks and steps. One read (a GEN's or an admission's prompt) runs at a
 time; after each of its chunks the decoding rows get `decode_share` times the chunk's time, so a
-long prompt slows the others instead of stopping them. docs/protocol.md is the contract.
+long prompt slows the others instead of stopping them. docs/protocol.md is the contract (where a
+decode step is called a window, as in STATS `windows`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import TextIO
 import torch
 
 from engine import protocol as P
+from engine.experts import ExpertStats
 from engine.memory import memory_split
 from engine.models.base import Model
-from engine.runner import Runner, Session
-from engine.sampling import sample
+from engine.runner import Row, Runner, Session
+from engine.sampling import Draw
 
 STATS_INTERVAL_S = 0.25
 
@@ -48,13 +50,14 @@ class Job:
     decode_started: float = 0.0
     stop: bool = False
     yield_to: int | None = None
+    experts: ExpertStats = field(default_factory=ExpertStats)  # routed entries of its decode steps
 
     @property
     def read_pos(self) -> int:
         return len(self.session.tokens)
 
 
-class Server:
+class EngineLoop:
     def __init__(self, runner: Runner, stop_ids: frozenset[int], prefill: int, decode_share: float,
                  out: TextIO = sys.stdout, log: TextIO = sys.stderr):
         self.runner = runner
@@ -200,7 +203,7 @@ class Server:
     def first_token(self, job: Job, logits: torch.Tensor) -> None:
         self.reading = None
         job.decode_started = time.perf_counter()
-        token = sample(logits, job.sampling, job.seed, len(job.prompt))
+        token = self.runner.sample(logits[None], [Draw(job.sampling, job.seed, len(job.prompt))])[0]
         job.generated = 1
         self.emit(P.Token(token))
         finish = self.finish_reason(job, token)
@@ -243,7 +246,7 @@ class Server:
             return "length"
         return None
 
-    def window(self) -> None:
+    def decode_step(self) -> None:
         for index, job in list(self.decoding.items()):
             if job.stop:
                 del self.decoding[index]
@@ -252,9 +255,11 @@ class Server:
             return
         jobs = sorted(self.decoding.values(), key=lambda j: j.session.index)
         t0 = time.perf_counter()
-        logits = self.runner.decode([(job.session, job.next_token) for job in jobs])
-        for job, row in zip(jobs, logits, strict=True):
-            token = sample(row, job.sampling, job.seed, job.read_pos)
+        before = self.model.expert_stats()
+        tokens = self.runner.decode([Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs])
+        served = (self.model.expert_stats() - before).share(len(jobs))
+        for job, token in zip(jobs, tokens, strict=True):
+            job.experts += served
             job.generated += 1
             if job.slot is None:
                 self.emit(P.Token(token))
@@ -266,12 +271,12 @@ class Server:
             if finish:
                 del self.decoding[job.session.index]
                 self.finish_decoding(job, finish)
-        self.stats.window(len(jobs), time.perf_counter() - t0, jobs)
+        self.stats.step(len(jobs), time.perf_counter() - t0, jobs)
 
-    def decode_for(self, seconds: float) -> None:
+    def decode_steps_for(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
         while self.decoding:
-            self.window()
+            self.decode_step()
             self.poll()
             if time.perf_counter() >= deadline:
                 return
@@ -285,9 +290,8 @@ class Server:
 
     def done(self, job: Job, finish: str) -> None:
         decode_ms = (time.perf_counter() - job.decode_started) * 1000 if job.decode_started else 0.0
-        hits, lookups = expert_lookups(self.model, max(job.generated - 1, 0))
         self.emit(P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
-                         reused=job.reused, hits=hits, lookups=lookups))
+                         reused=job.reused, hits=job.experts.vram, lookups=job.experts.lookups))
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -299,9 +303,9 @@ class Server:
             if self.reading is not None:
                 spent = self.read_chunk()
                 if self.decoding and spent:
-                    self.decode_for(spent * self.decode_share)
+                    self.decode_steps_for(spent * self.decode_share)
             elif self.decoding:
-                self.window()
+                self.decode_step()
             self.maybe_stats()
 
     def maybe_stats(self) -> None:
@@ -328,7 +332,7 @@ class _StatsCounter:
         self.prefill_s += seconds
         self.dirty = True
 
-    def window(self, rows: int, seconds: float, jobs: list[Job]) -> None:
+    def step(self, rows: int, seconds: float, jobs: list[Job]) -> None:
         self.windows += 1
         self.tokens += rows
         self.interval_windows += 1
@@ -350,7 +354,7 @@ class _StatsCounter:
             "slot_tokens": dict(self.slot_tokens),
             "prefill_tokens": self.prefill_tokens,
             "prefill_ms": round(self.prefill_s * 1000, 1),
-            "tier": _tier(model, self.tokens),
+            "tier": _tier(model),
             "memory": memory_split(model, n_slots),
         }
         self.interval_windows = self.interval_rows = 0
@@ -359,17 +363,11 @@ class _StatsCounter:
         return snap
 
 
-def expert_lookups(model: Model, tokens: int) -> tuple[int, int]:
-    """(hits, lookups) of the routed experts for `tokens` decoded tokens: every expert is resident,
-    so a lookup is a hit in device memory on CUDA and served by the CPU on the CPU."""
-    lookups = tokens * model.hyper.layers * model.hyper.experts_used
-    return (0 if model.device.type == "cpu" else lookups), lookups
-
-
-def _tier(model: Model, tokens: int) -> dict | None:
+def _tier(model: Model) -> dict | None:
+    """The tier fields of STATS from the experts' counted entries (every expert is resident)."""
     if not model.hyper.experts:
         return None
-    hits, lookups = expert_lookups(model, tokens)
-    on_cpu = model.device.type == "cpu"
-    return {"mode": "resident", "vram": 0.0 if on_cpu else 1.0, "pcie": 0.0, "cpu": 1.0 if on_cpu else 0.0,
-            "hits": hits, "lookups": lookups, "swaps": 0, "adapt_rounds": 0, "adapt_wait_ms": 0.0}
+    served = model.expert_stats()
+    n = max(served.lookups, 1)
+    return {"mode": "resident", "vram": served.vram / n, "pcie": served.pcie / n, "cpu": served.cpu / n,
+            "hits": served.vram, "lookups": served.lookups, "swaps": 0, "adapt_rounds": 0, "adapt_wait_ms": 0.0}

@@ -1,0 +1,123 @@
+"""Routed experts behind one interface: `experts(x, weights, ids) -> y` and `experts.stats()`.
+
+`route` picks each row's experts; an `Experts` object runs them. `ResidentExperts` holds every
+expert on the model's device and picks its path once, at load: grouped GEMMs on CUDA (Hopper and
+newer, bf16), else one product per routed expert over the rows routed to it. The expert tier (a
+VRAM cache of experts with misses served elsewhere) is another `Experts` behind the same calls.
+
+Every path combines a row's k expert outputs in a fixed order, after un-sorting them by a scatter
+with distinct indices (never an atomic accumulation), so a row's result does not depend on how the
+other rows of the call were routed or scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.weights import LinearStack
+
+
+@dataclass
+class ExpertStats:
+    """Routed (row, expert) entries served, counted per call: from device memory, over PCIe, by the CPU."""
+
+    lookups: int = 0
+    vram: int = 0
+    pcie: int = 0
+    cpu: int = 0
+
+    def __add__(self, other: ExpertStats) -> ExpertStats:
+        return ExpertStats(self.lookups + other.lookups, self.vram + other.vram,
+                           self.pcie + other.pcie, self.cpu + other.cpu)
+
+    def __sub__(self, other: ExpertStats) -> ExpertStats:
+        return ExpertStats(self.lookups - other.lookups, self.vram - other.vram,
+                           self.pcie - other.pcie, self.cpu - other.cpu)
+
+    def share(self, rows: int) -> ExpertStats:
+        """One row's part of a window's entries (every row routes the same number of entries)."""
+        return ExpertStats(self.lookups // rows, self.vram // rows, self.pcie // rows, self.cpu // rows)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router then top-k (Qwen3-MoE order). Returns weights [N, k] (float32) and ids [N, k]."""
+    probs = torch.softmax(F.linear(x.float(), router), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stats(self) -> ExpertStats:
+        raise NotImplementedError
+
+
+class ResidentExperts(Experts):
+    """SwiGLU experts, all resident on `device`: gate/up `[E, F, H]`, down `[E, H, F]`."""
+
+    def __init__(self, gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device):
+        self.gate, self.up, self.down = gate, up, down
+        self.on_gpu = device.type == "cuda"
+        self.grouped = (self.on_gpu and gate.dense is not None and gate.dense.dtype == torch.bfloat16
+                        and hasattr(torch, "_grouped_mm"))
+        self._stats = ExpertStats()
+
+    def stats(self) -> ExpertStats:
+        return ExpertStats(**vars(self._stats))
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // k
+        if self.grouped:
+            y = self._grouped(x[rows], flat, order)
+        else:
+            y = self._per_expert(x[rows], flat[order])
+        self._count(n * k)
+        return combine(y, order, weights)
+
+    def _count(self, entries: int) -> None:
+        self._stats.lookups += entries
+        if self.on_gpu:
+            self._stats.vram += entries
+        else:
+            self._stats.cpu += entries
+
+    def _grouped(self, xs: torch.Tensor, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per projection (torch._grouped_mm): every routed expert read once, no
+        host sync, no weight copies."""
+        experts = self.gate.dense.shape[0]
+        # not bincount: on CUDA it reads the max back to size its output, a host sync per layer
+        counts = torch.zeros(experts, dtype=torch.int64, device=xs.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        g = torch._grouped_mm(xs, self.gate.dense.transpose(1, 2), offs=offsets)
+        u = torch._grouped_mm(xs, self.up.dense.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(F.silu(g) * u, self.down.dense.transpose(1, 2), offs=offsets)
+
+    def _per_expert(self, xs: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert; one product per routed expert over its rows."""
+        y = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device)
+        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+            part = xs[start : start + count]
+            h = F.silu(self.gate.experts[expert](part)) * self.up.experts[expert](part)
+            y[start : start + count] = self.down.experts[expert](h)
+            start += count
+        return y
+
+
+def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row's k expert outputs (given in expert-sorted order) weighted and summed in a fixed order."""
+    n, k = weights.shape
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted  # distinct indices: a plain scatter, deterministic
+    return (y.view(n, k, -1).float() * weights[..., None]).sum(dim=1).to(y_sorted.dtype)

@@ -1,0 +1,1 @@
+"""Native kernels for GGUF weights: `cpu` builds and loads the C dequantize/matmul kernels for the CPU."""

@@ -1,0 +1,174 @@
+"""CPU kernels for GGUF quantized weights, in C (quant_cpu.c) through ctypes.
+
+The C file is compiled on first use with the system compiler (`CC`, else `cc`) into a cache
+directory keyed by a hash of the source, the flags, the compiler and the CPU, and loaded from there
+afterwards. Nothing is built or raised at import: `available()` says whether the kernels work here
+and `unavailable_reason()` why not.
+
+`matmul` is meant for decode (a few rows of x): every weight row is dequantized once and dotted with
+each x row in one fixed order, so a result row is bit-identical whatever the batch size and the
+number of threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import platformdirs
+import torch
+from gguf import GGMLQuantizationType as Q
+
+SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+SOURCE = Path(__file__).with_name("quant_cpu.c")
+# Contraction off: the C code asks for its FMAs explicitly and must round like the reference elsewhere.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    """`$STRATA_DESK_HOME/cache/kernels`, else the user cache directory's `kernels`."""
+    home = os.environ.get("STRATA_DESK_HOME")
+    if home:
+        return Path(home).expanduser() / "cache" / "kernels"
+    return Path(platformdirs.user_cache_dir("strata-desk")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    # -march=native binaries are only valid on a CPU with the same features (think shared home dirs).
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> Path:
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    if not cc or shutil.which(cc[0]) is None:
+        raise RuntimeError(f"no C compiler: {cc[0] if cc else 'CC'!r} not found (set CC)")
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"C compiler {cc[0]!r} does not run: {exc}") from exc
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(cc + list(FLAGS)).encode(), version.encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    target = cache_dir() / f"quant_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same source lands the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _reason, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+            lib.sd_supported.argtypes, lib.sd_supported.restype = [c_int], c_int
+            lib.sd_row_bytes.argtypes, lib.sd_row_bytes.restype = [c_int, i64], i64
+            lib.sd_dequantize.argtypes, lib.sd_dequantize.restype = [c_int, ptr, i64, i64, ptr, c_int], None
+            lib.sd_matmul.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
+            lib.sd_matmul.restype = c_int
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _reason = str(exc)
+        _tried = True
+        return _lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (builds them on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (no compiler, compile error, ...), else None."""
+    _load()
+    return _reason
+
+
+def _require() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU quant kernels unavailable: {_reason}")
+    return lib
+
+
+def row_bytes(qtype: Q, k: int) -> int:
+    """Bytes of one row of k values of `qtype`; ValueError for an unsupported type or a partial block."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"{Q(qtype).name} is not supported by the CPU kernels")
+    n = _require().sd_row_bytes(int(qtype), k)
+    if n < 0:
+        raise ValueError(f"k={k} is not a multiple of the {Q(qtype).name} block size")
+    return n
+
+
+def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
+    rb = row_bytes(qtype, k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
+        raise ValueError(f"blocks must be a 2-D uint8 CPU tensor, got {blocks.dtype} {tuple(blocks.shape)} "
+                         f"on {blocks.device}")
+    if blocks.shape[1] != rb:
+        raise ValueError(f"blocks have {blocks.shape[1]} bytes per row, {Q(qtype).name} with k={k} needs {rb}")
+    if not blocks.is_contiguous():
+        raise ValueError("blocks must be contiguous")
+
+
+def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 [rows, k] from uint8 blocks [rows, row_bytes(qtype, k)]."""
+    _check_blocks(qtype, blocks, k)
+    out = torch.empty((blocks.shape[0], k), dtype=torch.float32)
+    _require().sd_dequantize(int(qtype), blocks.data_ptr(), blocks.shape[0], k, out.data_ptr(),
+                             torch.get_num_threads())
+    return out
+
+
+def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ W.T -> float32 [m, n], W being n rows of `qtype` blocks (uint8 [n, row_bytes])."""
+    _check_blocks(qtype, blocks, k)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous float32 CPU tensor [m, {k}], got {x.dtype} {tuple(x.shape)} "
+                         f"on {x.device}")
+    m, n = x.shape[0], blocks.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32)
+    elif (out.dtype != torch.float32 or tuple(out.shape) != (m, n) or out.device.type != "cpu"
+          or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    rc = _require().sd_matmul(int(qtype), blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+                              torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("sd_matmul could not allocate its row buffers")
+    return out

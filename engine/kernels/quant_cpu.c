@@ -1,0 +1,563 @@
+/* CPU kernels for GGUF weights: row dequantizers for the ggml types and a decode-sized matmul.
+ *
+ * Plain C, with AVX2/FMA/F16C intrinsics where the compiler targets them (portable C otherwise, or
+ * with -DSD_PORTABLE). Built by engine/kernels/cpu.py with -O3 -march=native -ffp-contract=off -fopenmp.
+ *
+ * Floating point is exact on purpose:
+ *  - contraction is off, so the dequantizers round `d*q` before adding the minimum as gguf-py's
+ *    numpy reference does, and give bit-identical results;
+ *  - the only FMAs are explicit, and every path of sd_matmul computes y[i, j] with the same
+ *    sequence: for each group of 32 values in order, for v = 0..3, c[v % 2] += W[j, 8v..8v+8] *
+ *    x[i, 8v..8v+8] on two 8-lane accumulators, then one fixed reduction (and, for float types
+ *    with k not a multiple of 32, a scalar tail). So y[i, j] depends on W[j] and x[i] only: not on
+ *    m, on which x rows share a pass, on the path taken or on the thread split (batch invariance).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
+#include <immintrin.h>
+#define SD_AVX2 1
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+#define QK 32
+#define QK_K 256
+
+/* ---- scalar helpers ---------------------------------------------------------------------------- */
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#ifdef SD_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* The 6-bit scale and minimum of sub-block j (0..7) of Q4_K / Q5_K. */
+static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+/* ---- 32 int8 lanes ------------------------------------------------------------------------------
+ * Every block type is unpacked 32 values at a time into int8 lanes (q32), then scaled. */
+
+#ifdef SD_AVX2
+typedef __m256i q32;
+static inline q32 load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline q32 bytes32(int v) { return _mm256_set1_epi8((char)v); }
+static inline q32 and32(q32 a, q32 b) { return _mm256_and_si256(a, b); }
+static inline q32 or32(q32 a, q32 b) { return _mm256_or_si256(a, b); }
+static inline q32 sub32(q32 a, q32 b) { return _mm256_sub_epi8(a, b); }
+/* ~a & b */
+static inline q32 andnot32(q32 a, q32 b) { return _mm256_andnot_si256(a, b); }
+/* Each byte shifted by s; bits shifted in from the neighbouring byte are for the caller to mask off. */
+static inline q32 shr32(q32 a, int s) { return _mm256_srli_epi16(a, s); }
+static inline q32 shl32(q32 a, int s) { return _mm256_slli_epi16(a, s); }
+/* 0xff in the bytes where (a & bit) != 0, else 0. */
+static inline q32 has32(q32 a, int bit) { return _mm256_cmpeq_epi8(and32(a, bytes32(bit)), bytes32(bit)); }
+
+/* 16 bytes of nibbles: low nibbles are values 0..15, high nibbles 16..31. */
+static inline q32 nibbles32(const uint8_t *qs) {
+    __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+/* 0x10 in byte l where bit l of qh is set. */
+static inline q32 high_bits32(uint32_t qh) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+    return and32(_mm256_cmpeq_epi8(and32(v, bit), bit), bytes32(0x10));
+}
+
+#else
+typedef struct { int8_t v[32]; } q32;
+static inline q32 load32(const uint8_t *p) { q32 r; memcpy(r.v, p, 32); return r; }
+static inline q32 bytes32(int v) { q32 r; memset(r.v, v, 32); return r; }
+#define Q32_OP(name, expr) \
+    static inline q32 name(q32 a, q32 b) { q32 r; for (int l = 0; l < 32; l++) r.v[l] = (int8_t)(expr); return r; }
+Q32_OP(and32, a.v[l] & b.v[l])
+Q32_OP(or32, a.v[l] | b.v[l])
+Q32_OP(sub32, a.v[l] - b.v[l])
+Q32_OP(andnot32, ~a.v[l] & b.v[l])
+static inline q32 shr32(q32 a, int s) { for (int l = 0; l < 32; l++) a.v[l] = (int8_t)((uint8_t)a.v[l] >> s); return a; }
+static inline q32 shl32(q32 a, int s) { for (int l = 0; l < 32; l++) a.v[l] = (int8_t)((uint8_t)a.v[l] << s); return a; }
+static inline q32 has32(q32 a, int bit) { for (int l = 0; l < 32; l++) a.v[l] = (a.v[l] & bit) ? -1 : 0; return a; }
+
+static inline q32 nibbles32(const uint8_t *qs) {
+    q32 r;
+    for (int l = 0; l < 16; l++) {
+        r.v[l] = (int8_t)(qs[l] & 15);
+        r.v[l + 16] = (int8_t)(qs[l] >> 4);
+    }
+    return r;
+}
+
+static inline q32 high_bits32(uint32_t qh) {
+    q32 r;
+    for (int l = 0; l < 32; l++) r.v[l] = (int8_t)(((qh >> l) & 1) << 4);
+    return r;
+}
+#endif
+
+/* ---- sinks: where 32 dequantized values go ------------------------------------------------------
+ * A row walker (row_<type> below) hands each group of 32 values, as int8 lanes and scales, to
+ *   emit_scale:  w[l] = d * q[l]          (d0 for l < 16, d1 for the rest: K types scale per 16)
+ *   emit_affine: w[l] = d * q[l] - m      (the product rounded first, as in the reference)
+ * which store w (mode STORE: dequantize) or, with AVX2, multiply-add it into the dot products of
+ * 1 to 4 x rows (mode = the number of rows) without going through memory. The walkers are always
+ * inlined with a constant mode, so each (type, mode) compiles to its own loop. */
+
+enum { STORE = 0, MAX_ROWS = 4 };
+
+#ifdef SD_AVX2
+typedef struct {
+    float *dst;
+    const float *x; /* up to MAX_ROWS rows of k floats */
+    int64_t k;
+    __m256 c[MAX_ROWS][2];
+} sink;
+
+INLINE void emit(sink *s, int mode, const __m256 w[4], int64_t off) {
+    for (int v = 0; v < 4; v++) {
+        if (mode == STORE) {
+            _mm256_storeu_ps(s->dst + off + 8 * v, w[v]);
+            continue;
+        }
+        for (int r = 0; r < mode; r++)
+            s->c[r][v & 1] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(s->x + r * s->k + off + 8 * v), s->c[r][v & 1]);
+    }
+}
+
+INLINE void to_float32(q32 q, __m256 f[4]) {
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off) {
+    __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1);
+    to_float32(q, w);
+    for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], v < 2 ? a : b);
+    emit(s, mode, w, off);
+}
+
+INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, float m1, int64_t off) {
+    __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1), ma = _mm256_set1_ps(m0), mb = _mm256_set1_ps(m1);
+    to_float32(q, w);
+    for (int v = 0; v < 4; v++) w[v] = _mm256_sub_ps(_mm256_mul_ps(w[v], v < 2 ? a : b), v < 2 ? ma : mb);
+    emit(s, mode, w, off);
+}
+
+#else
+typedef struct { float *dst; } sink; /* portable build: STORE only */
+
+INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off) {
+    (void)mode;
+    for (int l = 0; l < 32; l++) s->dst[off + l] = (l < 16 ? d0 : d1) * (float)q.v[l];
+}
+
+INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, float m1, int64_t off) {
+    (void)mode;
+    for (int l = 0; l < 32; l++) s->dst[off + l] = (l < 16 ? d0 : d1) * (float)q.v[l] - (l < 16 ? m0 : m1);
+}
+#endif
+
+/* ---- block walkers: the values of one block, at offset o in the row ------------------------------ */
+
+/* Q8_0: f16 d, int8 q[32]; w = d*q. */
+INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src);
+    emit_scale(s, mode, load32(src + 2), d, d, o);
+}
+
+/* Q4_0: f16 d, qs[16] nibbles; w = d*(q-8). */
+INLINE void blk_q4_0(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src);
+    emit_scale(s, mode, sub32(nibbles32(src + 2), bytes32(8)), d, d, o);
+}
+
+/* Q4_1: f16 d, f16 m, qs[16]; w = d*q + m. */
+INLINE void blk_q4_1(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src), m = -f16_to_f32(src + 2);
+    emit_affine(s, mode, nibbles32(src + 4), d, m, d, m, o);
+}
+
+/* Q5_0: f16 d, qh (bit l: bit 4 of value l), qs[16]; w = d*(q-16). */
+INLINE void blk_q5_0(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src);
+    q32 q = or32(nibbles32(src + 6), high_bits32(le32(src + 2)));
+    emit_scale(s, mode, sub32(q, bytes32(16)), d, d, o);
+}
+
+/* Q5_1: f16 d, f16 m, qh, qs[16]; w = d*q + m. */
+INLINE void blk_q5_1(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src), m = -f16_to_f32(src + 2);
+    emit_affine(s, mode, or32(nibbles32(src + 8), high_bits32(le32(src + 4))), d, m, d, m, o);
+}
+
+/* Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], f16 d, f16 dmin.
+ * Values g*32 + l (g < 8) are bits 2(g%4).. of qs[(g/4)*32 + l]; a scale and min per 16 values. */
+INLINE void blk_q2_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src + 80), dmin = f16_to_f32(src + 82);
+    for (int g = 0; g < 8; g++) {
+        q32 q = and32(shr32(load32(src + 16 + (g / 4) * 32), 2 * (g % 4)), bytes32(3));
+        uint8_t s0 = src[2 * g], s1 = src[2 * g + 1];
+        emit_affine(s, mode, q, d * (float)(s0 & 15), dmin * (float)(s0 >> 4), d * (float)(s1 & 15),
+                    dmin * (float)(s1 >> 4), o + 32 * g);
+    }
+}
+
+/* Q3_K: hmask[32], qs[64], scales[12] (16 6-bit scales, offset 32), f16 d.
+ * Values g*32 + l: 2 bits as in Q2_K, minus 4 unless bit g of hmask[l] is set. */
+INLINE void blk_q3_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+    const uint8_t *sc = src + 96;
+    float d = f16_to_f32(src + 108), dl[16];
+    for (int i = 0; i < 16; i++) {
+        int lo = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4;
+        int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        dl[i] = d * (float)((lo | (hi << 4)) - 32);
+    }
+    q32 hm = load32(src);
+    for (int g = 0; g < 8; g++) {
+        q32 q = and32(shr32(load32(src + 32 + (g / 4) * 32), 2 * (g % 4)), bytes32(3));
+        q = sub32(q, andnot32(has32(hm, 1 << g), bytes32(4)));
+        emit_scale(s, mode, q, dl[2 * g], dl[2 * g + 1], o + 32 * g);
+    }
+}
+
+/* Q4_K: f16 d, f16 dmin, scales[12] (8 6-bit scales and mins), qs[128].
+ * Sub-block j (32 values) is nibble j%2 of qs[(j/2)*32 ..]; w = (d*sc)*q - dmin*mn. */
+INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k4_scale_min(src + 4, j, &sc, &mn);
+        q32 q = and32(shr32(load32(src + 16 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
+        float ds = d * (float)sc, dm = dmin * (float)mn;
+        emit_affine(s, mode, q, ds, dm, ds, dm, o + 32 * j);
+    }
+}
+
+/* Q5_K: as Q4_K with qh[32] before qs: bit j of qh[l] is bit 4 of value l of sub-block j. */
+INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+    float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    q32 qh = load32(src + 16);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k4_scale_min(src + 4, j, &sc, &mn);
+        q32 q = and32(shr32(load32(src + 48 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
+        q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
+        float ds = d * (float)sc, dm = dmin * (float)mn;
+        emit_affine(s, mode, q, ds, dm, ds, dm, o + 32 * j);
+    }
+}
+
+/* Q6_K: ql[128], qh[64], int8 scales[16], f16 d. Values h*128 + g*32 + l (h < 2, g < 4):
+ * nibble g/2 of ql[h*64 + (g%2)*32 + l], bits 2g..2g+1 of qh[h*32 + l] on top; w = (d*sc)*(q-32). */
+INLINE void blk_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+    const int8_t *sc = (const int8_t *)(src + 192);
+    float d = f16_to_f32(src + 208);
+    for (int h = 0; h < 2; h++) {
+        q32 qh = load32(src + 128 + h * 32);
+        for (int g = 0; g < 4; g++) {
+            q32 lo = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
+            q32 hi = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
+            int j = h * 8 + g * 2;
+            emit_scale(s, mode, sub32(or32(lo, hi), bytes32(32)), d * (float)sc[j], d * (float)sc[j + 1],
+                       o + h * 128 + g * 32);
+        }
+    }
+}
+
+/* ---- float types: plain loops (any k) ------------------------------------------------------------ */
+
+static void dq_f32(const uint8_t *src, float *dst, int64_t k) { memcpy(dst, src, (size_t)k * 4); }
+
+static void dq_f16(const uint8_t *src, float *dst, int64_t k) {
+    int64_t i = 0;
+#ifdef SD_AVX2
+    for (; i + 8 <= k; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+#endif
+    for (; i < k; i++) dst[i] = f16_to_f32(src + 2 * i);
+}
+
+static void dq_bf16(const uint8_t *src, float *dst, int64_t k) {
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits = ((uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8)) << 16;
+        memcpy(dst + i, &bits, 4);
+    }
+}
+
+/* ---- dot products ---------------------------------------------------------------------------- */
+
+#ifdef SD_AVX2
+static inline float hsum(const __m256 c[2]) {
+    __m256 t = _mm256_add_ps(c[0], c[1]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+INLINE void sink_init(sink *s, const float *x, int64_t k) {
+    s->x = x;
+    s->k = k;
+    for (int r = 0; r < MAX_ROWS; r++) s->c[r][0] = s->c[r][1] = _mm256_setzero_ps();
+}
+
+/* A walker over a row already in floats (k32 of them, a multiple of 32). */
+INLINE void row_floats(const float *a, int64_t k32, sink *s, int mode) {
+    for (int64_t o = 0; o < k32; o += 32) {
+        __m256 w[4];
+        for (int v = 0; v < 4; v++) w[v] = _mm256_loadu_ps(a + o + 8 * v);
+        emit(s, mode, w, o);
+    }
+}
+
+/* y[r * ys] = a . x[r] for `rows` (<= MAX_ROWS) x rows of k floats: the whole groups of 32 as the
+ * block kernels do them, then the rest one by one. */
+static void dot_floats(const float *a, int64_t k, const float *x, int rows, float *y, int64_t ys) {
+    sink s;
+    int64_t k32 = k / 32 * 32;
+    sink_init(&s, x, k);
+    switch (rows) {
+    case 1: row_floats(a, k32, &s, 1); break;
+    case 2: row_floats(a, k32, &s, 2); break;
+    case 3: row_floats(a, k32, &s, 3); break;
+    default: row_floats(a, k32, &s, 4); break;
+    }
+    for (int r = 0; r < rows; r++) {
+        float acc = hsum(s.c[r]);
+        for (int64_t i = k32; i < k; i++) acc += a[i] * x[r * k + i];
+        y[r * ys] = acc;
+    }
+}
+
+#else
+static void dot_floats(const float *a, int64_t k, const float *x, int rows, float *y, int64_t ys) {
+    for (int r = 0; r < rows; r++, x += k) {
+        float c[8] = {0}, acc;
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8)
+            for (int l = 0; l < 8; l++) c[l] += a[i + l] * x[i + l];
+        acc = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        for (; i < k; i++) acc += a[i] * x[i];
+        y[r * ys] = acc;
+    }
+}
+#endif
+
+/* ---- per-type kernels ---------------------------------------------------------------------------
+ * dq_<t>: dequantize one row. dot_<t> (AVX2): dot_floats of the dequantized row(s) with 1..4 x rows,
+ * straight from the blocks (the same arithmetic without the round trip through memory); with one x
+ * row or two, two weight rows go in lockstep so that the core has four FMA chains to overlap. */
+
+typedef void (*dq_fn)(const uint8_t *, float *, int64_t);
+/* (weight rows, bytes per row, how many (1 or 2), k, x, x rows, y, y row stride) */
+typedef void (*dot_fn)(const uint8_t *, int64_t, int, int64_t, const float *, int, float *, int64_t);
+
+#define WALK(t, BLOCK, BYTES, src, k, s, mode)                                                          \
+    for (int64_t o_ = 0, b_ = 0; o_ < (k); o_ += (BLOCK), b_ += (BYTES)) blk_##t((src) + b_, (s), (mode), o_)
+
+#ifdef SD_AVX2
+INLINE void sink_store(const sink *s, int rows, float *y, int64_t ys) {
+    for (int r = 0; r < rows; r++) y[r * ys] = hsum(s->c[r]);
+}
+
+#define WALK2(t, BLOCK, BYTES, src, rb, k, sa, sb, mode)                                                \
+    for (int64_t o_ = 0, b_ = 0; o_ < (k); o_ += (BLOCK), b_ += (BYTES)) {                              \
+        blk_##t((src) + b_, (sa), (mode), o_);                                                          \
+        blk_##t((src) + (rb) + b_, (sb), (mode), o_);                                                   \
+    }
+
+#define DOT_KERNEL(t, BLOCK, BYTES)                                                                     \
+    static void dot_##t(const uint8_t *src, int64_t rb, int nw, int64_t k, const float *x, int rows,   \
+                        float *y, int64_t ys) {                                                         \
+        sink a, b;                                                                                      \
+        sink_init(&a, x, k);                                                                            \
+        if (nw == 2 && rows <= 2) {                                                                     \
+            sink_init(&b, x, k);                                                                        \
+            if (rows == 1)                                                                              \
+                WALK2(t, BLOCK, BYTES, src, rb, k, &a, &b, 1);                                          \
+            else                                                                                        \
+                WALK2(t, BLOCK, BYTES, src, rb, k, &a, &b, 2);                                          \
+            sink_store(&a, rows, y, ys);                                                                \
+            sink_store(&b, rows, y + 1, ys);                                                            \
+            return;                                                                                     \
+        }                                                                                               \
+        for (int w = 0; w < nw; w++, src += rb, y++) {                                                  \
+            sink_init(&a, x, k);                                                                        \
+            switch (rows) {                                                                             \
+            case 1: WALK(t, BLOCK, BYTES, src, k, &a, 1); break;                                        \
+            case 2: WALK(t, BLOCK, BYTES, src, k, &a, 2); break;                                        \
+            case 3: WALK(t, BLOCK, BYTES, src, k, &a, 3); break;                                        \
+            default: WALK(t, BLOCK, BYTES, src, k, &a, 4); break;                                       \
+            }                                                                                           \
+            sink_store(&a, rows, y, ys);                                                                \
+        }                                                                                               \
+    }
+#define DOT_OF(t) dot_##t
+#else
+#define DOT_KERNEL(t, BLOCK, BYTES)
+#define DOT_OF(t) NULL
+#endif
+
+#define KERNELS(t, BLOCK, BYTES)                                                                        \
+    static void dq_##t(const uint8_t *src, float *dst, int64_t k) {                                    \
+        sink s = {.dst = dst};                                                                          \
+        WALK(t, BLOCK, BYTES, src, k, &s, STORE);                                                       \
+    }                                                                                                   \
+    DOT_KERNEL(t, BLOCK, BYTES)
+
+KERNELS(q8_0, QK, 34)
+KERNELS(q4_0, QK, 18)
+KERNELS(q4_1, QK, 20)
+KERNELS(q5_0, QK, 22)
+KERNELS(q5_1, QK, 24)
+KERNELS(q2_k, QK_K, 84)
+KERNELS(q3_k, QK_K, 110)
+KERNELS(q4_k, QK_K, 144)
+KERNELS(q5_k, QK_K, 176)
+KERNELS(q6_k, QK_K, 210)
+
+/* ---- type table ------------------------------------------------------------------------------ */
+
+typedef struct {
+    int block, bytes;
+    dq_fn dq;
+    dot_fn dot; /* NULL: dequantize to a buffer, then dot_floats */
+} type_info;
+
+static const type_info *info(int type) {
+    static const type_info f32 = {1, 4, dq_f32, NULL}, f16 = {1, 2, dq_f16, NULL}, bf16 = {1, 2, dq_bf16, NULL},
+                           q8_0 = {QK, 34, dq_q8_0, DOT_OF(q8_0)}, q4_0 = {QK, 18, dq_q4_0, DOT_OF(q4_0)},
+                           q4_1 = {QK, 20, dq_q4_1, DOT_OF(q4_1)}, q5_0 = {QK, 22, dq_q5_0, DOT_OF(q5_0)},
+                           q5_1 = {QK, 24, dq_q5_1, DOT_OF(q5_1)}, q2_k = {QK_K, 84, dq_q2_k, DOT_OF(q2_k)},
+                           q3_k = {QK_K, 110, dq_q3_k, DOT_OF(q3_k)}, q4_k = {QK_K, 144, dq_q4_k, DOT_OF(q4_k)},
+                           q5_k = {QK_K, 176, dq_q5_k, DOT_OF(q5_k)}, q6_k = {QK_K, 210, dq_q6_k, DOT_OF(q6_k)};
+    switch (type) {
+    case T_F32: return &f32;
+    case T_F16: return &f16;
+    case T_BF16: return &bf16;
+    case T_Q8_0: return &q8_0;
+    case T_Q4_0: return &q4_0;
+    case T_Q4_1: return &q4_1;
+    case T_Q5_0: return &q5_0;
+    case T_Q5_1: return &q5_1;
+    case T_Q2_K: return &q2_k;
+    case T_Q3_K: return &q3_k;
+    case T_Q4_K: return &q4_k;
+    case T_Q5_K: return &q5_k;
+    case T_Q6_K: return &q6_k;
+    default: return NULL;
+    }
+}
+
+/* ---- entry points ---------------------------------------------------------------------------- */
+
+int sd_supported(int type) { return info(type) != NULL; }
+
+/* Bytes of one row of k values, or -1 when the type is unknown or k is not a whole number of blocks. */
+int64_t sd_row_bytes(int type, int64_t k) {
+    const type_info *t = info(type);
+    if (!t || k < 0 || k % t->block) return -1;
+    return k / t->block * t->bytes;
+}
+
+/* rows x k float32, row-major; rows split over threads. */
+void sd_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, float *out, int threads) {
+    const type_info *t = info(type);
+    int64_t rb = sd_row_bytes(type, k);
+    if (!t || rb < 0) return;
+    if (threads < 1 || rows * k < 65536) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) t->dq(w + r * rb, out + r * k, k);
+}
+
+/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. With m <= MAX_ROWS block
+ * rows are dotted straight from their blocks (dot_<t>); otherwise, and for the float types, each
+ * row is dequantized once into a per-thread buffer and dotted with the x rows MAX_ROWS at a time.
+ * Returns 0, or -1 for a bad type or k, or no memory. */
+int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+              int threads) {
+    const type_info *t = info(type);
+    int64_t rb = sd_row_bytes(type, k);
+    if (!t || rb < 0) return -1;
+    if (n <= 0 || m <= 0) return 0;
+    if (threads < 1 || n * rb < 65536) threads = 1; /* too small to be worth waking a thread */
+    int direct = t->dot && m <= MAX_ROWS;
+    int64_t stride = (k + 15) / 16 * 16; /* floats: whole cache lines per thread */
+    float *bufs = NULL;
+    if (!direct && type != T_F32 && k > 0) {
+        bufs = aligned_alloc(64, (size_t)(threads * stride) * sizeof(float));
+        if (!bufs) return -1;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        if (direct) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (n + 1) / 2; p++) /* weight rows in pairs */
+                t->dot(w + 2 * p * rb, rb, 2 * p + 1 < n ? 2 : 1, k, x, (int)m, y + 2 * p, n);
+        } else {
+            float *buf = bufs ? bufs + stride * omp_get_thread_num() : NULL;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n; j++) {
+                const float *a = (const float *)(w + j * rb);
+                if (buf) {
+                    t->dq(w + j * rb, buf, k);
+                    a = buf;
+                }
+                for (int64_t i = 0; i < m; i += MAX_ROWS) {
+                    int rows = m - i < MAX_ROWS ? (int)(m - i) : MAX_ROWS;
+                    dot_floats(a, k, x + i * k, rows, y + i * n + j, n);
+                }
+            }
+        }
+    }
+    free(bufs);
+    return 0;
+}

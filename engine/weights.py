@@ -1,0 +1,236 @@
+"""Where every weight lives and in which format, and how many bytes that takes on each device.
+
+`WeightStore` turns the GGUF tensors into what the models hold: a `Linear` per matrix, a
+`LinearStack` per expert tensor and float32 vectors for norms and routers, all named like the GGUF
+tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_blocks`):
+
+- CPU: quantized and 16-bit matrices keep the file's bytes and run through `engine.kernels.cpu`
+  (a matvec that dequantizes each weight row in cache for decode rows, a dequantized slab and one
+  GEMM for prompt chunks); F32 matrices are used as they are.
+- CUDA: matrices are dequantized once into the compute dtype (the GPU kernels that read the
+  blocks directly are their own piece of work).
+- Without a C compiler the CPU kernels are missing: matrices are dequantized at load, and the log
+  says why.
+
+Models never call `F.linear` on raw tensors and never see a weight's device or format.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from engine.gguf_file import GGUFError, GGUFFile, TensorInfo
+from engine.kernels import cpu as cpu_kernels
+from engine.quants import load_tensor
+
+MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
+SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
+
+
+def is_vector(info: TensorInfo) -> bool:
+    """Norm weights and routers: tiny, float32, and their rounding steers everything after them."""
+    return len(info.shape) == 1 or info.name.removesuffix(".weight").endswith("ffn_gate_inp")
+
+
+def keeps_blocks(info: TensorInfo, device: torch.device) -> bool:
+    """The format policy: does this tensor stay in the file's format on `device`?"""
+    return (device.type == "cpu" and not is_vector(info) and info.qtype != Q.F32
+            and cpu_kernels.available() and info.qtype in cpu_kernels.SUPPORTED)
+
+
+def resident_bytes(info: TensorInfo, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes `info` takes once placed by the policy (what `WeightStore` will count)."""
+    if keeps_blocks(info, device):
+        return info.nbytes
+    elements = int(np.prod(info.shape))
+    return elements * (4 if is_vector(info) else torch.empty(0, dtype=dtype).element_size())
+
+
+def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype) -> int:
+    """All weights' bytes on `device` before loading them (slot fitting, setup)."""
+    return sum(resident_bytes(info, device, dtype) for info in g.tensors.values())
+
+
+class Linear:
+    """y = x @ W^T for a matrix W [out_features, in_features]; `lookup` gives rows of W (embeddings)."""
+
+    out_features: int
+    in_features: int
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    """A float matrix on its device (F32 files on the CPU; every matrix on CUDA for now)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class BlockLinear(Linear):
+    """A matrix kept in the file's blocks on the CPU, `[out_features, row_bytes]` bytes; the kernel
+    for its type is chosen once, here. Products are float32 and cast back to the input's dtype."""
+
+    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int):
+        self.qtype = qtype
+        self.blocks = blocks
+        self.out_features = blocks.shape[0]
+        self.in_features = in_features
+        self.nbytes = blocks.numel()
+        self.slab_rows = max(1, SLAB_BYTES // (4 * in_features))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        if flat.shape[0] <= MATVEC_ROWS:
+            y = cpu_kernels.matmul(self.qtype, self.blocks, self.in_features, flat)
+        else:
+            y = torch.empty(flat.shape[0], self.out_features)
+            for lo in range(0, self.out_features, self.slab_rows):
+                hi = min(lo + self.slab_rows, self.out_features)
+                w = cpu_kernels.dequantize(self.qtype, self.blocks[lo:hi], self.in_features)
+                torch.mm(flat, w.t(), out=y[:, lo:hi])
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.dequantize(self.qtype, self.blocks[ids.reshape(-1)], self.in_features)
+
+
+@dataclass
+class LinearStack:
+    """A GGUF 3-D tensor of per-expert matrices `[experts, out, in]` (`blk.N.ffn_up_exps`)."""
+
+    experts: list[Linear]
+    dense: torch.Tensor | None  # the whole stack when held as one float tensor (the CUDA paths use it)
+    nbytes: int
+
+    @classmethod
+    def of_dense(cls, t: torch.Tensor) -> LinearStack:
+        return cls([DenseLinear(t[e]) for e in range(t.shape[0])], t, t.numel() * t.element_size())
+
+
+class Block:
+    """One layer's weights as attributes named like its GGUF tensors: `blk.attn_q`, `blk.ffn_norm`."""
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"this layer has no tensor {name!r}")
+
+
+class WeightStore:
+    """The model's weights on one device, placed by the format policy, with their bytes counted as
+    they are placed (`bytes`, `expert_bytes`, `split`)."""
+
+    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype):
+        self.g = g
+        self.device = device
+        self.dtype = dtype
+        self.placed: dict[str, tuple[str, int]] = {}  # tensor name -> (device, bytes)
+        self.formats: dict[str, int] = defaultdict(int)  # "Q8_0 blocks", "bf16" ... -> tensors
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
+        if info is None:
+            raise GGUFError(f"{self.g.path}: missing tensor {name!r}")
+        return info
+
+    def has(self, name: str) -> bool:
+        return name + ".weight" in self.g.tensors or name in self.g.tensors
+
+    def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None) -> None:
+        self.placed[info.name] = (str(self.device), nbytes)
+        self.formats[f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")] += 1
+
+    def _blocks(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
+        return torch.from_numpy(self.g.tensor_bytes(info.name).copy())
+
+    def _dense(self, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+        return load_tensor(self.g, info.name, dtype, self.device)
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A norm weight or a router, float32."""
+        info = self._info(name)
+        t = self._dense(info, torch.float32)
+        self._count(info, t.numel() * 4, kept=False, dtype=torch.float32)
+        return t
+
+    def linear(self, name: str) -> Linear:
+        info = self._info(name)
+        if len(info.shape) != 2:
+            raise GGUFError(f"{self.g.path}: tensor {info.name} has shape {info.shape}, expected a matrix")
+        kept = keeps_blocks(info, self.device)
+        if kept:
+            lin: Linear = BlockLinear(info.qtype, self._blocks(info), info.shape[-1])
+        else:
+            lin = DenseLinear(self._dense(info, self.dtype))
+        self._count(info, lin.nbytes, kept)
+        return lin
+
+    def stack(self, name: str) -> LinearStack:
+        info = self._info(name)
+        if len(info.shape) != 3:
+            raise GGUFError(f"{self.g.path}: tensor {info.name} has shape {info.shape}, expected [experts, out, in]")
+        kept = keeps_blocks(info, self.device)
+        if kept:
+            blocks = self._blocks(info)
+            experts: list[Linear] = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
+            stack = LinearStack(experts, None, blocks.numel())
+        else:
+            stack = LinearStack.of_dense(self._dense(info, self.dtype))
+        self._count(info, stack.nbytes, kept)
+        return stack
+
+    def block(self, i: int) -> Block:
+        """Layer `i`'s tensors by kind: vectors, matrices, expert stacks."""
+        prefix = f"blk.{i}."
+        block = Block()
+        for full in self.g.tensors:
+            if not full.startswith(prefix):
+                continue
+            name = full.removesuffix(".weight")
+            info = self.g.tensors[full]
+            if is_vector(info):
+                part = self.vector(name)
+            elif len(info.shape) == 3:
+                part = self.stack(name)
+            else:
+                part = self.linear(name)
+            setattr(block, name.removeprefix(prefix), part)
+        return block
+
+    def bytes(self, predicate=lambda name: True) -> int:
+        return sum(n for name, (_, n) in self.placed.items() if predicate(name))
+
+    def expert_bytes(self) -> int:
+        return self.bytes(lambda name: "_exps" in name)
+
+    def describe(self) -> str:
+        """The formats the weights were placed in, for the log: `197 Q5_0 blocks, 109 float32`."""
+        text = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        reason = cpu_kernels.unavailable_reason() if self.device.type == "cpu" else None
+        return text + (f"; CPU kernels unavailable ({reason}): matrices dequantized" if reason else "")
+
+    def split(self) -> dict[str, int]:
+        """Bytes placed per device."""
+        out: dict[str, int] = defaultdict(int)
+        for device, n in self.placed.values():
+            out[device] += n
+        return dict(out)

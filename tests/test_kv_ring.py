@@ -1,0 +1,68 @@
+"""Sliding-window layers keep a ring of `window + max_chunk` positions: long prompts that wrap the
+ring still match the reference, batched decode over rings matches one row at a time, and a
+session is only continued from where its rings still hold the window."""
+
+import pytest
+import torch
+from reference import reference_logits
+
+from engine.batch import Span
+from engine.kv import KVCache
+from engine.loading import open_model
+from engine.runner import Runner
+from engine.tokenizer import Tokenizer
+
+TEXT = ("The river runs past the old mill, through the meadow and under the stone bridge where the "
+        "children of the village gather every summer evening to tell stories. ")
+
+
+@pytest.fixture(scope="module")
+def demo_ring(demo_model):
+    g, model = open_model(str(demo_model), "cpu", slots=2, context=1024, max_chunk=64)
+    return demo_model, model
+
+
+def test_ring_is_smaller_than_the_context(demo_ring):
+    _, model = demo_ring
+    assert sorted(set(model.kv.lengths)) == [512 + 64, 1024]
+    full = KVCache.bytes_per_session([None] * len(model.kv.lengths), 1, 1024, 256, 64, torch.float16)
+    assert model.kv.session_bytes() < 0.65 * full
+
+
+def test_long_prompt_past_the_ring_matches_reference(demo_ring):
+    path, model = demo_ring
+    ids = Tokenizer.from_gguf(path).encode(TEXT * 24)[:700]
+    runner = Runner(model, 2, exact=False)
+    logits = runner.read(runner.solo, ids)
+    tokens, rows = [], []
+    for _ in range(4):
+        rows.append(logits)
+        tokens.append(int(logits.argmax()))
+        logits = runner.forward([Span(runner.solo.index, len(runner.solo.tokens), 1)], tokens[-1:])[0]
+        runner.solo.tokens.append(tokens[-1])
+    ref = reference_logits(path, ids + tokens)[len(ids) - 1 : len(ids) + 3]
+    err = (torch.stack(rows) - ref).abs().max().item()
+    assert err < 3e-2, err
+    assert ref.argmax(-1).tolist() == tokens
+
+
+def test_batched_decode_over_rings_matches_single_rows(demo_ring):
+    path, model = demo_ring
+    ids = Tokenizer.from_gguf(path).encode(TEXT * 24)
+    runner = Runner(model, 2, exact=False)
+    firsts = []
+    for slot, n in ((0, 610), (1, 650)):
+        firsts.append(int(runner.read(runner.slot(slot), ids[:n]).argmax()))
+    spans = [Span(s, len(runner.slot(s).tokens), 1) for s in (0, 1)]
+    batch = runner.forward(spans, firsts)
+    single = torch.cat([runner.forward([spans[s]], firsts[s : s + 1]) for s in (0, 1)])  # the same rows again
+    assert torch.allclose(batch, single, atol=2e-3, rtol=1e-3), (batch - single).abs().max()
+
+
+def test_usable_prefix_needs_the_window_in_the_ring():
+    kv = KVCache([512, None], 1, 1, 4096, 8, 64, torch.float16, torch.device("cpu"))
+    assert kv.usable_prefix(held=500, n=300) == 300  # nothing overwritten yet
+    assert kv.usable_prefix(held=2000, n=1990) == 1990  # continuing near the end
+    assert kv.usable_prefix(held=2000, n=1000) == 0  # the ring no longer holds 488..999
+    full = KVCache([None], 1, 1, 4096, 8, 64, torch.float16, torch.device("cpu"))
+    assert full.usable_prefix(held=2000, n=1000) == 1000

@@ -1,0 +1,54 @@
+"""The weight store: formats kept as in the file, bytes counted where they are placed, and the
+products of a block matrix equal to the float product of its dequantized weights."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from engine.gguf_file import GGUFFile
+from engine.kernels import cpu as cpu_kernels
+from engine.loading import open_model
+from engine.weights import MATVEC_ROWS, BlockLinear, is_vector, planned_bytes
+
+CPU = torch.device("cpu")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+@needs_kernels
+def test_demo_weights_stay_in_file_format(demo_model):
+    g, model = open_model(str(demo_model), "cpu", context=256)
+    file_bytes = sum(t.nbytes for t in g.tensors.values() if not is_vector(t))
+    placed = model.w.bytes(lambda name: not is_vector(g.tensors[name]))
+    assert placed <= 1.05 * file_bytes, (placed, file_bytes)
+    assert model.w.bytes() == planned_bytes(g, CPU, model.dtype)
+    assert model.w.split() == {"cpu": model.w.bytes()}
+    assert "Q8_0 blocks" in model.w.describe() and "Q5_0 blocks" in model.w.describe()
+
+
+def test_dense_policy_counts_dequantized_bytes(tiny_model_q8):
+    g = GGUFFile(tiny_model_q8)
+    cuda_like = torch.device("meta")  # not the CPU: the policy dequantizes
+    f32 = sum(int(np.prod(t.shape)) * 4 for t in g.tensors.values())
+    assert planned_bytes(g, cuda_like, torch.float32) == f32
+    bf16 = planned_bytes(g, cuda_like, torch.bfloat16)
+    assert bf16 < f32
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_0])
+@pytest.mark.parametrize("rows", [1, 3, MATVEC_ROWS + 5])
+def test_block_linear_matches_dequantized_product(qtype, rows):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((96, 512)).astype(np.float32)
+    blocks = quants.quantize(w, qtype)
+    dense = torch.from_numpy(quants.dequantize(blocks, qtype))
+    lin = BlockLinear(qtype, torch.from_numpy(blocks), 512)
+    lin.slab_rows = 40  # several slabs in the prompt-chunk path
+    x = torch.randn(rows, 512)
+    got = lin(x)
+    ref = (x.double() @ dense.double().T).float()
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3), (got - ref).abs().max()
+    ids = torch.tensor([5, 0, 95])
+    assert torch.equal(lin.lookup(ids), dense[ids])
