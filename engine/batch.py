@@ -41,21 +41,21 @@ class Batch:
 
 
 class BatchBuilder:
-    """Builds batches of up to `max_rows` rows and `max_spans` spans into buffers kept for the run."""
+    """Builds batches into buffers kept for the run (grown when a batch needs more room)."""
 
     def __init__(self, device: torch.device, max_rows: int, max_spans: int):
-        size = 2 * max_rows + 2 * max_spans
         self.device = device
-        self.max_rows, self.max_spans = max_rows, max_spans
-        pin = device.type == "cuda"
-        self.host = torch.empty(size, dtype=torch.int64, pin_memory=pin)
-        self.dev = self.host if device.type == "cpu" else torch.empty(size, dtype=torch.int64, device=device)
-        self.copied = torch.cuda.Event() if pin else None
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._allocate(2 * max_rows + 2 * max_spans)
+
+    def _allocate(self, size: int) -> None:
+        self.host = torch.empty(size, dtype=torch.int64, pin_memory=self.copied is not None)
+        self.dev = self.host if self.copied is None else torch.empty(size, dtype=torch.int64, device=self.device)
 
     def build(self, spans: list[Span], tokens: list[int]) -> Batch:
         n, r = len(tokens), len(spans)
-        if n != sum(s.length for s in spans) or n > self.max_rows or r > self.max_spans:
-            raise ValueError(f"a batch of {n} rows in {r} spans (at most {self.max_rows} rows, {self.max_spans} spans)")
+        if n != sum(s.length for s in spans):
+            raise ValueError(f"{n} tokens for spans of {sum(s.length for s in spans)} rows")
         ends, total = [], 0
         for s in spans:
             total += s.length
@@ -63,8 +63,10 @@ class BatchBuilder:
         packed = tokens + [p for s in spans for p in range(s.start, s.end)] + ends + [s.session for s in spans]
         if self.copied is not None:
             self.copied.synchronize()  # the previous batch's copy has left the host buffer
+        if len(packed) > self.host.numel():
+            self._allocate(len(packed))
         self.host[: len(packed)] = torch.tensor(packed)
-        if self.dev is not self.host:
+        if self.copied is not None:
             self.dev[: len(packed)].copy_(self.host[: len(packed)], non_blocking=True)
             self.copied.record()
         d = self.dev

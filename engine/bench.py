@@ -8,6 +8,8 @@ out, so at short contexts the bound is tight).
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +99,26 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
     return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows)
 
 
+@dataclass
+class Peer:
+    """llama.cpp's figures on the same file, from its `llama-bench` (JSON output)."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+    build: str
+
+
+def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int) -> Peer:
+    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()[-300:]}")
+    rows = json.loads(out.stdout)
+    prefill = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
+    gen = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
+    return Peer(prefill["avg_ts"], gen["avg_ts"], f"{prefill.get('build_commit', '?')} ({prefill.get('backends', '?')})")
+
+
 def profile(runner: Runner, rows: list, device: torch.device, windows: int = 3) -> str:
     """Where a window's time goes: the top operators by device (or CPU) time."""
     from torch.profiler import ProfilerActivity
@@ -121,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
+                   "print its figures beside ours")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context)
@@ -144,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     if r.batch_tok_s is not None:
         print(f"batch        {r.batch_tok_s:.1f} tok/s aggregate over {args.slots} rows "
               f"({r.batch_tok_s / r.decode_tok_s:.2f}x one row)")
+    if args.llama_bench:
+        peer = llama_bench(args.llama_bench, args.model, torch.get_num_threads(), args.prompt, args.decode)
+        print(f"llama.cpp    {peer.build}, {torch.get_num_threads()} threads: prefill {peer.prefill_tok_s:.1f} tok/s, "
+              f"decode {peer.decode_tok_s:.1f} tok/s")
+        print(f"ratio        prefill {r.prefill_tok_s / peer.prefill_tok_s:.2f}x, "
+              f"decode {r.decode_tok_s / peer.decode_tok_s:.2f}x llama.cpp")
     if args.profile:
         print("\none row:\n" + profile(r.runner, [r.solo_row], device))
         if r.batch_rows:

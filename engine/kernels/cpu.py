@@ -1,13 +1,13 @@
 """CPU kernels for GGUF quantized weights, in C (quant_cpu.c) through ctypes.
 
 The C file is compiled on first use with the system compiler (`CC`, else `cc`) into a cache
-directory keyed by a hash of the source, the flags, the compiler and the CPU, and loaded from there
+directory, keyed by a hash of the source, the flags, the compiler and the CPU, and loaded from there
 afterwards. Nothing is built or raised at import: `available()` says whether the kernels work here
 and `unavailable_reason()` why not.
 
-`matmul` is meant for decode (a few rows of x): every weight row is dequantized once and dotted with
-each x row in one fixed order, so a result row is bit-identical whatever the batch size and the
-number of threads.
+`dequantize` matches gguf-py's numpy dequantizers bit for bit. `matmul` is meant for decode (a few
+rows of x): each output is one dot product computed in one fixed order, so a row of the result is
+bit-identical whatever the number of rows in x and the number of threads.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType as Q
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 SOURCE = Path(__file__).with_name("quant_cpu.c")
-# Contraction off: the C code asks for its FMAs explicitly and must round like the reference elsewhere.
+# Contraction off: the C code writes its FMAs explicitly and needs plain rounding everywhere else
+# (to match gguf-py exactly, and to keep one summation order).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -47,7 +48,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
-    # -march=native binaries are only valid on a CPU with the same features (think shared home dirs).
+    # A -march=native library only runs on CPUs with the same features (think of a shared home).
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -55,55 +56,61 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build() -> Path:
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library, built now unless the cache has it; RuntimeError when it cannot be built."""
     cc = shlex.split(os.environ.get("CC") or "cc")
     if not cc or shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler: {cc[0] if cc else 'CC'!r} not found (set CC)")
+    flags = FLAGS + extra_flags
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {cc[0]!r} does not run: {exc}") from exc
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(cc + list(FLAGS)).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), shlex.join(cc + list(flags)).encode(), version.encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    target = cache_dir() / f"quant_cpu-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"quant_cpu-{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        proc = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent build of the same source lands the same file
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()[-3000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each land a complete, identical file
+    except subprocess.SubprocessError as exc:
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
 
 
+def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (or find) and load the library, with its function signatures declared."""
+    lib = ctypes.CDLL(str(_build(extra_flags)))
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.sd_supported.argtypes, lib.sd_supported.restype = [c_int], c_int
+    lib.sd_row_bytes.argtypes, lib.sd_row_bytes.restype = [c_int, i64], i64
+    lib.sd_dequantize.argtypes, lib.sd_dequantize.restype = [c_int, ptr, i64, i64, ptr, c_int], None
+    lib.sd_matmul.argtypes, lib.sd_matmul.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int], c_int
+    return lib
+
+
 def _load() -> ctypes.CDLL | None:
     global _lib, _reason, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-            lib.sd_supported.argtypes, lib.sd_supported.restype = [c_int], c_int
-            lib.sd_row_bytes.argtypes, lib.sd_row_bytes.restype = [c_int, i64], i64
-            lib.sd_dequantize.argtypes, lib.sd_dequantize.restype = [c_int, ptr, i64, i64, ptr, c_int], None
-            lib.sd_matmul.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
-            lib.sd_matmul.restype = c_int
-            _lib = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _reason = str(exc)
-        _tried = True
-        return _lib
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _lib = _open()
+                except (OSError, RuntimeError) as exc:
+                    _reason = str(exc)
+                _tried = True
+    return _lib
 
 
 def available() -> bool:
@@ -134,15 +141,16 @@ def row_bytes(qtype: Q, k: int) -> int:
     return n
 
 
-def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
+def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> int:
     rb = row_bytes(qtype, k)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
         raise ValueError(f"blocks must be a 2-D uint8 CPU tensor, got {blocks.dtype} {tuple(blocks.shape)} "
                          f"on {blocks.device}")
     if blocks.shape[1] != rb:
-        raise ValueError(f"blocks have {blocks.shape[1]} bytes per row, {Q(qtype).name} with k={k} needs {rb}")
+        raise ValueError(f"blocks have {blocks.shape[1]} bytes per row; {Q(qtype).name} with k={k} needs {rb}")
     if not blocks.is_contiguous():
         raise ValueError("blocks must be contiguous")
+    return rb
 
 
 def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
@@ -167,8 +175,35 @@ def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.T
           or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    rc = _require().sd_matmul(int(qtype), blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
-                              torch.get_num_threads())
-    if rc != 0:
+    if _require().sd_matmul(int(qtype), blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+                            torch.get_num_threads()) != 0:
         raise MemoryError("sd_matmul could not allocate its row buffers")
     return out
+
+
+def _bench() -> None:
+    """`python -m engine.kernels.cpu`: decode-sized matmul timings (random blocks, best and median)."""
+    import statistics
+    import time
+
+    shapes = ((Q.Q8_0, 262144, 640), (Q.Q5_0, 2048, 640), (Q.Q6_K, 640, 2048), (Q.Q4_K, 640, 1024))
+    t0 = time.perf_counter()
+    print(f"kernels: {available()} {unavailable_reason() or ''}({time.perf_counter() - t0:.1f} s to build or load), "
+          f"{torch.get_num_threads()} threads")
+    for qtype, n, k in shapes:
+        blocks = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8)
+        blocks[:, 1::2] &= 0x3F  # no inf/nan among the f16 scales wherever they are
+        for m in (1, 4):
+            x, out = torch.randn(m, k), torch.empty(m, n)
+            times = []
+            for _ in range(20 if n > 100_000 else 500):
+                t0 = time.perf_counter()
+                matmul(qtype, blocks, k, x, out)
+                times.append(time.perf_counter() - t0)
+            best, median = min(times), statistics.median(times)
+            print(f"{qtype.name:5} {n:>6} x {k:<5} m={m}: best {best * 1e3:7.3f} ms ({blocks.numel() / best / 1e9:5.1f} GB/s)"
+                  f"  median {median * 1e3:7.3f} ms")
+
+
+if __name__ == "__main__":
+    _bench()

@@ -210,7 +210,16 @@ INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, 
 /* Q8_0: f16 d, int8 q[32]; w = d*q. */
 INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
+#ifdef SD_AVX2 /* widening straight from memory saves the shuffles of emit_scale's to_float32 */
+    __m256 w[4], vd = _mm256_set1_ps(d);
+    for (int v = 0; v < 4; v++) {
+        __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * v)));
+        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vd);
+    }
+    emit(s, mode, w, o);
+#else
     emit_scale(s, mode, load32(src + 2), d, d, o);
+#endif
 }
 
 /* Q4_0: f16 d, qs[16] nibbles; w = d*(q-8). */
@@ -421,10 +430,11 @@ INLINE void sink_store(const sink *s, int rows, float *y, int64_t ys) {
         sink_init(&a, x, k);                                                                            \
         if (nw == 2 && rows <= 2) {                                                                     \
             sink_init(&b, x, k);                                                                        \
-            if (rows == 1)                                                                              \
+            if (rows == 1) {                                                                            \
                 WALK2(t, BLOCK, BYTES, src, rb, k, &a, &b, 1);                                          \
-            else                                                                                        \
+            } else {                                                                                    \
                 WALK2(t, BLOCK, BYTES, src, rb, k, &a, &b, 2);                                          \
+            }                                                                                           \
             sink_store(&a, rows, y, ys);                                                                \
             sink_store(&b, rows, y + 1, ys);                                                            \
             return;                                                                                     \
@@ -499,6 +509,16 @@ static const type_info *info(int type) {
 
 /* ---- entry points ---------------------------------------------------------------------------- */
 
+/* Weights stream from memory once per call with little compute per byte, and the hardware
+ * prefetcher alone keeps too few lines in flight (measured: 1.6-1.9x slower without this). Before
+ * working on w[at .. at+bytes), ask for as many bytes PREFETCH_GAP further on (within w[0 .. size)). */
+#define PREFETCH_GAP 2048
+
+static inline void prefetch_next(const uint8_t *w, int64_t at, int64_t bytes, int64_t size) {
+    int64_t from = at + bytes + PREFETCH_GAP, to = from + bytes < size ? from + bytes : size;
+    for (int64_t c = from; c < to; c += 64) __builtin_prefetch(w + c, 0, 3);
+}
+
 int sd_supported(int type) { return info(type) != NULL; }
 
 /* Bytes of one row of k values, or -1 when the type is unknown or k is not a whole number of blocks. */
@@ -515,7 +535,10 @@ void sd_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, float *o
     if (!t || rb < 0) return;
     if (threads < 1 || rows * k < 65536) threads = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < rows; r++) t->dq(w + r * rb, out + r * k, k);
+    for (int64_t r = 0; r < rows; r++) {
+        prefetch_next(w, r * rb, rb, rows * rb);
+        t->dq(w + r * rb, out + r * k, k);
+    }
 }
 
 /* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. With m <= MAX_ROWS block
@@ -540,13 +563,16 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     {
         if (direct) {
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < (n + 1) / 2; p++) /* weight rows in pairs */
+            for (int64_t p = 0; p < (n + 1) / 2; p++) { /* weight rows in pairs */
+                prefetch_next(w, 2 * p * rb, 2 * rb, n * rb);
                 t->dot(w + 2 * p * rb, rb, 2 * p + 1 < n ? 2 : 1, k, x, (int)m, y + 2 * p, n);
+            }
         } else {
             float *buf = bufs ? bufs + stride * omp_get_thread_num() : NULL;
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n; j++) {
                 const float *a = (const float *)(w + j * rb);
+                prefetch_next(w, j * rb, rb, n * rb);
                 if (buf) {
                     t->dq(w + j * rb, buf, k);
                     a = buf;
