@@ -46,9 +46,11 @@ def check(path, driver, prompt: str, n: int, atol: float):
     return tokens
 
 
-# Tolerances, from measured differences: the tiny f32 model with a float32 KV is the reference's
-# arithmetic (1e-3); the default fp16 KV moves its logits by up to ~0.015; the Q8_0 kernels (a
-# float32 dot product over exactly dequantized weights) add nothing measurable beyond that.
+# Tolerances, from measured differences (max |logit - reference| over 16 greedy steps): with a
+# float32 KV the CPU kernels (exactly dequantized blocks, float32 dot products) are the reference's
+# arithmetic: <= 1e-4 on the demo (Q5_0/Q8_0/Q4_K/Q6_K) and the tiny models, so 1e-3. The default
+# fp16 KV moves the logits by up to 0.023 on the demo and 0.015 on the tiny model, so 3e-2 (a bf16 KV
+# would move them by up to 0.11). Greedy tokens are equal in every case.
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +83,28 @@ def test_tiny_q8_0_matches_reference(tiny_q8, prompt):
 
 @pytest.fixture(scope="module")
 def demo(demo_model):
+    return demo_model, Driver.load(str(demo_model), slots=0, context=512, kv="f32")
+
+
+@pytest.fixture(scope="module")
+def demo_fp16_kv(demo_model):
     return demo_model, Driver.load(str(demo_model), slots=0, context=512)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_demo_matches_reference(demo, prompt):
     path, driver = demo
-    check(path, driver, prompt, 16, atol=2e-2)
+    check(path, driver, prompt, 16, atol=1e-3)
 
 
-def test_demo_known_continuation(demo):
-    path, driver = demo
-    tokens = check(path, driver, PROMPTS[0], 16, atol=2e-2)
+@pytest.mark.parametrize("prompt", PROMPTS[1:3])
+def test_demo_with_default_fp16_kv_matches_reference(demo_fp16_kv, prompt):
+    path, driver = demo_fp16_kv
+    check(path, driver, prompt, 16, atol=3e-2)
+
+
+def test_demo_known_continuation(demo_fp16_kv):
+    path, driver = demo_fp16_kv
+    tokens = check(path, driver, PROMPTS[0], 16, atol=3e-2)
     # model-notes.md: " the capital of the country of France. It is the largest city in France and"
     assert tokens[:15] == [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001]

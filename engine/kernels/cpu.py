@@ -61,18 +61,33 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     cc = shlex.split(os.environ.get("CC") or "cc")
     if not cc or shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler: {cc[0] if cc else 'CC'!r} not found (set CC)")
-    flags = FLAGS + extra_flags
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {cc[0]!r} does not run: {exc}") from exc
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), shlex.join(cc + list(flags)).encode(), version.encode(), _cpu_flags().encode()):
-        key.update(part)
-        key.update(b"\0")
-    target = cache_dir() / f"quant_cpu-{key.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
+    # Without OpenMP (a compiler that lacks it) the kernels still work, on one thread.
+    candidates = [FLAGS + extra_flags, tuple(f for f in FLAGS if f != "-fopenmp") + extra_flags]
+    source = SOURCE.read_bytes()
+    targets = []
+    for flags in candidates:
+        key = hashlib.sha256()
+        for part in (source, shlex.join(cc + list(flags)).encode(), version.encode(), _cpu_flags().encode()):
+            key.update(part + b"\0")
+        targets.append(cache_dir() / f"quant_cpu-{key.hexdigest()[:20]}.so")
+    for target in targets:
+        if target.exists():
+            return target
+    errors = []
+    for flags, target in zip(candidates, targets, strict=True):
+        try:
+            _compile(cc, flags, target)
+            return target
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    raise RuntimeError(errors[0])
+
+
+def _compile(cc: list[str], flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
@@ -81,12 +96,11 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()[-3000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each land a complete, identical file
-    except subprocess.SubprocessError as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"compiling {SOURCE.name} failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -131,26 +145,31 @@ def _require() -> ctypes.CDLL:
     return lib
 
 
+_row_bytes: dict[tuple[int, int], int] = {}
+
+
 def row_bytes(qtype: Q, k: int) -> int:
     """Bytes of one row of k values of `qtype`; ValueError for an unsupported type or a partial block."""
-    if qtype not in SUPPORTED:
-        raise ValueError(f"{Q(qtype).name} is not supported by the CPU kernels")
-    n = _require().sd_row_bytes(int(qtype), k)
-    if n < 0:
-        raise ValueError(f"k={k} is not a multiple of the {Q(qtype).name} block size")
+    n = _row_bytes.get((qtype, k))
+    if n is None:
+        if qtype not in SUPPORTED:
+            raise ValueError(f"{Q(qtype).name} is not supported by the CPU kernels")
+        n = _require().sd_row_bytes(int(qtype), k)
+        if n < 0:
+            raise ValueError(f"k={k} is not a multiple of the {Q(qtype).name} block size")
+        _row_bytes[(qtype, k)] = n
     return n
 
 
-def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> int:
+def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
     rb = row_bytes(qtype, k)
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_cpu:
         raise ValueError(f"blocks must be a 2-D uint8 CPU tensor, got {blocks.dtype} {tuple(blocks.shape)} "
                          f"on {blocks.device}")
     if blocks.shape[1] != rb:
         raise ValueError(f"blocks have {blocks.shape[1]} bytes per row; {Q(qtype).name} with k={k} needs {rb}")
     if not blocks.is_contiguous():
         raise ValueError("blocks must be contiguous")
-    return rb
 
 
 def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
@@ -165,17 +184,16 @@ def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
 def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ W.T -> float32 [m, n], W being n rows of `qtype` blocks (uint8 [n, row_bytes])."""
     _check_blocks(qtype, blocks, k)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu" or not x.is_contiguous():
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_cpu or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 CPU tensor [m, {k}], got {x.dtype} {tuple(x.shape)} "
                          f"on {x.device}")
     m, n = x.shape[0], blocks.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=torch.float32)
-    elif (out.dtype != torch.float32 or tuple(out.shape) != (m, n) or out.device.type != "cpu"
-          or not out.is_contiguous()):
+    elif (out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    if _require().sd_matmul(int(qtype), blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+    if _require().sd_matmul(qtype, blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
                             torch.get_num_threads()) != 0:
         raise MemoryError("sd_matmul could not allocate its row buffers")
     return out

@@ -7,10 +7,11 @@
  *  - contraction is off, so the dequantizers round `d*q` before adding the minimum as gguf-py's
  *    numpy reference does, and give bit-identical results;
  *  - the only FMAs are explicit, and every path of sd_matmul computes y[i, j] with the same
- *    sequence: for each group of 32 values in order, for v = 0..3, c[v % 2] += W[j, 8v..8v+8] *
- *    x[i, 8v..8v+8] on two 8-lane accumulators, then one fixed reduction (and, for float types
- *    with k not a multiple of 32, a scalar tail). So y[i, j] depends on W[j] and x[i] only: not on
- *    m, on which x rows share a pass, on the path taken or on the thread split (batch invariance).
+ *    sequence: for each group of 32 values g = 0, 32, 64, ... and v = 0..3, c[v % 2] +=
+ *    W[j, g+8v .. g+8v+8] * x[i, g+8v .. g+8v+8] on two 8-lane accumulators, then one fixed
+ *    reduction (and, for float types with k not a multiple of 32, a scalar tail; the portable
+ *    build has its own single order). So y[i, j] depends on W[j] and x[i] only: not on m, on which
+ *    rows share a pass, on the path taken or on the thread split (batch invariance).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -141,7 +142,7 @@ static inline q32 high_bits32(uint32_t qh) {
 #endif
 
 /* ---- sinks: where 32 dequantized values go ------------------------------------------------------
- * A row walker (row_<type> below) hands each group of 32 values, as int8 lanes and scales, to
+ * A block walker (blk_<type> below) hands each group of 32 values, as int8 lanes and scales, to
  *   emit_scale:  w[l] = d * q[l]          (d0 for l < 16, d1 for the rest: K types scale per 16)
  *   emit_affine: w[l] = d * q[l] - m      (the product rounded first, as in the reference)
  * which store w (mode STORE: dequantize) or, with AVX2, multiply-add it into the dot products of
@@ -559,18 +560,21 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
         bufs = aligned_alloc(64, (size_t)(threads * stride) * sizeof(float));
         if (!bufs) return -1;
     }
+    /* Chunks of work handed out as threads free up: a thread that the OS holds back (the machine
+     * is shared with the server and everything else) costs one chunk, not its whole share. */
+    int64_t steps = direct ? (n + 1) / 2 : n, chunk = steps / (8 * threads) + 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (direct) {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < (n + 1) / 2; p++) { /* weight rows in pairs */
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t p = 0; p < steps; p++) { /* weight rows in pairs */
                 prefetch_next(w, 2 * p * rb, 2 * rb, n * rb);
                 t->dot(w + 2 * p * rb, rb, 2 * p + 1 < n ? 2 : 1, k, x, (int)m, y + 2 * p, n);
             }
         } else {
             float *buf = bufs ? bufs + stride * omp_get_thread_num() : NULL;
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < n; j++) {
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t j = 0; j < steps; j++) {
                 const float *a = (const float *)(w + j * rb);
                 prefetch_next(w, j * rb, rb, n * rb);
                 if (buf) {
