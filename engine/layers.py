@@ -32,11 +32,14 @@ class Rope:
         angles = torch.arange(context, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.cos = angles.cos().float().to(device)
         self.sin = angles.sin().float().to(device)
+        self._positions: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N]."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        if positions is not self._positions:  # every layer of a forward rotates the same positions
+            self._positions = positions
+            self._cos, self._sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self._cos, self._sin
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -76,6 +79,10 @@ def attend(
             v_cache[span.session][:, slots] = v[rows].transpose(0, 1).to(v_cache.dtype)
             seen = torch.arange(lo, span.end, device=q.device) % ring
             keys, values = k_cache[span.session][:, seen], v_cache[span.session][:, seen]
+        if span.length == 1:
+            out.append(_attend_one(q[rows], keys.to(q.dtype), values.to(q.dtype), scale))
+            row += 1
+            continue
         keys = keys.to(q.dtype).repeat_interleave(n_rep, dim=0)
         values = values.to(q.dtype).repeat_interleave(n_rep, dim=0)
         q_pos = torch.arange(span.start, span.end, device=q.device)[:, None]
@@ -89,6 +96,16 @@ def attend(
         out.append(o.transpose(0, 1).reshape(span.length, -1))
         row += span.length
     return torch.cat(out, dim=0)
+
+
+def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row over all its keys (a decode row sees every key it is given): plain batched
+    products per KV head, without the mask, the GQA copies and the dispatch of a fused attention
+    call, which cost more than the arithmetic at this size. q: [1, Hq, D]; keys, values: [Hkv, L, D]."""
+    kv_heads = keys.shape[0]
+    qh = q.view(kv_heads, -1, q.shape[-1])  # [Hkv, n_rep, D]
+    weights = torch.softmax(torch.bmm(qh, keys.transpose(1, 2)) * scale, dim=-1)
+    return torch.bmm(weights, values).reshape(1, -1)
 
 
 def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: int | None) -> torch.Tensor:
