@@ -17,12 +17,15 @@ class StopError(ValueError):
     """`stop` was asked for a server that is not running; nothing was stopped."""
 
 
+def config_name(config_path: str | Path) -> str:
+    """A config file's name without `strata-` and `.json` (`strata-tiny-moe.json` -> `tiny-moe`)."""
+    return Path(config_path).stem.removeprefix("strata-")
+
+
 def server_name(server: RunningServer) -> str:
-    """Its config file's name without `strata-` and `.json` (`strata-tiny-moe.json` -> `tiny-moe`),
-    or the pid for a server recorded without a config."""
-    if not server.config:
-        return str(server.pid)
-    return Path(server.config).stem.removeprefix("strata-")
+    """The name `ps` shows and `stop` takes: its config's name, or the pid for a server recorded
+    without a config."""
+    return config_name(server.config) if server.config else str(server.pid)
 
 
 def format_servers(servers: Sequence[RunningServer], now: float | None = None) -> list[str]:
