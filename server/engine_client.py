@@ -32,9 +32,14 @@ class EngineDied(Exception):
     """The engine process ended (or was ended); the message says why, with the last log lines."""
 
 
+def stamp() -> str:
+    """The time at the start of every line the server writes to its logs."""
+    return time.strftime("%H:%M:%S")
+
+
 def say(msg: str) -> None:
     """Narration on the server's stdout."""
-    print(f"[strata] {msg}", flush=True)
+    print(f"{stamp()} [strata] {msg}", flush=True)
 
 
 class EngineProcess:
@@ -209,7 +214,7 @@ class EngineProcess:
         self.log_ring.append(line)
         if self._log_fh is not None:
             with contextlib.suppress(OSError, ValueError):
-                self._log_fh.write(line + "\n")
+                self._log_fh.write(f"{stamp()} {line}\n")
 
     def _mark_dead(self, reason: str) -> None:
         if self.state in ("dead", "stopped"):
