@@ -1,4 +1,5 @@
-"""Total tok/s in big digits, a 60 s sparkline, prefill rate, running and waiting."""
+"""Total tok/s in big digits (over the server's window, 10 s), a 60 s sparkline, prefill rate,
+running and waiting, the mean rate per request."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class ThroughputPanel(Panel):
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         live = snapshot.live
         self.query_one(Digits).update(rate(live.tok_s))
+        self.query_one("#tp-unit", Static).update(
+            f"tok/s generated, all requests, last {live.tok_s_window_s:g} s")
         spark = self.query_one("#tp-spark", Static)
         width = spark.content_size.width or 40
         series = list(history.total)
@@ -46,7 +49,10 @@ class ThroughputPanel(Panel):
         lines.append(str(live.running), style="bold")
         lines.append("  waiting ", style="dim")
         lines.append(str(live.queued), style="bold yellow" if live.queued else "bold")
-        lines.append("  mean ", style="dim")
+        lines.append("\nper request ", style="dim")
         lines.append(f"{rate(live.tok_s_mean)} tok/s")
-        self.query_one("#tp-lines", Static).update(lines)
+        lines.append(" (mean)", style="dim")
+        figures = self.query_one("#tp-lines", Static)
+        figures.update(lines)
+        figures.tooltip = "per request: the mean decode rate of the requests running and the recent ones"
         self.border_subtitle = "last 60 s"
