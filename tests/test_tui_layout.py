@@ -62,3 +62,28 @@ async def test_figures_say_their_window_and_ago_counts_from_the_end() -> None:
     assert "per request 71.4 tok/s" in text
     # r12 arrived 14 s before "now" and took 6.2 s: it ended 7.8 s ago
     assert re.search(r"7\.8s\s+1,834\s+1,620", text), text
+
+
+async def test_a_poll_that_changes_nothing_costs_no_layout_pass(monkeypatch) -> None:
+    """Every Static.update and every footer rebuild reflowed the whole screen, once a second: the
+    dashboard used a quarter of a core doing nothing. Unchanged figures must not ask for layout."""
+    from textual.widget import Widget
+
+    asked: list[str] = []
+    refresh = Widget.refresh
+
+    def spy(self, *regions, layout: bool = False, recompose: bool = False, **kwargs):
+        if layout or recompose:
+            asked.append(type(self).__name__)
+        return refresh(self, *regions, layout=layout, recompose=recompose, **kwargs)
+
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(preview.busy()), poll_interval=0.1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        while app.snapshot is None:
+            await pilot.pause(0.05)
+        await pilot.pause(0.5)
+        monkeypatch.setattr(Widget, "refresh", spy)
+        polls = app.last_poll
+        await pilot.pause(1.0)
+        assert app.last_poll > polls  # it did poll meanwhile
+    assert asked == []

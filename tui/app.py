@@ -116,6 +116,7 @@ class StrataDeskApp(App[int]):
         self._drain_now = False
         self.exit_choice: str | None = None
         self.bench_status: str | None = None  # set by the bench screen while arms restart the server
+        self._allowed: tuple[bool | None, ...] = ()  # check_action's answers when the footer was drawn
         if self.server is not None:
             self.config_path = self.server.config_path
         if first_run and attach_url is None:
@@ -401,7 +402,11 @@ class StrataDeskApp(App[int]):
             hook = getattr(screen, "on_snapshot", None)
             if hook is not None and self.snapshot is not None:
                 hook(self.snapshot)
-        self.refresh_bindings()
+        allowed = tuple(self.check_action(name, ()) for name in ("settings", "restart", "restore_backup",
+                                                                  "restart_now", "cancel_drain"))
+        if allowed != self._allowed:  # the footer is rebuilt on every refresh_bindings: only on a change
+            self._allowed = allowed
+            self.refresh_bindings()
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from textual.widgets import Static
 
 from tui.format import duration
 from tui.view import DashState
+from tui.widgets.quiet import update_text
 
 STATE_STYLE: dict[str, str] = {
     "loading": "bold black on #ffd75f",
@@ -72,19 +73,19 @@ class HeaderBar(Horizontal):
 
     def show(self, info: HeaderInfo) -> None:
         self._info = info
-        self.query_one("#hdr-model", Static).update(info.model or "strata-desk")
-        self.query_one("#hdr-state", Static).update(
+        update_text(self.query_one("#hdr-model", Static), info.model or "strata-desk")
+        update_text(self.query_one("#hdr-state", Static),
             Text(f" {info.state} ", style=STATE_STYLE.get(info.state, "reverse"))
         )
         url = self.query_one("#hdr-url", UrlLabel)
-        url.update(info.url)
+        update_text(url, info.url)
         url.tooltip = "click or press c to copy" if info.url else None
-        self.query_one("#hdr-detail", Static).update(Text(info.detail, style="italic"))
+        update_text(self.query_one("#hdr-detail", Static), Text(info.detail, style="italic"))
         right = self.query_one("#hdr-right", Static)
         if info.restarts:
             right.tooltip = f"last engine error: {info.last_error}" if info.last_error else None
         room = self.size.width - sum(len(t) + 2 for t in (info.model, f" {info.state} ", info.url))
-        right.update(Text("  ").join(right_parts(info, room - len(info.detail) - 2)))
+        update_text(right, Text("  ").join(right_parts(info, room - len(info.detail) - 2)))
 
 
 def right_parts(info: HeaderInfo, room: int) -> list[Text]:
