@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server import openai_api as api
+from server.access_log import AccessLog
 from server.auth import Guard
 from server.config import RunConfig
 from server.engine_client import EngineDied, EngineSupervisor, default_log_path, say
@@ -55,10 +57,15 @@ class ServerState:
         self.metrics.on_finish(job)
         if job.finish != "error":
             self.last_timings = api.timings(job)
-        row = self.metrics.rows[0] if self.metrics.rows else None
-        if row is not None and row.id == job.id:
-            say(f"done: {row.output_tokens} tokens in {row.duration_s:.2f} s ({row.decode_tok_s:.1f} tok/s) "
-                f"({row.finish}, {row.path}), prompt {row.prompt_tokens} tokens ({row.reused} reused)")
+
+    def job_summary(self, job: Job) -> str:
+        """The tokens part of a completion's request line (server/access_log.py)."""
+        row = next((r for r in itertools.islice(self.metrics.rows, 16) if r.id == job.id), None)
+        if row is None:  # the client left before the engine finished: what it got so far
+            return f"prompt {len(job.prompt)}, out {len(job.generated)} so far"
+        where = row.path + (f" {row.slot}" if row.slot is not None and "slot" in row.path else "")
+        return (f"prompt {row.prompt_tokens} ({row.reused} reused), out {row.output_tokens} "
+                f"({row.decode_tok_s:.1f} tok/s, {row.finish}, {where})")
 
     async def boot(self) -> None:
         try:
@@ -216,6 +223,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         max_new = api.budget(len(ids), asked, st.context, st.config.sampling.max_tokens)
         sampling = api.sampling_of(body, st.config.sampling)
         job = Job(ids, max_new, sampling, endpoint="chat" if chat else "completions")
+        request.state.summary = lambda: st.job_summary(job)
         try:
             st.scheduler.submit(job)
         except QueueFull as exc:
@@ -318,7 +326,7 @@ async def _not_found(request: Request, exc: Exception) -> JSONResponse:
 
 def build_app(config: RunConfig, config_path: str | None = None, api_key: str | None = None,
               log_path: Path | None = None) -> Any:
-    """The ASGI app (guarded). `app.state.strata` holds the server state."""
+    """The ASGI app (guarded, every request logged). `app.state.strata` holds the server state."""
     st = ServerState(config, config_path, api_key, log_path)
 
     @contextlib.asynccontextmanager
@@ -342,8 +350,9 @@ def build_app(config: RunConfig, config_path: str | None = None, api_key: str | 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _not_found})
     app.state.strata = st
     guarded = Guard(app, api_key, config.host, config.allowed_hosts, config.max_body_bytes)
-    guarded.state = st  # type: ignore[attr-defined]
-    return guarded
+    logged = AccessLog(guarded, say)
+    logged.state = st  # type: ignore[attr-defined]
+    return logged
 
 
 __all__ = ["build_app", "ServerState"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +26,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", help="API key (else the config's, else env STRATA_API_KEY)")
     p.add_argument("--log", help="engine log file (default: the config's 'log', else the user log dir)")
     return p.parse_args(argv)
+
+
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound (a busy port, an address not on this machine), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(config.host) and not key:
         print(f"strata-desk: refusing to listen on {config.host} (beyond this machine) without an API key: set "
               "'api_key' in the config, --api-key, or STRATA_API_KEY", file=sys.stderr)
+        return 2
+    problem = cannot_listen(config.host, config.port)
+    if problem:
+        print(f"strata-desk: cannot listen on {config.host}:{config.port}: {problem} (another server on that port? "
+              "`strata-desk ps` lists the ones started here; or choose another with --port)", file=sys.stderr)
         return 2
     import uvicorn
 

@@ -32,9 +32,14 @@ class EngineDied(Exception):
     """The engine process ended (or was ended); the message says why, with the last log lines."""
 
 
+def stamp() -> str:
+    """The time at the start of every line the server writes to its logs."""
+    return time.strftime("%H:%M:%S")
+
+
 def say(msg: str) -> None:
     """Narration on the server's stdout."""
-    print(f"[strata] {msg}", flush=True)
+    print(f"{stamp()} [strata] {msg}", flush=True)
 
 
 class EngineProcess:
@@ -72,9 +77,11 @@ class EngineProcess:
             self._log_fh.write(f"--- engine start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command)}\n")
         t0 = time.monotonic()
         try:
+            # its own process group: Ctrl+C in the terminal of `strata-desk serve` reaches the server,
+            # which ends the engine with QUIT, instead of a KeyboardInterrupt traceback in its log
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self.env, limit=16 << 20)
+                stderr=asyncio.subprocess.PIPE, env=self.env, limit=16 << 20, process_group=0)
         except OSError as exc:
             self._mark_dead(f"the engine could not be started: {exc}")
             raise EngineDied(self.death) from None
@@ -207,7 +214,7 @@ class EngineProcess:
         self.log_ring.append(line)
         if self._log_fh is not None:
             with contextlib.suppress(OSError, ValueError):
-                self._log_fh.write(line + "\n")
+                self._log_fh.write(f"{stamp()} {line}\n")
 
     def _mark_dead(self, reason: str) -> None:
         if self.state in ("dead", "stopped"):

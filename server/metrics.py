@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from server.engine_client import EngineSupervisor
     from server.scheduler import Job, Scheduler
 
-RATE_WINDOW_S = 2.0
+RATE_WINDOW_S = 10.0  # tokens arrive in bursts (decode windows, prompt chunks between): a short window jumps
 ROWS_KEPT = 500
 
 
@@ -114,6 +114,14 @@ class Metrics:
         total = sum(n for t, n in self._buckets if now - t <= RATE_WINDOW_S)
         return total / RATE_WINDOW_S
 
+    def mean_decode_tok_s(self, running: list[Job], mono: float) -> float:
+        """Mean decode rate per request: the recent finished ones and the ones decoding now."""
+        rates = list(self._decode_rates)
+        for j in running:
+            if j.first_token_at is not None and len(j.generated) > 1 and mono > j.first_token_at:
+                rates.append((len(j.generated) - 1) / (mono - j.first_token_at))
+        return sum(rates) / len(rates) if rates else 0.0
+
     def snapshot(self, all_requests: bool = False) -> MetricsSnapshot:
         now = time.time()
         mono = time.monotonic()
@@ -139,7 +147,8 @@ class Metrics:
 
     def _live(self, sch: Scheduler, sup: EngineSupervisor, mono: float) -> LiveView:
         running = sorted(sch.running, key=lambda j: j.created)
-        newest = running[-1] if running else None
+        cj = sch.control_job
+        solo = cj if cj is not None and cj.mode == "solo" else None
         if not sup.ready:
             state = "dead" if sup.state == "dead" else "loading"
             phase = "the engine died" if state == "dead" else "loading the model"
@@ -166,12 +175,12 @@ class Metrics:
         return LiveView(
             state=state, phase=phase, queued=len(sch.waiting), running=len(running),
             tok_s=round(self.tok_s(), 2), tok_s_window_s=RATE_WINDOW_S,
-            tok_s_mean=round(sum(self._decode_rates) / len(self._decode_rates), 2) if self._decode_rates else 0.0,
+            tok_s_mean=round(self.mean_decode_tok_s(running, mono), 2),
             prefill_tok_s=round(reader.prefill_tok_s if reader else 0.0, 2),
             prefill_tok_s_mean=round(prefill_mean, 2),
             prompt_read=reader.prompt_read if reader else 0, prompt_total=reader.prompt_total if reader else 0,
-            generated=len(newest.generated) if newest else 0, max_tokens=newest.max_new if newest else 0,
-            elapsed_s=round(mono - newest.created, 3) if newest else 0.0,
+            generated=len(solo.generated) if solo else 0, max_tokens=solo.max_new if solo else 0,
+            elapsed_s=round(mono - solo.segment_at, 3) if solo else 0.0,
             parallel=max(1, len(sch.slots)), waiting_for_slot=waiting_for_slot, slots=slots)
 
     def _devices(self) -> list[GpuInfo]:
@@ -256,7 +265,8 @@ class _Collector:
         live = snap.live
         yield gauge("strata_queued_requests", "requests waiting", live.queued)
         yield gauge("strata_running_requests", "requests on the engine", live.running)
-        yield gauge("strata_tokens_per_second", "generated tokens per second over the last 2 s", live.tok_s)
+        yield gauge("strata_tokens_per_second", f"generated tokens per second over the last {RATE_WINDOW_S:g} s",
+                    live.tok_s)
         yield gauge("strata_prefill_tokens_per_second", "prompt read rate of the current read", live.prefill_tok_s)
         yield gauge("strata_batch_slots", "batch slots the engine runs (1 = one at a time)", live.parallel)
         st = GaugeMetricFamily("strata_slot_state", "1 for the state each slot is in", labels=["slot", "state"])

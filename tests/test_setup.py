@@ -134,9 +134,15 @@ def test_build_config_keeps_asked_parallel_with_note(tmp_path):
     config, messages = build_config(model, parallel=3, probe=_probe())
     assert config.parallel == 3
     assert any("recommended for this machine: 1; kept as you chose (3)" in m for m in messages)
-    config, messages = build_config(model, parallel=12, context=1024, probe=_probe(24.0))
+    config, messages = build_config(model, parallel=8, context=1024, probe=_probe(24.0))
     assert config.parallel == 8 and config.context == 1024
-    assert any("the engine uses 8" in m for m in messages)
+
+
+def test_build_config_refuses_parallel_above_the_engine_limit(tmp_path):
+    """One rule everywhere: RunConfig's limit (8 slots); nothing is clamped silently."""
+    model = write_tiny_gguf(tmp_path / "Tiny.gguf")
+    with pytest.raises(SetupError, match=r"1\.\.8"):
+        build_config(model, parallel=12, probe=_probe(24.0))
 
 
 def test_build_config_gpu_recommends(tmp_path):

@@ -307,16 +307,24 @@ async def test_live_quit_leave_running_then_attach(tmp_path: Path) -> None:
         await wait_ready(pilot, app)
         url = app.server.url
         pid = app.server.pid
-        await pilot.press("q")
-        await wait_for(pilot, lambda: app.screen.id == "quit", 5, "the quit dialog")
+        # the command palette's Quit asks the same question as q
+        await pilot.press("ctrl+p")
+        await pilot.press(*"quit")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen.id == "quit", 5, "the quit dialog from the palette")
+        text = screen_text(app)  # the keys on the buttons are shown, not eaten as markup
+        assert "Stop the server [s]" in text and "Leave it running [l]" in text and "Cancel [esc]" in text
         await pilot.press("escape")  # cancel: nothing happens
         assert app.is_running and app.screen.id == "dashboard"
         await pilot.press("q")
         await wait_for(pilot, lambda: app.screen.id == "quit", 5, "the quit dialog")
-        await pilot.press("l")
+        await pilot.press("enter")  # the focused button: leave it running
         await wait_for(pilot, lambda: not app.is_running, 10, "exit")
     assert app.exit_choice == "leave"
     assert any(r.pid == pid for r in state.find_running())  # left running, on record
+    note = app.farewell() or ""  # what run_dashboard prints on the terminal
+    assert f"still running at {url}/v1 (pid {pid})" in note and "strata-desk stop fake" in note
     assert httpx.get(url + "/health", timeout=5).status_code == 200
 
     # attach finds it again and, knowing its config, may manage it

@@ -65,7 +65,8 @@ def test_dashboard_in_tmux(tmp_path: Path) -> None:
                f"echo $? > {done}")
     tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30", command)
     try:
-        text = wait_screen(session, " ready ", 40)
+        wait_screen(session, "Slots 0/4 busy", 40)
+        text = wait_screen(session, "No GPU", 10)
         assert "1 Slots" in text and "/v1" in text and "No GPU" in text
         url = text[text.index("http://"):].split()[0].removesuffix("/v1")
         assert httpx.get(url + "/health", timeout=5).status_code == 200

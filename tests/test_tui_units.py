@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,23 @@ def test_log_buffer_and_file_tail(tmp_path: Path) -> None:
     os.utime(log)
     assert tail.read() == ["fresh"]
     assert FileTail(tmp_path / "missing.log", "engine").read() == []
+
+
+def test_log_buffer_times_and_no_engine_echo() -> None:
+    """The server's lines carry their time; its start-up echo of the engine's lines (which the engine
+    log has too) is dropped; the dashboard's own lines are stamped when said."""
+    buf = LogBuffer()
+    buf.add("server", "09:14:02 [strata] engine: loading blk.0")
+    buf.add("engine", "09:14:02 loading blk.0")
+    buf.add("server", "09:14:43 [strata] 404 GET /nope from 127.0.0.1 in 1 ms")
+    buf.add("server", "INFO: a line uvicorn wrote")
+    buf.add("desk", "ready")
+    lines = buf.since(0)
+    assert [(line.source, line.time, line.text) for line in lines[:3]] == [
+        ("engine", "09:14:02", "loading blk.0"),
+        ("server", "09:14:43", "404 GET /nope from 127.0.0.1 in 1 ms"),
+        ("server", "", "INFO: a line uvicorn wrote")]
+    assert re.fullmatch(r"\d\d:\d\d:\d\d", lines[3].time)
 
 
 def test_path_suggester_completes_dirs_and_gguf(tmp_path: Path) -> None:

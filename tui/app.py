@@ -20,6 +20,7 @@ from textual.binding import Binding
 from server.config import ConfigError, RunConfig, load_config, save_config
 from server.metrics_schema import MetricsSnapshot
 from strata_desk.launcher import LaunchError, ServerProcess, find_running, running_for
+from strata_desk.ps import config_name
 from tui.client import MetricsClient, MetricsSource, PollError, api_url
 from tui.logs import FileTail, LogBuffer
 from tui.screens.dashboard import DashboardScreen
@@ -115,6 +116,7 @@ class StrataDeskApp(App[int]):
         self._drain_now = False
         self.exit_choice: str | None = None
         self.bench_status: str | None = None  # set by the bench screen while arms restart the server
+        self._allowed: tuple[bool | None, ...] = ()  # check_action's answers when the footer was drawn
         if self.server is not None:
             self.config_path = self.server.config_path
         if first_run and attach_url is None:
@@ -400,7 +402,11 @@ class StrataDeskApp(App[int]):
             hook = getattr(screen, "on_snapshot", None)
             if hook is not None and self.snapshot is not None:
                 hook(self.snapshot)
-        self.refresh_bindings()
+        allowed = tuple(self.check_action(name, ()) for name in ("settings", "restart", "restore_backup",
+                                                                  "restart_now", "cancel_drain"))
+        if allowed != self._allowed:  # the footer is rebuilt on every refresh_bindings: only on a change
+            self._allowed = allowed
+            self.refresh_bindings()
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -511,6 +517,19 @@ class StrataDeskApp(App[int]):
             self.server = ServerProcess(self.config_path)
         self.start_server(restart=self.server.running)
 
+    async def action_quit(self) -> None:
+        """Every way out (q, ctrl+q, the command palette's Quit) asks the same question."""
+        self.action_quit_desk()
+
+    def farewell(self) -> str | None:
+        """What the terminal says once the dashboard has closed and left its server running."""
+        if self.exit_choice != "leave" or self.server is None or self.config_path is None:
+            return None
+        name = config_name(self.config_path)
+        return (f"strata-desk: the server ({name}) and its engine are still running at {self.url} "
+                f"(pid {self.server.pid}).\n"
+                f"  open it again: strata-desk attach    list: strata-desk ps    stop it: strata-desk stop {name}")
+
     def action_quit_desk(self) -> None:
         if self.server is not None and self.server.running and self.phase != "failed":
             def chosen(choice: str | None) -> None:
@@ -564,4 +583,7 @@ def run_dashboard(
     app = StrataDeskApp(config_path=config_path, attach_url=attach_url or url, api_key=api_key,
                         first_run=first_run, server=server)
     result = app.run()
+    note = app.farewell()
+    if note:
+        print(note)
     return int(result or 0)

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+STAMP = re.compile(r"(\d\d:\d\d:\d\d) (.*)", re.S)  # the server stamps the lines it writes (HH:MM:SS)
+NARRATION = "[strata] "
+ENGINE_ECHO = NARRATION + "engine: "  # the server repeats the engine's start-up lines; its own log has them
 
 
 @dataclass(frozen=True)
@@ -13,18 +19,28 @@ class LogLine:
     seq: int
     source: str  # "server" | "engine" | "desk"
     text: str
+    time: str = ""  # HH:MM:SS as written in the file ("" for a line without), or when the dashboard said it
 
 
 class LogBuffer:
-    """The last `size` lines of every source, each with a rising sequence number."""
+    """The last `size` lines of every source, each with a rising sequence number and its time."""
 
     def __init__(self, size: int = 5000) -> None:
         self.lines: deque[LogLine] = deque(maxlen=size)
         self.seq = 0
 
     def add(self, source: str, text: str) -> None:
+        """A line of `source`; "desk" lines (the dashboard's own) are stamped now. The server's
+        repeats of engine lines are dropped."""
+        text = text.rstrip("\n")
+        match = STAMP.fullmatch(text)
+        at, text = match.groups() if match else (time.strftime("%H:%M:%S") if source == "desk" else "", text)
+        if source == "server":
+            if text.startswith(ENGINE_ECHO):
+                return
+            text = text.removeprefix(NARRATION)
         self.seq += 1
-        self.lines.append(LogLine(self.seq, source, text.rstrip("\n")))
+        self.lines.append(LogLine(self.seq, source, text, at))
 
     def since(self, seq: int) -> list[LogLine]:
         if not self.lines or self.lines[-1].seq <= seq:

@@ -118,13 +118,16 @@ def cpu_dense() -> MetricsSnapshot:
 
 
 SAMPLE_LOG = [
-    ("server", "[strata] starting the engine: python -m engine --serve --model Qwen3-30B-A3B-Q4_K_M.gguf --batch 4"),
-    ("engine", "strata serve: expert cache 4480 slots, 15.5 GiB; 2914 MiB of VRAM free with everything loaded"),
-    ("server", "[strata] engine ready in 41.5 s: context 32768 (batch_slots=4 batch_groups=1)"),
-    ("server", "[strata] ready: http://127.0.0.1:8080/v1 (model Qwen3-30B-A3B-Q4_K_M)"),
-    ("server", "[strata] done: 412 tokens in 6.2 s (72.3 tok/s) (stop), expert cache 87.4% hit"),
-    ("engine", "strata batch: 4 rows in 21.4 ms; adapt 1 round, 8 swaps; VRAM 84% PCIe 7% CPU 9%"),
-    ("server", "[strata] reading the prompt: 2048 of 5120 tokens, 0.9 s so far"),
+    ("server", "09:14:02 [strata] starting the engine: python -m engine --serve --model Qwen3-30B-A3B-Q4_K_M.gguf "
+               "--batch 4"),
+    ("engine", "09:14:43 strata serve: expert cache 4480 slots, 15.5 GiB; 2914 MiB of VRAM free with everything "
+               "loaded"),
+    ("server", "09:14:43 [strata] engine ready in 41.5 s: context 32768 (batch_slots=4 batch_groups=1)"),
+    ("server", "09:14:43 [strata] ready: http://127.0.0.1:8080/v1 (model Qwen3-30B-A3B-Q4_K_M)"),
+    ("server", "12:31:30 [strata] 200 POST /v1/chat/completions from 192.168.1.20 in 6.20 s: prompt 1834 "
+               "(1620 reused), out 412 (72.3 tok/s, stop, solo)"),
+    ("server", "12:31:41 [strata] 401 POST /v1/chat/completions from 192.168.1.31 in 0 ms"),
+    ("engine", "12:31:43 strata batch: 4 rows in 21.4 ms; adapt 1 round, 8 swaps; VRAM 84% PCIe 7% CPU 9%"),
 ]
 
 

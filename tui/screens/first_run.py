@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -83,7 +84,7 @@ class FirstRunScreen(Screen[Path | None]):
             yield Static("", id="fr-result")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Write config and start", id="fr-start", variant="success", disabled=True)
-                yield Button("Quit [esc]", id="fr-quit")
+                yield Button(escape("Quit [esc]"), id="fr-quit")
         yield Footer()
 
     def on_mount(self) -> None:

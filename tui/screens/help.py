@@ -11,7 +11,7 @@ from textual.widgets import Static
 
 KEYS = [
     ("?", "this help"),
-    ("q", "quit (asks whether to stop the server or leave it running)"),
+    ("q", "quit (ctrl+q and the palette's Quit too): asks whether to stop the server or leave it running"),
     ("c", "copy the URL to give clients (or click it)"),
     ("s", "settings: parallel, batch groups, expert tier ... then apply and restart"),
     ("r", "restart the server and the engine"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -28,14 +29,14 @@ class QuitScreen(ModalScreen[str | None]):
             yield Static("Quit strata-desk", classes="dialog-title")
             text = (f"The server at {self.url} is still running.\n"
                     "Stop it (and its engine), or leave it running for clients? "
-                    "`strata-desk attach` finds a server left running.")
+                    "`strata-desk attach` finds a server left running, `strata-desk stop` stops it.")
             if self.inflight:
                 text += f"\n\n{self.inflight} request(s) are in flight: stopping ends them with an error."
             yield Static(text, classes="dialog-body")
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Stop the server [s]", id="stop", variant="error")
-                yield Button("Leave it running [l]", id="leave", variant="primary")
-                yield Button("Cancel [esc]", id="cancel")
+                yield Button(escape("Stop the server [s]"), id="stop", variant="error")
+                yield Button(escape("Leave it running [l]"), id="leave", variant="primary")
+                yield Button(escape("Cancel [esc]"), id="cancel")
 
     def on_mount(self) -> None:
         self.query_one("#leave", Button).focus()

@@ -3,6 +3,7 @@ requests in flight: drain (wait for them, then restart) or now (they end with an
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -52,7 +53,7 @@ class RestartScreen(ModalScreen[str | None]):
                     yield RadioButton("Now: restart at once, they end with an error", id="now")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Apply and restart" if self.diff else "Restart", id="ok", variant="warning")
-                yield Button("Cancel [esc]", id="cancel")
+                yield Button(escape("Cancel [esc]"), id="cancel")
 
     def on_mount(self) -> None:
         self.query_one("#ok", Button).focus()

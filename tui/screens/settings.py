@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import ValidationError
+from rich.markup import escape
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -82,7 +83,7 @@ class SettingsScreen(Screen[None]):
             yield Static("", id="settings-summary")
             yield Button("Apply and restart [ctrl+s]", id="apply", variant="warning", compact=True)
             yield Button("Revert [ctrl+r]", id="revert", compact=True)
-            yield Button("Back [esc]", id="back", compact=True)
+            yield Button(escape("Back [esc]"), id="back", compact=True)
         yield Footer()
 
     def on_mount(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from tui.widgets.quiet import update_text
+
 
 class Banner(Static):
     DEFAULT_CSS = """
@@ -16,15 +18,15 @@ class Banner(Static):
 
     def say(self, level: str | None, message: str = "", detail: str = "", keys: str = "") -> None:
         """level: None hides the banner; 'info', 'warn' or 'error' shows it."""
-        self.remove_class("-info", "-warn", "-error")
+        for each in ("info", "warn", "error"):
+            self.set_class(level == each, f"-{each}")
         if level is None:
-            self.update("")
+            update_text(self, "")
             return
-        self.add_class(f"-{level}")
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(message, style="bold")
         if keys:
             text.append("\n" + keys, style="italic")
         if detail:
             text.append("\n" + detail.rstrip(), style="dim" if level != "error" else "")
-        self.update(text)
+        update_text(self, text)

@@ -10,6 +10,7 @@ from textual.widgets import Static
 
 from server.metrics_schema import GpuInfo
 from tui.format import mib
+from tui.widgets.quiet import update_text
 from tui.widgets.segment_bar import Segment, SegmentBar
 
 PARTS = (
@@ -76,7 +77,7 @@ class GpuCard(Vertical):
             title.append(f"  {gpu.power_w:.0f} W")
             if gpu.power_limit_w:
                 title.append(f"/{gpu.power_limit_w:.0f}", style="dim")
-        self.query_one(".gpu-title", Static).update(title)
+        update_text(self.query_one(".gpu-title", Static), title)
         segs = gpu_segments(gpu)
         self.query_one(SegmentBar).segments = tuple(segs)
-        self.query_one(".gpu-legend", Static).update(legend(segs))
+        update_text(self.query_one(".gpu-legend", Static), legend(segs))

@@ -12,6 +12,7 @@ from tui.format import mib
 from tui.view import History
 from tui.widgets.gpu_card import GpuCard
 from tui.widgets.panel import Panel
+from tui.widgets.quiet import update_text
 
 
 class GpuPanel(Panel):
@@ -45,7 +46,7 @@ class GpuPanel(Panel):
         none = self.query_one("#gpu-none", Static)
         none.display = not snapshot.devices
         if not snapshot.devices:
-            none.update(Text.assemble(("No GPU", "bold yellow"), ": the engine runs on the CPU.", style=""))
+            update_text(none, Text.assemble(("No GPU", "bold yellow"), ": the engine runs on the CPU.", style=""))
             self.set_title("GPUs: none")
         else:
             self.set_title(f"GPUs ({len(snapshot.devices)})")
@@ -59,4 +60,4 @@ class GpuPanel(Panel):
             line.append(f"  RAM {mib(host.ram_used_mib)} / {mib(host.ram_total_mib)}")
         if host.engine_rss_mib is not None:
             line.append(f"  engine {mib(host.engine_rss_mib)}")
-        self.query_one("#gpu-host", Static).update(line)
+        update_text(self.query_one("#gpu-host", Static), line)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -16,6 +17,7 @@ SOURCE_STYLE = {"server": "cyan", "engine": "magenta", "desk": "green"}
 
 def render_line(line: LogLine, search: str) -> Text:
     text = Text()
+    text.append(f"{line.time:8} ", style="dim")
     text.append(f"{line.source:>6} ", style=SOURCE_STYLE.get(line.source, "dim"))
     body = Text(line.text)
     lowered = line.text.lower()
@@ -53,15 +55,20 @@ class LogView(Vertical, can_focus=True):
         super().__init__(id=id, classes=classes)
         self.buffer = buffer
         self._seen = 0
+        self._width = 0
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="search the log (enter to apply, escape to clear)", id="log-search")
-        yield RichLog(max_lines=5000, wrap=False, markup=False, highlight=False, auto_scroll=True)
+        yield RichLog(max_lines=5000, wrap=True, min_width=20, markup=False, highlight=False, auto_scroll=True)
         yield Static("", id="log-status")
 
     def on_mount(self) -> None:
-        self.refresh_lines()
         self._status()
+
+    def on_resize(self, event: events.Resize) -> None:
+        if event.size.width != self._width:  # long lines wrap: wrap them again at the new width
+            self._width = event.size.width
+            self.refresh_lines(rebuild=True)
 
     def _status(self) -> None:
         parts = ["following" if self.follow else "paused (f to follow)"]
@@ -83,7 +90,7 @@ class LogView(Vertical, can_focus=True):
         for line in new:
             if needle and needle not in line.text.lower():
                 continue
-            log.write(render_line(line, self.search), scroll_end=self.follow)
+            log.write(render_line(line, self.search), expand=True, scroll_end=self.follow)
 
     def watch_follow(self, follow: bool) -> None:
         if self.is_mounted:

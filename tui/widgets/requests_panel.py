@@ -1,4 +1,4 @@
-"""Recent finished requests: tokens, times, tok/s, finish. Times are relative ("12s ago")."""
+"""Recent finished requests: tokens, times, tok/s, finish. "ago" counts from the request's end."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ COLUMNS = ("ago", "prompt", "reused", "out", "ttft", "time", "tok/s", "path", "f
 
 def request_cells(row: RequestRow, now: float) -> list[Text]:
     return [
-        Text(duration(now - row.time), justify="right"),
+        Text(duration(now - row.time - row.duration_s), justify="right"),  # row.time is its arrival
         Text(count(row.prompt_tokens), justify="right"),
         Text(count(row.reused), justify="right", style="dim"),
         Text(count(row.output_tokens), justify="right"),

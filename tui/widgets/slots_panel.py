@@ -10,6 +10,7 @@ from server.metrics_schema import LiveView, MetricsSnapshot
 from tui.format import count, duration, rate, spark
 from tui.view import History, solo_active, solo_tok_s
 from tui.widgets.panel import Panel
+from tui.widgets.quiet import update_text
 
 STATE_STYLE = {"idle": "grey50", "reading": "bold yellow", "decoding": "bold green"}
 COLUMNS = ("slot", "state", "tokens", "gen", "tok/s", "history", "elapsed")
@@ -23,6 +24,7 @@ class SlotsPanel(Panel):
 
     def __init__(self, *, id: str | None = "slots") -> None:
         super().__init__("Slots", "1", id=id)
+        self._shown: list[list[Text | str]] = []
 
     def compose(self) -> ComposeResult:
         table: DataTable[Text | str] = DataTable(cursor_type="none", zebra_stripes=False, show_cursor=False)
@@ -81,9 +83,11 @@ class SlotsPanel(Panel):
             for i, row in enumerate(rows):
                 table.add_row(*row, key=str(i))
         else:
-            for i, row in enumerate(rows):
-                for col, value in zip(table.columns, row, strict=True):
-                    table.update_cell(str(i), col, value, update_width=True)
+            for i, (row, before) in enumerate(zip(rows, self._shown, strict=False)):
+                for col, value, old in zip(table.columns, row, before, strict=True):
+                    if value != old:  # each update re-measures the table
+                        table.update_cell(str(i), col, value, update_width=True)
+        self._shown = rows
         busy = sum(1 for s in live.slots if s.state != "idle")
         if snapshot.engine.state == "dead" or live.state == "dead":
             self.set_title("Slots: the engine stopped")
@@ -99,5 +103,5 @@ class SlotsPanel(Panel):
             note = "a request alone runs on the solo path" if solo_active(live) else ""
         if live.waiting_for_slot:
             note = (note + "  " if note else "") + f"{live.waiting_for_slot} waiting for a slot"
-        self.query_one("#slots-note", Static).update(note)
+        update_text(self.query_one("#slots-note", Static), note)
         self.query_one("#slots-note", Static).display = bool(note)

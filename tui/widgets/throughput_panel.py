@@ -1,4 +1,5 @@
-"""Total tok/s in big digits, a 60 s sparkline, prefill rate, running and waiting."""
+"""Total tok/s in big digits (over the server's window, 10 s), a 60 s sparkline, prefill rate,
+running and waiting, the mean rate per request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from server.metrics_schema import MetricsSnapshot
 from tui.format import rate, spark_rows
 from tui.view import History
 from tui.widgets.panel import Panel
+from tui.widgets.quiet import update_text
 
 
 class ThroughputPanel(Panel):
@@ -32,10 +34,12 @@ class ThroughputPanel(Panel):
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         live = snapshot.live
         self.query_one(Digits).update(rate(live.tok_s))
+        update_text(self.query_one("#tp-unit", Static),
+            f"tok/s generated, all requests, last {live.tok_s_window_s:g} s")
         spark = self.query_one("#tp-spark", Static)
         width = spark.content_size.width or 40
         series = list(history.total)
-        spark.update("\n".join(spark_rows(series, width, 2)))
+        update_text(spark, "\n".join(spark_rows(series, width, 2)))
         spark.tooltip = f"peak {rate(max(series) if series else 0)} tok/s over the last {len(series)} s"
         lines = Text()
         lines.append("prefill ", style="dim")
@@ -46,7 +50,10 @@ class ThroughputPanel(Panel):
         lines.append(str(live.running), style="bold")
         lines.append("  waiting ", style="dim")
         lines.append(str(live.queued), style="bold yellow" if live.queued else "bold")
-        lines.append("  mean ", style="dim")
+        lines.append("\nper request ", style="dim")
         lines.append(f"{rate(live.tok_s_mean)} tok/s")
-        self.query_one("#tp-lines", Static).update(lines)
+        lines.append(" (mean)", style="dim")
+        figures = self.query_one("#tp-lines", Static)
+        update_text(figures, lines)
+        figures.tooltip = "per request: the mean decode rate of the requests running and the recent ones"
         self.border_subtitle = "last 60 s"

@@ -11,6 +11,7 @@ from server.metrics_schema import MetricsSnapshot
 from tui.format import count, pct
 from tui.view import History, has_tier_data, is_dense
 from tui.widgets.panel import Panel
+from tui.widgets.quiet import update_text
 from tui.widgets.segment_bar import Segment, SegmentBar
 
 TIER_STYLES = (("VRAM", "green3"), ("PCIe", "gold3"), ("CPU", "orange_red1"))
@@ -39,12 +40,12 @@ class TierPanel(Panel):
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         state = self.query_one("#tier-state", Static)
         if is_dense(snapshot):
-            state.update(Text.assemble(("dense model", "bold"), ": no routed experts, nothing to tier."))
+            update_text(state, Text.assemble(("dense model", "bold"), ": no routed experts, nothing to tier."))
             state.display = True
             self._show_parts(False)
             return
         if not has_tier_data(snapshot):
-            state.update(Text.assemble(("no tier data yet", "bold"),
+            update_text(state, Text.assemble(("no tier data yet", "bold"),
                                        ": figures appear after the first decoding windows."))
             state.display = True
             self._show_parts(False)
@@ -61,7 +62,7 @@ class TierPanel(Panel):
         for (label, style), value in zip(TIER_STYLES, shares, strict=True):
             legend.append("■ ", style=style)
             legend.append(f"{label} {pct(value, 1)}  ")
-        self.query_one("#tier-legend", Static).update(legend)
+        update_text(self.query_one("#tier-legend", Static), legend)
         lines = Text()
         lines.append("hit rate ", style="dim")
         lines.append(pct(tier.hit_rate, 1), style="bold")
@@ -79,4 +80,4 @@ class TierPanel(Panel):
             lines.append(f"{snapshot.stats.ms_per_window:.1f} ms")
             if snapshot.stats.rows_per_window is not None:
                 lines.append(f"  {snapshot.stats.rows_per_window:.1f} rows", style="")
-        self.query_one("#tier-lines", Static).update(lines)
+        update_text(self.query_one("#tier-lines", Static), lines)
