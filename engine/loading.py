@@ -12,9 +12,9 @@ from engine.kv import KV_DTYPES, KVCache
 from engine.memory import MIB, free_bytes
 from engine.models import architecture_of, load_model
 from engine.models.base import Model
+from engine.protocol import MAX_SLOTS
 from engine.weights import planned_bytes
 
-MAX_SLOTS = 8  # a window holds at most 8 slot rows, as upstream's
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 RESERVE = 1024 * MIB  # left free beside weights and sessions
 

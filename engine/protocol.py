@@ -13,6 +13,7 @@ from typing import Any
 
 FINISH_REASONS = ("stop", "length", "cancel")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+MAX_SLOTS = 8  # batch slots the engine runs at most (a window holds 8 slot rows, as upstream's)
 TOP_K_MAX = 64  # the engine keeps at most this many candidates, as upstream does
 CONTEXT_SLACK = 8  # prompt + max_new + CONTEXT_SLACK must fit the context (upstream's rule)
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.protocol import MAX_SLOTS
+
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and what is allowed."""
@@ -37,7 +39,6 @@ class SamplingDefaults(SamplingFields):
     model_config = ConfigDict(extra="forbid")
 
 
-MAX_PARALLEL = 8  # batch slots the engine runs at most: the one limit for the CLI, setup and settings
 
 
 class RunConfig(BaseModel):
@@ -56,7 +57,7 @@ class RunConfig(BaseModel):
     layer_split: str | None = Field(None, description="layer split across GPUs, e.g. '24'")
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
     prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
-    parallel: int = Field(1, ge=1, le=MAX_PARALLEL, description="batch slots; 1 = one request at a time")
+    parallel: int = Field(1, ge=1, le=MAX_SLOTS, description="batch slots; 1 = one request at a time")
     batch_groups: int | Literal["auto"] = Field("auto", description="pipeline groups; must divide parallel")
     batch_mtp: bool = False
     adapt_every: int = Field(4, ge=0, description="re-rank the expert tier every N windows (0 = off)")

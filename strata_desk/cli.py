@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from server.config import MAX_PARALLEL, ConfigError, RunConfig, load_config, save_config, validate_config
+from server.config import MAX_SLOTS, ConfigError, RunConfig, load_config, save_config, validate_config
 from strata_desk import paths
 
 PROG = "strata-desk"
@@ -142,8 +142,8 @@ def _apply_config(target: Path, model: Path | None, parallel: int | None) -> Pat
 
 def _parallel(text: str) -> int:
     value = _positive(text)
-    if value > MAX_PARALLEL:
-        raise argparse.ArgumentTypeError(f"must be 1..{MAX_PARALLEL} (the engine runs at most {MAX_PARALLEL} "
+    if value > MAX_SLOTS:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_SLOTS} (the engine runs at most {MAX_SLOTS} "
                                          f"slots), got {value}")
     return value
 
@@ -408,7 +408,7 @@ def _model_args(parser: argparse.ArgumentParser, config: bool) -> None:
     parser.add_argument("--host", help="address to bind (overrides the config)")
     parser.add_argument("--port", type=_port, help="port (overrides the config)")
     parser.add_argument("--parallel", type=_parallel, metavar="N",
-                        help=f"batch slots 1..{MAX_PARALLEL}, written to the config")
+                        help=f"batch slots 1..{MAX_SLOTS}, written to the config")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("setup", help="probe the machine and write the config for a model")
     p.add_argument("model", metavar="MODEL.gguf")
-    p.add_argument("--parallel", type=_parallel, metavar="N", help=f"batch slots 1..{MAX_PARALLEL} (kept as asked)")
+    p.add_argument("--parallel", type=_parallel, metavar="N", help=f"batch slots 1..{MAX_SLOTS} (kept as asked)")
     p.add_argument("--context", type=_positive, metavar="N", help="context length in tokens")
     p.add_argument("--yes", "-y", action="store_true", help="write without asking")
     p.set_defaults(func=cmd_setup)

@@ -4,7 +4,7 @@ The recommendation follows the seed's rule (upstream #465, v0.1.41): the expert 
 over cards of (VRAM - ~5 GB); n batch slots are allowed when the slots take at most a fifth of that
 cache AND at least half of the model's expert bytes still fit beside them; the largest allowed n up
 to 4 is recommended, else one at a time. A slot's size is its KV cache at the chosen context in
-bf16 (the engine keeps KV in bf16 on a GPU). `--parallel N` (1..MAX_PARALLEL) is kept as asked, with a
+bf16 (the engine keeps KV in bf16 on a GPU). `--parallel N` (1..MAX_SLOTS) is kept as asked, with a
 note when it is more than the rule would recommend. The dashboard's first-run screen calls
 `build_config` and `write_config` as `strata-desk setup` does.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.config import MAX_PARALLEL, ConfigError, RunConfig, load_config, save_config, validate_config
+from server.config import MAX_SLOTS, ConfigError, RunConfig, load_config, save_config, validate_config
 from strata_desk import paths
 from strata_desk.modelfacts import GIB, ModelFacts
 from strata_desk.probe import HardwareInfo, probe_hardware
@@ -86,8 +86,8 @@ def _default_context(facts: ModelFacts) -> int:
 def _choose_parallel(asked: int | None, rec: Recommendation) -> tuple[int, list[str]]:
     if asked is None:
         return rec.parallel, []
-    if not 1 <= asked <= MAX_PARALLEL:
-        raise SetupError(f"--parallel must be 1..{MAX_PARALLEL} (the engine runs at most {MAX_PARALLEL} slots), "
+    if not 1 <= asked <= MAX_SLOTS:
+        raise SetupError(f"--parallel must be 1..{MAX_SLOTS} (the engine runs at most {MAX_SLOTS} slots), "
                          f"got {asked}")
     notes = []
     chosen = asked
