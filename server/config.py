@@ -57,6 +57,7 @@ class RunConfig(BaseModel):
     layer_split: str | None = Field(None, description="layer split across GPUs, e.g. '24'")
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
     prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
+    kv: Literal["auto", "f32", "f16", "bf16"] = Field("auto", description="KV cache storage (auto: f16 on CPU, bf16 on GPU)")
     parallel: int = Field(1, ge=1, le=MAX_SLOTS, description="batch slots; 1 = one request at a time")
     batch_groups: int | Literal["auto"] = Field("auto", description="pipeline groups; must divide parallel")
     batch_mtp: bool = False
@@ -100,6 +101,8 @@ class RunConfig(BaseModel):
         out = ["--serve", "--model", self.model, "--max-context", str(self.context), "--prefill", str(self.prefill)]
         if self.device != "auto":
             out += ["--device", self.device]
+        if self.kv != "auto":
+            out += ["--kv", self.kv]
         if self.parallel > 1:
             out += ["--batch", str(self.parallel)]
             if self.batch_groups != "auto":
