@@ -60,7 +60,7 @@ def attend(
     p % length (a sliding layer's ring; the identity for a full layer). Returns [N, Hq * D].
     `window` limits each query to the last `window` positions (sliding-window layers).
     """
-    if rows.single_rows:
+    if rows.single_rows and q.is_cuda:  # one launch for the step; on the CPU the padding costs more
         return _attend_rows(q, k, v, k_cache, v_cache, rows, scale, window)
     out = []
     row = 0

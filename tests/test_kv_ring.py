@@ -59,6 +59,24 @@ def test_batched_decode_over_rings_matches_single_rows(demo_ring):
     assert torch.allclose(batch, single, atol=2e-3, rtol=1e-3), (batch - single).abs().max()
 
 
+def test_padded_decode_attention_over_rings_matches_per_row():
+    """The one-call decode attention (used on CUDA) against the per-row path, past the ring's wrap."""
+    from engine.batch import BatchBuilder
+    from engine.layers import _attend_rows, attend
+
+    torch.manual_seed(0)
+    ring, window, heads, kv_heads, dim = 40, 32, 4, 2, 16
+    k_cache, v_cache = torch.randn(2, kv_heads, ring, dim), torch.randn(2, kv_heads, ring, dim)
+    q, k, v = torch.randn(2, heads, dim), torch.randn(2, kv_heads, dim), torch.randn(2, kv_heads, dim)
+    spans = [Span(0, 57, 1), Span(1, 90, 1)]
+    rows = BatchBuilder(torch.device("cpu"), 2, 2).build(spans, [0, 0])
+    together = _attend_rows(q, k, v, k_cache.clone(), v_cache.clone(), rows, 0.25, window)
+    for i, span in enumerate(spans):
+        one = BatchBuilder(torch.device("cpu"), 1, 1).build([span], [0])
+        alone = attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], k_cache, v_cache, one, 0.25, window)
+        assert torch.allclose(together[i], alone[0], atol=1e-5), (together[i] - alone[0]).abs().max()
+
+
 def test_usable_prefix_needs_the_window_in_the_ring():
     kv = KVCache([512, None], 1, 1, 4096, 8, 64, torch.float16, torch.device("cpu"))
     assert kv.usable_prefix(held=500, n=300) == 300  # nothing overwritten yet
