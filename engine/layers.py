@@ -19,6 +19,8 @@ ATTEND_BUCKET = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # the fused op: the same arithmetic, a third cheaper on the CPU
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
