@@ -20,7 +20,7 @@ def greedy(driver, ids, n=16):
 
 
 def test_cuda_f32_matches_cpu_f32(tiny_model):
-    cpu = Driver.load(str(tiny_model), slots=0, device="cpu")
+    cpu = Driver.load(str(tiny_model), slots=0, device="cpu", kv="f32")  # the CPU's default KV is fp16
     gpu = Driver.load(str(tiny_model), slots=0, device="cuda", dtype="f32")
     for ids in sample_prompts(cpu.model.hyper.vocab, 4, seed=3):
         from engine.batch import Span
