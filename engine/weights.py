@@ -145,10 +145,12 @@ class WeightStore:
         self.placed: dict[str, tuple[str, int]] = {}  # tensor name -> (device, bytes)
         self.formats: dict[str, int] = defaultdict(int)  # "Q8_0 blocks", "bf16" ... -> tensors
 
-    def _info(self, name: str) -> TensorInfo:
+    def _info(self, name: str, dims: int | None = None) -> TensorInfo:
         info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
         if info is None:
             raise GGUFError(f"{self.g.path}: missing tensor {name!r}")
+        if dims is not None and len(info.shape) != dims:
+            raise GGUFError(f"{self.g.path}: tensor {info.name} has shape {info.shape}, expected {dims} dimensions")
         return info
 
     def has(self, name: str) -> bool:
@@ -173,9 +175,7 @@ class WeightStore:
         return t
 
     def linear(self, name: str) -> Linear:
-        info = self._info(name)
-        if len(info.shape) != 2:
-            raise GGUFError(f"{self.g.path}: tensor {info.name} has shape {info.shape}, expected a matrix")
+        info = self._info(name, dims=2)
         kept = keeps_blocks(info, self.device)
         if kept:
             lin: Linear = BlockLinear(info.qtype, self._blocks(info), info.shape[-1])
@@ -185,9 +185,7 @@ class WeightStore:
         return lin
 
     def stack(self, name: str) -> LinearStack:
-        info = self._info(name)
-        if len(info.shape) != 3:
-            raise GGUFError(f"{self.g.path}: tensor {info.name} has shape {info.shape}, expected [experts, out, in]")
+        info = self._info(name, dims=3)  # [experts, out, in]
         kept = keeps_blocks(info, self.device)
         if kept:
             blocks = self._blocks(info)
