@@ -172,12 +172,25 @@ def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
         raise ValueError("blocks must be contiguous")
 
 
+_threads = 0
+
+
+def set_threads(n: int) -> None:
+    """Threads for the kernels from now on, whatever torch's own count (0: torch's)."""
+    global _threads
+    _threads = n
+
+
+def threads() -> int:
+    return _threads or torch.get_num_threads()
+
+
 def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
     """float32 [rows, k] from uint8 blocks [rows, row_bytes(qtype, k)]."""
     _check_blocks(qtype, blocks, k)
     out = torch.empty((blocks.shape[0], k), dtype=torch.float32)
     _require().sd_dequantize(int(qtype), blocks.data_ptr(), blocks.shape[0], k, out.data_ptr(),
-                             torch.get_num_threads())
+                             threads())
     return out
 
 
@@ -194,7 +207,7 @@ def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.T
         raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
     if _require().sd_matmul(qtype, blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
-                            torch.get_num_threads()) != 0:
+                            threads()) != 0:
         raise MemoryError("sd_matmul could not allocate its row buffers")
     return out
 
