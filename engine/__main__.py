@@ -13,7 +13,7 @@ from engine import __version__
 from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.kv import KV_DTYPES
-from engine.loading import DTYPES, fit_slots, log, pick_device, pick_dtype, pick_kv_dtype
+from engine.loading import DTYPES, fit_slots, log, model_context, pick_device, pick_dtype, pick_kv_dtype
 from engine.loop import EngineLoop
 from engine.memory import MIB
 from engine.models import architecture_of, load_model
@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = pick_dtype(args.dtype, device)
         g = GGUFFile(args.model)
         architecture_of(g)
-        model_ctx = int(g.arch_key("context_length", args.max_context))
-        context = max(64, min(args.max_context, model_ctx))
+        context = model_context(g, args.max_context)
         kv_dtype = pick_kv_dtype(args.kv, device, dtype)
         slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype)
         model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill,
@@ -78,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         log("expert tier: every expert resident in device memory; the adapt options have no effect yet")
     info: dict[str, int | float | str] = {
         "engine": __version__, "model": os.path.basename(args.model), "arch": g.architecture,
-        "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "kv": str(kv_dtype).removeprefix("torch."),
+        "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "kv": str(kv_dtype).removeprefix("torch."),
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
         "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",

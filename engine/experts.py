@@ -12,7 +12,9 @@ other rows of the call were routed or scheduled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +31,19 @@ class ExpertStats:
     pcie: int = 0
     cpu: int = 0
 
+    def _fieldwise(self, op: Callable[[int, int], int], other: ExpertStats | int) -> ExpertStats:
+        theirs = astuple(other) if isinstance(other, ExpertStats) else (other,) * len(fields(self))
+        return ExpertStats(*(op(a, b) for a, b in zip(astuple(self), theirs, strict=True)))
+
     def __add__(self, other: ExpertStats) -> ExpertStats:
-        return ExpertStats(self.lookups + other.lookups, self.vram + other.vram,
-                           self.pcie + other.pcie, self.cpu + other.cpu)
+        return self._fieldwise(operator.add, other)
 
     def __sub__(self, other: ExpertStats) -> ExpertStats:
-        return ExpertStats(self.lookups - other.lookups, self.vram - other.vram,
-                           self.pcie - other.pcie, self.cpu - other.cpu)
+        return self._fieldwise(operator.sub, other)
 
     def share(self, rows: int) -> ExpertStats:
         """One row's part of a window's entries (every row routes the same number of entries)."""
-        return ExpertStats(self.lookups // rows, self.vram // rows, self.pcie // rows, self.cpu // rows)
+        return self._fieldwise(operator.floordiv, rows)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +74,7 @@ class ResidentExperts(Experts):
         self._stats = ExpertStats()
 
     def stats(self) -> ExpertStats:
-        return ExpertStats(**vars(self._stats))
+        return self._stats + ExpertStats()  # a copy
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape

@@ -1,9 +1,9 @@
 """Building blocks shared by the architectures: norms, rotary embedding, attention over sessions.
 
 Every function takes the rows of a batch flattened to `[N, ...]` (engine/batch.py says which rows
-belong to which session and where). All arithmetic on a row depends only on that row (and its session's cache),
-except the matrix products that mix the rows of one call: that is why exact mode runs decode rows
-one call each (engine/runner.py).
+belong to which session and where). All arithmetic on a row depends only on that row (and its
+session's cache), except the matrix products that mix the rows of one call: that is why exact mode
+runs decode rows one call each (engine/runner.py).
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name or ("f32" if device.type == "cpu" else "bf16")]
 
 
+def model_context(g: GGUFFile, asked: int) -> int:
+    """The context to run at: as asked, at most the model's, at least 64 tokens."""
+    return max(64, min(asked, int(g.arch_key("context_length", asked))))
+
+
 def pick_kv_dtype(name: str | None, device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """KV storage: fp16 on the CPU (half the bytes of float32, more mantissa than bf16), else the
     compute dtype (no cast per attention call on the GPU)."""
@@ -74,7 +79,6 @@ def open_model(path: str, device: str = "auto", dtype: str | None = None, slots:
     """Load `path` with room for `slots` batch sessions beside the solo session."""
     g = GGUFFile(path)
     dev = pick_device(device)
-    model_ctx = int(g.arch_key("context_length", context))
     dt = pick_dtype(dtype, dev)
-    return g, load_model(g, dev, dt, sessions=slots + 1, context=max(64, min(context, model_ctx)),
+    return g, load_model(g, dev, dt, sessions=slots + 1, context=model_context(g, context),
                          max_chunk=max_chunk, kv_dtype=pick_kv_dtype(kv, dev, dt))

@@ -17,7 +17,7 @@ Models never call `F.linear` on raw tensors and never see a weight's device or f
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,8 +142,7 @@ class WeightStore:
         self.g = g
         self.device = device
         self.dtype = dtype
-        self.placed: dict[str, tuple[str, int]] = {}  # tensor name -> (device, bytes)
-        self.formats: dict[str, int] = defaultdict(int)  # "Q8_0 blocks", "bf16" ... -> tensors
+        self.placed: dict[str, tuple[int, str]] = {}  # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ...)
 
     def _info(self, name: str, dims: int | None = None) -> TensorInfo:
         info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
@@ -157,8 +156,8 @@ class WeightStore:
         return name + ".weight" in self.g.tensors or name in self.g.tensors
 
     def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None) -> None:
-        self.placed[info.name] = (str(self.device), nbytes)
-        self.formats[f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")] += 1
+        fmt = f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")
+        self.placed[info.name] = (nbytes, fmt)
 
     def _blocks(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
@@ -215,20 +214,18 @@ class WeightStore:
         return block
 
     def bytes(self, predicate=lambda name: True) -> int:
-        return sum(n for name, (_, n) in self.placed.items() if predicate(name))
+        return sum(n for name, (n, _) in self.placed.items() if predicate(name))
 
     def expert_bytes(self) -> int:
         return self.bytes(lambda name: "_exps" in name)
 
     def describe(self) -> str:
         """The formats the weights were placed in, for the log: `197 Q5_0 blocks, 109 float32`."""
-        text = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        formats = Counter(fmt for _, fmt in self.placed.values())
+        text = ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common())
         reason = cpu_kernels.unavailable_reason() if self.device.type == "cpu" else None
         return text + (f"; CPU kernels unavailable ({reason}): matrices dequantized" if reason else "")
 
     def split(self) -> dict[str, int]:
-        """Bytes placed per device."""
-        out: dict[str, int] = defaultdict(int)
-        for device, n in self.placed.values():
-            out[device] += n
-        return dict(out)
+        """Bytes placed per device (one device per store until layers are split across GPUs)."""
+        return {str(self.device): self.bytes()}
