@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import Batch
+from engine.kernels import ops as cpu_ops
 
 ATTEND_BUCKET = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:  # the fused op: the same arithmetic, a third cheaper on the CPU
+    if cpu_ops.usable(x):
+        return cpu_ops.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -38,6 +41,8 @@ class Rope:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N]."""
+        if cpu_ops.usable(x):
+            return cpu_ops.rope_neox(x, positions, self.cos, self.sin)
         if positions is not self._positions:  # every layer of a forward rotates the same positions
             self._positions = positions
             self._cos, self._sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
@@ -69,21 +74,27 @@ def attend(
     n_rep = q.shape[1] // k.shape[1]
     ring = k_cache.shape[2]
     for span in rows.spans:
-        rows = slice(row, row + span.length)
+        part = slice(row, row + span.length)
+        row += span.length
         lo = 0 if window is None else max(0, span.start - window + 1)
         if span.end <= ring:  # no wrap: plain slices
-            k_cache[span.session, :, span.start : span.end] = k[rows].transpose(0, 1).to(k_cache.dtype)
-            v_cache[span.session, :, span.start : span.end] = v[rows].transpose(0, 1).to(v_cache.dtype)
-            keys, values = k_cache[span.session, :, lo : span.end], v_cache[span.session, :, lo : span.end]
+            k_cache[span.session, :, span.start : span.end] = k[part].transpose(0, 1).to(k_cache.dtype)
+            v_cache[span.session, :, span.start : span.end] = v[part].transpose(0, 1).to(v_cache.dtype)
         else:
             slots = torch.arange(span.start, span.end, device=q.device) % ring
-            k_cache[span.session][:, slots] = k[rows].transpose(0, 1).to(k_cache.dtype)
-            v_cache[span.session][:, slots] = v[rows].transpose(0, 1).to(v_cache.dtype)
+            k_cache[span.session][:, slots] = k[part].transpose(0, 1).to(k_cache.dtype)
+            v_cache[span.session][:, slots] = v[part].transpose(0, 1).to(v_cache.dtype)
+        if span.length == 1 and cpu_ops.usable(q):  # reads the ring in place
+            out.append(cpu_ops.attend_row(q[part.start], k_cache[span.session], v_cache[span.session], lo, span.end,
+                                          scale))
+            continue
+        if span.end <= ring:
+            keys, values = k_cache[span.session, :, lo : span.end], v_cache[span.session, :, lo : span.end]
+        else:
             seen = torch.arange(lo, span.end, device=q.device) % ring
             keys, values = k_cache[span.session][:, seen], v_cache[span.session][:, seen]
         if span.length == 1:
-            out.append(_attend_one(q[rows], keys.to(q.dtype), values.to(q.dtype), scale))
-            row += 1
+            out.append(_attend_one(q[part], keys.to(q.dtype), values.to(q.dtype), scale))
             continue
         keys = keys.to(q.dtype).repeat_interleave(n_rep, dim=0)
         values = values.to(q.dtype).repeat_interleave(n_rep, dim=0)
@@ -93,10 +104,9 @@ def attend(
         if window is not None:
             mask &= q_pos - k_pos < window
         o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), keys, values, attn_mask=mask, scale=scale
+            q[part].transpose(0, 1), keys, values, attn_mask=mask, scale=scale
         )  # [Hq, T, D]
         out.append(o.transpose(0, 1).reshape(span.length, -1))
-        row += span.length
     return torch.cat(out, dim=0)
 
 

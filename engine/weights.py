@@ -5,8 +5,9 @@
 tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_blocks`):
 
 - CPU: quantized and 16-bit matrices keep the file's bytes and run through `engine.kernels.cpu`
-  (a matvec that dequantizes each weight row in cache for decode rows, a dequantized slab and one
-  GEMM for prompt chunks); F32 matrices are used as they are.
+  (a matvec that dequantizes each weight row in cache for decode rows, or with int8 activations
+  when the engine runs `--int8-activations`; a dequantized slab and one GEMM for prompt chunks);
+  F32 matrices are used as they are.
 - CUDA: matrices are dequantized once into the compute dtype (the GPU kernels that read the
   blocks directly are their own piece of work).
 - Without a C compiler the CPU kernels are missing: matrices are dequantized at load, and the log
@@ -30,6 +31,9 @@ from engine.kernels import cpu as cpu_kernels
 from engine.quants import load_tensor
 
 MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
+# The head keeps float activations whatever the engine's int8 choice: it reads ~170 MB per token and
+# is bound by memory either way, and its rounding lands directly on the logits.
+HEADS = ("output", "token_embd")
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 
 
@@ -90,9 +94,10 @@ class BlockLinear(Linear):
     """A matrix kept in the file's blocks on the CPU, `[out_features, row_bytes]` bytes; the kernel
     for its type is chosen once, here. Products are float32 and cast back to the input's dtype."""
 
-    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int):
+    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, int8: bool | None = None):
         self.qtype = qtype
-        self.blocks = blocks
+        self.int8 = int8  # None: the engine's choice (cpu_kernels.set_int8)
+        self.matrix = cpu_kernels.Matrix(qtype, blocks, in_features)
         self.out_features = blocks.shape[0]
         self.in_features = in_features
         self.nbytes = blocks.numel()
@@ -101,17 +106,16 @@ class BlockLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] <= MATVEC_ROWS:
-            y = cpu_kernels.matmul(self.qtype, self.blocks, self.in_features, flat)
+            y = self.matrix.matmul(flat, int8=self.int8)
         else:
             y = torch.empty(flat.shape[0], self.out_features)
             for lo in range(0, self.out_features, self.slab_rows):
                 hi = min(lo + self.slab_rows, self.out_features)
-                w = cpu_kernels.dequantize(self.qtype, self.blocks[lo:hi], self.in_features)
-                torch.mm(flat, w.t(), out=y[:, lo:hi])
+                torch.mm(flat, self.matrix.dequantize(lo, hi).t(), out=y[:, lo:hi])
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.dequantize(self.qtype, self.blocks[ids.reshape(-1)], self.in_features)
+        return cpu_kernels.dequantize(self.qtype, self.matrix.blocks[ids.reshape(-1)], self.in_features)
 
 
 @dataclass
@@ -177,7 +181,8 @@ class WeightStore:
         info = self._info(name, dims=2)
         kept = keeps_blocks(info, self.device)
         if kept:
-            lin: Linear = BlockLinear(info.qtype, self._blocks(info), info.shape[-1])
+            lin: Linear = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
+                                      int8=False if name in HEADS else None)
         else:
             lin = DenseLinear(self._dense(info, self.dtype))
         self._count(info, lin.nbytes, kept)

@@ -1,5 +1,6 @@
-"""The C CPU kernels (engine/kernels): exact dequantization against gguf-py, matmul accuracy, and
-batch invariance (a result row does not depend on the batch size or the thread count)."""
+"""The C CPU kernels (engine/kernels): exact dequantization against gguf-py, matmul accuracy (float
+and int8 activations), and batch invariance (a result row does not depend on the batch size or the
+thread count)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def threads():
 
 
 def test_supported_types_agree_with_the_library():
-    lib = cpu._require()
+    lib = cpu.library()
     for qtype in cpu.SUPPORTED:
         assert lib.sd_supported(int(qtype)) == 1
         block, size = GGML_QUANT_SIZES[qtype]
@@ -90,7 +91,7 @@ def test_matmul_matches_float64(case):
     qtype, k, blocks = case
     w = torch.from_numpy(reference(qtype, blocks, k)).double()
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(1))
-    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x)
+    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int8=False)
     exact = x.double() @ w.T
     # float32 accumulation error is bounded by a small multiple of eps * sum |x w|
     bound = 1e-5 * (x.double().abs() @ w.abs().T)
@@ -98,16 +99,33 @@ def test_matmul_matches_float64(case):
     assert ((y.double() - exact).abs() <= bound).all()
 
 
-def test_matmul_is_batch_invariant(case, threads):
+def test_int8_matmul_error_is_the_rounding_of_x(case):
+    """int8 mode differs from the exact product only by x's rounding to int8 per block of 32 (at most
+    half a step, max|block| / 254, per value) and float32 accumulation."""
+    qtype, k, blocks = case
+    if not cpu.has_int8(qtype):
+        pytest.skip(f"{qtype.name} has no int8 path (float types)")
+    w = torch.from_numpy(reference(qtype, blocks, k)).double()
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(4))
+    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int8=True)
+    exact = x.double() @ w.T
+    step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, k) / 254
+    bound = step @ w.abs().T * 1.001 + 1e-5 * (x.double().abs() @ w.abs().T)
+    assert ((y.double() - exact).abs() <= bound).all()
+    assert not torch.equal(y, cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int8=False))
+
+
+@pytest.mark.parametrize("int8", (False, True), ids=("float", "int8"))
+def test_matmul_is_batch_invariant(case, threads, int8):
     qtype, k, blocks = case
     w = torch.from_numpy(blocks)
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(2))
     threads(1)
-    alone = torch.cat([cpu.matmul(qtype, w, k, x[i:i + 1]) for i in range(M)])
+    alone = torch.cat([cpu.matmul(qtype, w, k, x[i:i + 1], int8=int8) for i in range(M)])
     for n_threads in (1, 2):
         threads(n_threads)
         for m in range(1, M + 1):
-            y = cpu.matmul(qtype, w, k, x[:m])
+            y = cpu.matmul(qtype, w, k, x[:m], int8=int8)
             assert torch.equal(y.view(torch.int32), alone[:m].view(torch.int32)), (n_threads, m)
 
 
@@ -156,7 +174,7 @@ def test_unavailable_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.delenv("CC")
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(cpu, "SOURCE", broken)
+    monkeypatch.setattr(cpu, "SOURCES", (broken,))
     monkeypatch.setattr(cpu, "_tried", False)
     assert not cpu.available()
     assert "failed" in cpu.unavailable_reason()
@@ -166,7 +184,7 @@ def test_concurrent_builds_land_one_library(monkeypatch, tmp_path):
     monkeypatch.setenv("STRATA_DESK_HOME", str(tmp_path / "home"))
     source = tmp_path / "tiny.c"  # the build machinery, without the real file's compile time
     source.write_text("int sd_supported(int type) { return type == 0; }\n")
-    monkeypatch.setattr(cpu, "SOURCE", source)
+    monkeypatch.setattr(cpu, "SOURCES", (source,))
     paths, errors = [], []
 
     def build():
@@ -198,7 +216,7 @@ def test_portable_build_agrees(case):
     ys = {}
     for n_threads, m in ((1, 1), (2, M)):
         y = np.empty((m, n), dtype=np.float32)
-        assert lib.sd_matmul(int(qtype), blocks.ctypes.data, n, k, x.ctypes.data, m, y.ctypes.data, n_threads) == 0
+        assert lib.sd_matmul(int(qtype), blocks.ctypes.data, n, k, x.ctypes.data, m, y.ctypes.data, n_threads, 1) == 0
         ys[m] = y
     assert np.array_equal(ys[M][:1].view(np.uint32), ys[1].view(np.uint32))
     exact = x.astype(np.float64) @ got.astype(np.float64).T

@@ -1,13 +1,15 @@
-"""CPU kernels for GGUF quantized weights, in C (quant_cpu.c) through ctypes.
+"""CPU kernels for GGUF quantized weights, in C (quant_cpu.c, threads from pool.c) through ctypes.
 
-The C file is compiled on first use with the system compiler (`CC`, else `cc`) into a cache
-directory, keyed by a hash of the source, the flags, the compiler and the CPU, and loaded from there
-afterwards. Nothing is built or raised at import: `available()` says whether the kernels work here
-and `unavailable_reason()` why not.
+The C files are compiled on first use with the system compiler (`CC`, else `cc`) into a cache
+directory, keyed by a hash of the sources, the flags, the compiler and the CPU, and loaded from
+there afterwards. Nothing is built or raised at import: `available()` says whether the kernels work
+here and `unavailable_reason()` why not.
 
 `dequantize` matches gguf-py's numpy dequantizers bit for bit. `matmul` is meant for decode (a few
 rows of x): each output is one dot product computed in one fixed order, so a row of the result is
-bit-identical whatever the number of rows in x and the number of threads.
+bit-identical whatever the number of rows in x and the number of threads. `int8=True` rounds x to
+int8 per block of 32 first (as llama.cpp does) and takes integer dot products: faster, further from
+the float reference, and still bit-identical per row.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from gguf import GGMLQuantizationType as Q
 
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
-SOURCE = Path(__file__).with_name("quant_cpu.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "ops_cpu.c", "pool.c", "pool.h", "f16.h"))
 # Contraction off: the C code writes its FMAs explicitly and needs plain rounding everywhere else
 # (to match gguf-py exactly, and to keep one summation order).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -65,26 +67,15 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {cc[0]!r} does not run: {exc}") from exc
-    # Without OpenMP (a compiler that lacks it) the kernels still work, on one thread.
-    candidates = [FLAGS + extra_flags, tuple(f for f in FLAGS if f != "-fopenmp") + extra_flags]
-    source = SOURCE.read_bytes()
-    targets = []
-    for flags in candidates:
-        key = hashlib.sha256()
-        for part in (source, shlex.join(cc + list(flags)).encode(), version.encode(), _cpu_flags().encode()):
-            key.update(part + b"\0")
-        targets.append(cache_dir() / f"quant_cpu-{key.hexdigest()[:20]}.so")
-    for target in targets:
-        if target.exists():
-            return target
-    errors = []
-    for flags, target in zip(candidates, targets, strict=True):
-        try:
-            _compile(cc, flags, target)
-            return target
-        except RuntimeError as exc:
-            errors.append(str(exc))
-    raise RuntimeError(errors[0])
+    flags = FLAGS + extra_flags
+    key = hashlib.sha256()
+    for part in (*(p.read_bytes() for p in SOURCES), shlex.join(cc + list(flags)).encode(), version.encode(),
+                 _cpu_flags().encode()):
+        key.update(part + b"\0")
+    target = cache_dir() / f"quant_cpu-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        _compile(cc, flags, target)
+    return target
 
 
 def _compile(cc: list[str], flags: tuple[str, ...], target: Path) -> None:
@@ -92,12 +83,13 @@ def _compile(cc: list[str], flags: tuple[str, ...], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        proc = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
+        sources = [str(p) for p in SOURCES if p.suffix == ".c"]
+        proc = subprocess.run([*cc, *flags, "-o", tmp, *sources], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()[-3000:]}")
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr.strip()[-3000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each land a complete, identical file
     except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {exc}") from exc
+        raise RuntimeError(f"compiling the CPU kernels failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -110,7 +102,14 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_supported.argtypes, lib.sd_supported.restype = [c_int], c_int
     lib.sd_row_bytes.argtypes, lib.sd_row_bytes.restype = [c_int, i64], i64
     lib.sd_dequantize.argtypes, lib.sd_dequantize.restype = [c_int, ptr, i64, i64, ptr, c_int], None
-    lib.sd_matmul.argtypes, lib.sd_matmul.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int], c_int
+    lib.sd_matmul.argtypes, lib.sd_matmul.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int], c_int
+    lib.sd_int8.argtypes, lib.sd_int8.restype = [c_int], c_int
+    f32 = ctypes.c_float
+    lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
+    lib.sd_add_rms_norm.argtypes, lib.sd_add_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
+    lib.sd_rope_neox.argtypes, lib.sd_rope_neox.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr], None
+    lib.sd_attend_row.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int, i64, i64, i64, f32, ptr, c_int]
+    lib.sd_attend_row.restype = c_int
     return lib
 
 
@@ -136,6 +135,11 @@ def unavailable_reason() -> str | None:
     """Why `available()` is False (no compiler, compile error, ...), else None."""
     _load()
     return _reason
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (engine/kernels/ops.py calls them too); RuntimeError when unavailable."""
+    return _require()
 
 
 def _require() -> ctypes.CDLL:
@@ -173,6 +177,7 @@ def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
 
 
 _threads = 0
+_int8 = False
 
 
 def set_threads(n: int) -> None:
@@ -185,31 +190,61 @@ def threads() -> int:
     return _threads or torch.get_num_threads()
 
 
+def set_int8(on: bool) -> None:
+    """The engine's choice for decode products: int8 activations (`Matrix.matmul(int8=None)`)."""
+    global _int8
+    _int8 = on
+
+
+def has_int8(qtype: Q) -> bool:
+    """Whether `Matrix.matmul(..., int8=True)` runs integer products for `qtype` here (AVX2 builds, block
+    types); elsewhere it takes the float path."""
+    return bool(_require().sd_int8(int(qtype)))
+
+
+class Matrix:
+    """n weight rows of `qtype` blocks (uint8 [n, row_bytes(qtype, k)]), checked once, for products
+    called many times (the linears of a model)."""
+
+    def __init__(self, qtype: Q, blocks: torch.Tensor, k: int):
+        _check_blocks(qtype, blocks, k)
+        self.qtype, self.blocks, self.k, self.n = int(qtype), blocks, k, blocks.shape[0]
+        self._lib = _require()
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, int8: bool | None = None) -> torch.Tensor:
+        """x [m, k] @ W.T -> float32 [m, n]; int8 None: as `set_int8` chose."""
+        k, n = self.k, self.n
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_cpu or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous float32 CPU tensor [m, {k}], got {x.dtype} {tuple(x.shape)} "
+                             f"on {x.device}")
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty((m, n), dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        if self._lib.sd_matmul(self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+                               threads(), _int8 if int8 is None else int8) != 0:
+            raise MemoryError("sd_matmul could not allocate its buffers")
+        return out
+
+    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """float32 rows [lo, hi) of W."""
+        rows = self.blocks[lo:hi]
+        out = torch.empty((rows.shape[0], self.k), dtype=torch.float32)
+        self._lib.sd_dequantize(self.qtype, rows.data_ptr(), rows.shape[0], self.k, out.data_ptr(), threads())
+        return out
+
+
 def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
     """float32 [rows, k] from uint8 blocks [rows, row_bytes(qtype, k)]."""
-    _check_blocks(qtype, blocks, k)
-    out = torch.empty((blocks.shape[0], k), dtype=torch.float32)
-    _require().sd_dequantize(int(qtype), blocks.data_ptr(), blocks.shape[0], k, out.data_ptr(),
-                             threads())
-    return out
+    return Matrix(qtype, blocks, k).dequantize()
 
 
-def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor | None = None,
+           int8: bool | None = None) -> torch.Tensor:
     """x [m, k] @ W.T -> float32 [m, n], W being n rows of `qtype` blocks (uint8 [n, row_bytes])."""
-    _check_blocks(qtype, blocks, k)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_cpu or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous float32 CPU tensor [m, {k}], got {x.dtype} {tuple(x.shape)} "
-                         f"on {x.device}")
-    m, n = x.shape[0], blocks.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.float32)
-    elif (out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
-                         f"{tuple(out.shape)} on {out.device}")
-    if _require().sd_matmul(qtype, blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
-                            threads()) != 0:
-        raise MemoryError("sd_matmul could not allocate its row buffers")
-    return out
+    return Matrix(qtype, blocks, k).matmul(x, out, int8)
 
 
 def _bench() -> None:
@@ -224,16 +259,17 @@ def _bench() -> None:
     for qtype, n, k in shapes:
         blocks = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8)
         blocks[:, 1::2] &= 0x3F  # no inf/nan among the f16 scales wherever they are
-        for m in (1, 4):
+        w = Matrix(qtype, blocks, k)
+        for m, int8 in ((1, False), (1, True), (4, False), (4, True)):
             x, out = torch.randn(m, k), torch.empty(m, n)
             times = []
             for _ in range(20 if n > 100_000 else 500):
                 t0 = time.perf_counter()
-                matmul(qtype, blocks, k, x, out)
+                w.matmul(x, out, int8)
                 times.append(time.perf_counter() - t0)
             best, median = min(times), statistics.median(times)
-            print(f"{qtype.name:5} {n:>6} x {k:<5} m={m}: best {best * 1e3:7.3f} ms ({blocks.numel() / best / 1e9:5.1f} GB/s)"
-                  f"  median {median * 1e3:7.3f} ms")
+            print(f"{qtype.name:5} {n:>6} x {k:<5} m={m} {'int8 ' if int8 else 'float'}: best {best * 1e3:7.3f} ms "
+                  f"({blocks.numel() / best / 1e9:5.1f} GB/s)  median {median * 1e3:7.3f} ms")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 /* CPU kernels for GGUF weights: row dequantizers for the ggml types and a decode-sized matmul.
  *
  * Plain C, with AVX2/FMA/F16C intrinsics where the compiler targets them (portable C otherwise, or
- * with -DSD_PORTABLE). Built by engine/kernels/cpu.py with -O3 -march=native -ffp-contract=off -fopenmp.
+ * with -DSD_PORTABLE), threads from pool.c. Built by engine/kernels/cpu.py with -O3 -march=native
+ * -ffp-contract=off.
  *
  * Floating point is exact on purpose:
  *  - contraction is off, so the dequantizers round `d*q` before adding the minimum as gguf-py's
@@ -12,16 +13,18 @@
  *    reduction (and, for float types with k not a multiple of 32, a scalar tail; the portable
  *    build has its own single order). So y[i, j] depends on W[j] and x[i] only: not on m, on which
  *    rows share a pass, on the path taken or on the thread split (batch invariance).
+ *  - int8 mode (AVX2 only) first rounds each x row to int8 per block of 32 (scale max|x|/127, as
+ *    llama.cpp's Q8_0), then takes integer dot products of each block: y[i, j] = the fixed-order
+ *    sum over blocks of float(int dot) * (weight scale * x scale), plus the minimums' terms in a
+ *    separate sum. Faster (integer multiply-adds on 32 lanes) and further from the float reference,
+ *    but still a function of W[j] and x[i] only.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#else
-static inline int omp_get_thread_num(void) { return 0; }
-#endif
+#include "f16.h"
+#include "pool.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
 #include <immintrin.h>
@@ -40,28 +43,7 @@ enum {
 
 /* ---- scalar helpers ---------------------------------------------------------------------------- */
 
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#ifdef SD_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
+static inline float f16_to_f32(const uint8_t *p) { return sd_f16((uint16_t)(p[0] | (p[1] << 8))); }
 
 static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -146,17 +128,27 @@ static inline q32 high_bits32(uint32_t qh) {
  *   emit_scale:  w[l] = d * q[l]          (d0 for l < 16, d1 for the rest: K types scale per 16)
  *   emit_affine: w[l] = d * q[l] - m      (the product rounded first, as in the reference)
  * which store w (mode STORE: dequantize) or, with AVX2, multiply-add it into the dot products of
- * 1 to 4 x rows (mode = the number of rows) without going through memory. The walkers are always
- * inlined with a constant mode, so each (type, mode) compiles to its own loop. */
+ * 1 to 4 x rows (mode = the number of rows, | INT8 for int8 x rows) without going through memory.
+ * The walkers are always inlined with a constant mode, so each (type, mode) compiles to its own loop. */
 
-enum { STORE = 0, MAX_ROWS = 4 };
+enum { STORE = 0, MAX_ROWS = 4, INT8 = 8 };
+
+/* The x rows of a product: float32 [rows, k], or (int8 mode) their int8 blocks: q [rows, k], a
+ * scale per 32 values d [rows, k / 32] and the sum of each 16 values of q, s [rows, k / 16]. */
+typedef struct {
+    const float *f;
+    const int8_t *q;
+    const float *d;
+    const int16_t *s;
+    int64_t k;
+} xrows;
 
 #ifdef SD_AVX2
 typedef struct {
     float *dst;
-    const float *x; /* up to MAX_ROWS rows of k floats */
-    int64_t k;
+    const xrows *x;
     __m256 c[MAX_ROWS][2];
+    float cm[MAX_ROWS]; /* int8 mode: the minimums' terms */
 } sink;
 
 INLINE void emit(sink *s, int mode, const __m256 w[4], int64_t off) {
@@ -166,7 +158,7 @@ INLINE void emit(sink *s, int mode, const __m256 w[4], int64_t off) {
             continue;
         }
         for (int r = 0; r < mode; r++)
-            s->c[r][v & 1] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(s->x + r * s->k + off + 8 * v), s->c[r][v & 1]);
+            s->c[r][v & 1] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(s->x->f + r * s->x->k + off + 8 * v), s->c[r][v & 1]);
     }
 }
 
@@ -178,7 +170,34 @@ INLINE void to_float32(q32 q, __m256 f[4]) {
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
 }
 
+/* int8 mode: per x row, the integer dot product of q with the row's block at off, in 8 int32 lanes
+ * (lanes 0-3: values 0-15, lanes 4-7: values 16-31), scaled by d0 or d1 times the row's scale. q is
+ * signed (scale types) or unsigned 0..63 (affine types, whose minimum m0/m1 is applied through the
+ * block's sums). maddubs multiplies unsigned by signed bytes: signed q goes in as |q| with its sign
+ * moved onto x. */
+INLINE void emit_int8(sink *s, int rows, q32 q, int is_signed, float d0, float m0, float d1, float m1, int64_t off) {
+    const xrows *x = s->x;
+    int64_t b = off / 32;
+    __m256i u = is_signed ? _mm256_sign_epi8(q, q) : q;
+    for (int r = 0; r < rows; r++) {
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + off));
+        if (is_signed) xq = _mm256_sign_epi8(xq, q);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+        float dx = x->d[r * (x->k / 32) + b];
+        __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * dx), _mm_set1_ps(d0 * dx));
+        s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, s->c[r][0]);
+        if (!is_signed) {
+            const int16_t *sums = x->s + r * (x->k / 16) + 2 * b;
+            s->cm[r] -= dx * (m0 * (float)sums[0] + m1 * (float)sums[1]);
+        }
+    }
+}
+
 INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off) {
+    if (mode & INT8) {
+        emit_int8(s, mode & ~INT8, q, 1, d0, 0.0f, d1, 0.0f, off);
+        return;
+    }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1);
     to_float32(q, w);
     for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], v < 2 ? a : b);
@@ -186,6 +205,10 @@ INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off
 }
 
 INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, float m1, int64_t off) {
+    if (mode & INT8) {
+        emit_int8(s, mode & ~INT8, q, 0, d0, m0, d1, m1, off);
+        return;
+    }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1), ma = _mm256_set1_ps(m0), mb = _mm256_set1_ps(m1);
     to_float32(q, w);
     for (int v = 0; v < 4; v++) w[v] = _mm256_sub_ps(_mm256_mul_ps(w[v], v < 2 ? a : b), v < 2 ? ma : mb);
@@ -212,6 +235,10 @@ INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, 
 INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
 #ifdef SD_AVX2 /* widening straight from memory saves the shuffles of emit_scale's to_float32 */
+    if (mode & INT8) {
+        emit_scale(s, mode, load32(src + 2), d, d, o);
+        return;
+    }
     __m256 w[4], vd = _mm256_set1_ps(d);
     for (int v = 0; v < 4; v++) {
         __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * v)));
@@ -353,10 +380,12 @@ static inline float hsum(const __m256 c[2]) {
     return _mm_cvtss_f32(h);
 }
 
-INLINE void sink_init(sink *s, const float *x, int64_t k) {
+INLINE void sink_init(sink *s, const xrows *x) {
     s->x = x;
-    s->k = k;
-    for (int r = 0; r < MAX_ROWS; r++) s->c[r][0] = s->c[r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < MAX_ROWS; r++) {
+        s->c[r][0] = s->c[r][1] = _mm256_setzero_ps();
+        s->cm[r] = 0.0f;
+    }
 }
 
 /* A walker over a row already in floats (k32 of them, a multiple of 32). */
@@ -372,8 +401,9 @@ INLINE void row_floats(const float *a, int64_t k32, sink *s, int mode) {
  * block kernels do them, then the rest one by one. */
 static void dot_floats(const float *a, int64_t k, const float *x, int rows, float *y, int64_t ys) {
     sink s;
+    xrows xr = {.f = x, .k = k};
     int64_t k32 = k / 32 * 32;
-    sink_init(&s, x, k);
+    sink_init(&s, &xr);
     switch (rows) {
     case 1: row_floats(a, k32, &s, 1); break;
     case 2: row_floats(a, k32, &s, 2); break;
@@ -384,6 +414,38 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
         float acc = hsum(s.c[r]);
         for (int64_t i = k32; i < k; i++) acc += a[i] * x[r * k + i];
         y[r * ys] = acc;
+    }
+}
+
+/* x rows (k a multiple of 32) to int8 blocks (xrows): scale max|x|/127, rounded to nearest even. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *d, int16_t *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < m * k / 32; i++) {
+        const float *v = x + 32 * i;
+        __m256 f[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            f[j] = _mm256_loadu_ps(v + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float top = _mm_cvtss_f32(h);
+        d[i] = top / 127.0f;
+        __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        __m256i n[4];
+        for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
+        /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + 32 * i), p);
+        int sum0 = 0, sum1 = 0;
+        for (int l = 0; l < 16; l++) {
+            sum0 += q[32 * i + l];
+            sum1 += q[32 * i + 16 + l];
+        }
+        s[2 * i] = (int16_t)sum0;
+        s[2 * i + 1] = (int16_t)sum1;
     }
 }
 
@@ -403,19 +465,20 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
 
 /* ---- per-type kernels ---------------------------------------------------------------------------
  * dq_<t>: dequantize one row. dot_<t> (AVX2): dot_floats of the dequantized row(s) with 1..4 x rows,
- * straight from the blocks (the same arithmetic without the round trip through memory); with one x
- * row or two, two weight rows go in lockstep so that the core has four FMA chains to overlap. */
+ * straight from the blocks (the same arithmetic without the round trip through memory), or the
+ * int8 products; with one x row or two, two weight rows go in lockstep so that the core has more
+ * independent chains to overlap. */
 
 typedef void (*dq_fn)(const uint8_t *, float *, int64_t);
-/* (weight rows, bytes per row, how many (1 or 2), k, x, x rows, y, y row stride) */
-typedef void (*dot_fn)(const uint8_t *, int64_t, int, int64_t, const float *, int, float *, int64_t);
+/* (weight rows, bytes per row, how many (1 or 2), x, x rows, y, y row stride) */
+typedef void (*dot_fn)(const uint8_t *, int64_t, int, const xrows *, int, float *, int64_t);
 
 #define WALK(t, BLOCK, BYTES, src, k, s, mode)                                                          \
     for (int64_t o_ = 0, b_ = 0; o_ < (k); o_ += (BLOCK), b_ += (BYTES)) blk_##t((src) + b_, (s), (mode), o_)
 
 #ifdef SD_AVX2
-INLINE void sink_store(const sink *s, int rows, float *y, int64_t ys) {
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum(s->c[r]);
+INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
+    for (int r = 0; r < (mode & ~INT8); r++) y[r * ys] = (mode & INT8) ? hsum(s->c[r]) + s->cm[r] : hsum(s->c[r]);
 }
 
 #define WALK2(t, BLOCK, BYTES, src, rb, k, sa, sb, mode)                                                \
@@ -424,31 +487,36 @@ INLINE void sink_store(const sink *s, int rows, float *y, int64_t ys) {
         blk_##t((src) + (rb) + b_, (sb), (mode), o_);                                                   \
     }
 
+/* dot_body_<t> is specialised per constant mode by the switch in dot_<t>. */
 #define DOT_KERNEL(t, BLOCK, BYTES)                                                                     \
-    static void dot_##t(const uint8_t *src, int64_t rb, int nw, int64_t k, const float *x, int rows,   \
-                        float *y, int64_t ys) {                                                         \
+    INLINE void dot_body_##t(const uint8_t *src, int64_t rb, int nw, const xrows *x, float *y, int64_t ys, \
+                             int mode) {                                                                \
         sink a, b;                                                                                      \
-        sink_init(&a, x, k);                                                                            \
-        if (nw == 2 && rows <= 2) {                                                                     \
-            sink_init(&b, x, k);                                                                        \
-            if (rows == 1) {                                                                            \
-                WALK2(t, BLOCK, BYTES, src, rb, k, &a, &b, 1);                                          \
-            } else {                                                                                    \
-                WALK2(t, BLOCK, BYTES, src, rb, k, &a, &b, 2);                                          \
-            }                                                                                           \
-            sink_store(&a, rows, y, ys);                                                                \
-            sink_store(&b, rows, y + 1, ys);                                                            \
+        sink_init(&a, x);                                                                               \
+        if (nw == 2 && (mode & ~INT8) <= 2) {                                                           \
+            sink_init(&b, x);                                                                           \
+            WALK2(t, BLOCK, BYTES, src, rb, x->k, &a, &b, mode);                                        \
+            sink_store(&a, mode, y, ys);                                                                \
+            sink_store(&b, mode, y + 1, ys);                                                            \
             return;                                                                                     \
         }                                                                                               \
         for (int w = 0; w < nw; w++, src += rb, y++) {                                                  \
-            sink_init(&a, x, k);                                                                        \
-            switch (rows) {                                                                             \
-            case 1: WALK(t, BLOCK, BYTES, src, k, &a, 1); break;                                        \
-            case 2: WALK(t, BLOCK, BYTES, src, k, &a, 2); break;                                        \
-            case 3: WALK(t, BLOCK, BYTES, src, k, &a, 3); break;                                        \
-            default: WALK(t, BLOCK, BYTES, src, k, &a, 4); break;                                       \
-            }                                                                                           \
-            sink_store(&a, rows, y, ys);                                                                \
+            sink_init(&a, x);                                                                           \
+            WALK(t, BLOCK, BYTES, src, x->k, &a, mode);                                                 \
+            sink_store(&a, mode, y, ys);                                                                \
+        }                                                                                               \
+    }                                                                                                   \
+    static void dot_##t(const uint8_t *src, int64_t rb, int nw, const xrows *x, int rows, float *y,     \
+                        int64_t ys) {                                                                   \
+        switch (rows | (x->q ? INT8 : 0)) {                                                             \
+        case 1: dot_body_##t(src, rb, nw, x, y, ys, 1); break;                                          \
+        case 2: dot_body_##t(src, rb, nw, x, y, ys, 2); break;                                          \
+        case 3: dot_body_##t(src, rb, nw, x, y, ys, 3); break;                                          \
+        case 4: dot_body_##t(src, rb, nw, x, y, ys, 4); break;                                          \
+        case INT8 | 1: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 1); break;                            \
+        case INT8 | 2: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 2); break;                            \
+        case INT8 | 3: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 3); break;                            \
+        case INT8 | 4: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 4); break;                            \
         }                                                                                               \
     }
 #define DOT_OF(t) dot_##t
@@ -520,7 +588,21 @@ static inline void prefetch_next(const uint8_t *w, int64_t at, int64_t bytes, in
     for (int64_t c = from; c < to; c += 64) __builtin_prefetch(w + c, 0, 3);
 }
 
+/* Below this many weight bytes a call runs on the calling thread alone. */
+#define PARALLEL_BYTES 32768
+
 int sd_supported(int type) { return info(type) != NULL; }
+
+/* Whether sd_matmul's int8 mode exists for `type` here (AVX2 builds, block types). */
+int sd_int8(int type) {
+#ifdef SD_AVX2
+    const type_info *t = info(type);
+    return t && t->dot;
+#else
+    (void)type;
+    return 0;
+#endif
+}
 
 /* Bytes of one row of k values, or -1 when the type is unknown or k is not a whole number of blocks. */
 int64_t sd_row_bytes(int type, int64_t k) {
@@ -529,65 +611,107 @@ int64_t sd_row_bytes(int type, int64_t k) {
     return k / t->block * t->bytes;
 }
 
+typedef struct {
+    const type_info *t;
+    const uint8_t *w;
+    int64_t rb, n, k, m;
+    const float *x;
+    xrows xq; /* int8 mode: the quantized rows (q != NULL) */
+    float *y;
+    float *bufs; /* per-thread dequantized rows (stride floats each) */
+    int64_t stride;
+} job;
+
+static void dequantize_row(void *ctx, int64_t r, int thread) {
+    const job *j = ctx;
+    (void)thread;
+    prefetch_next(j->w, r * j->rb, j->rb, j->n * j->rb);
+    j->t->dq(j->w + r * j->rb, j->y + r * j->k, j->k);
+}
+
 /* rows x k float32, row-major; rows split over threads. */
 void sd_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, float *out, int threads) {
     const type_info *t = info(type);
     int64_t rb = sd_row_bytes(type, k);
     if (!t || rb < 0) return;
-    if (threads < 1 || rows * k < 65536) threads = 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        prefetch_next(w, r * rb, rb, rows * rb);
-        t->dq(w + r * rb, out + r * k, k);
+    job j = {.t = t, .w = w, .rb = rb, .n = rows, .k = k, .y = out};
+    if (rows * rb < PARALLEL_BYTES) threads = 1;
+    sd_parallel(threads, rows, rows / (8 * (threads > 0 ? threads : 1)) + 1, dequantize_row, &j);
+}
+
+/* Weight rows 2p and 2p+1 straight from their blocks, with the x rows MAX_ROWS at a time. */
+static void dot_pair(void *ctx, int64_t p, int thread) {
+    const job *j = ctx;
+    const uint8_t *w = j->w + 2 * p * j->rb;
+    int nw = 2 * p + 1 < j->n ? 2 : 1;
+    (void)thread;
+    prefetch_next(j->w, 2 * p * j->rb, 2 * j->rb, j->n * j->rb);
+    for (int64_t i = 0; i < j->m; i += MAX_ROWS) {
+        int rows = j->m - i < MAX_ROWS ? (int)(j->m - i) : MAX_ROWS;
+        xrows x = j->xq;
+        if (x.q) {
+            x.q += i * j->k;
+            x.d += i * (j->k / 32);
+            x.s += i * (j->k / 16);
+        } else {
+            x = (xrows){.f = j->x + i * j->k, .k = j->k};
+        }
+        j->t->dot(w, j->rb, nw, &x, rows, j->y + i * j->n + 2 * p, j->n);
     }
 }
 
-/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. With m <= MAX_ROWS block
- * rows are dotted straight from their blocks (dot_<t>); otherwise, and for the float types, each
- * row is dequantized once into a per-thread buffer and dotted with the x rows MAX_ROWS at a time.
- * Returns 0, or -1 for a bad type or k, or no memory. */
+/* Weight row r dequantized into the thread's buffer (unless float32), dotted with every x row. */
+static void dot_buffered(void *ctx, int64_t r, int thread) {
+    const job *j = ctx;
+    const float *a = (const float *)(j->w + r * j->rb);
+    prefetch_next(j->w, r * j->rb, j->rb, j->n * j->rb);
+    if (j->bufs) {
+        float *buf = j->bufs + j->stride * thread;
+        j->t->dq(j->w + r * j->rb, buf, j->k);
+        a = buf;
+    }
+    for (int64_t i = 0; i < j->m; i += MAX_ROWS) {
+        int rows = j->m - i < MAX_ROWS ? (int)(j->m - i) : MAX_ROWS;
+        dot_floats(a, j->k, j->x + i * j->k, rows, j->y + i * j->n + r, j->n);
+    }
+}
+
+/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. In int8 mode (when sd_int8)
+ * the x rows are quantized first and every weight row is dotted straight from its blocks. Otherwise
+ * with m <= MAX_ROWS block rows are dotted straight from their blocks (dot_<t>); above, and for the
+ * float types, each row is dequantized once into a per-thread buffer and dotted with the x rows
+ * MAX_ROWS at a time. Returns 0, or -1 for a bad type or k, or no memory. */
 int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
-              int threads) {
+              int threads, int int8) {
     const type_info *t = info(type);
     int64_t rb = sd_row_bytes(type, k);
     if (!t || rb < 0) return -1;
     if (n <= 0 || m <= 0) return 0;
-    if (threads < 1 || n * rb < 65536) threads = 1; /* too small to be worth waking a thread */
-    int direct = t->dot && m <= MAX_ROWS;
-    int64_t stride = (k + 15) / 16 * 16; /* floats: whole cache lines per thread */
-    float *bufs = NULL;
-    if (!direct && type != T_F32 && k > 0) {
-        bufs = aligned_alloc(64, (size_t)(threads * stride) * sizeof(float));
-        if (!bufs) return -1;
+    if (threads < 1 || n * rb < PARALLEL_BYTES) threads = 1;
+    job j = {.t = t, .w = w, .rb = rb, .n = n, .k = k, .m = m, .x = x, .y = y};
+    void *mem = NULL;
+    if (int8 && sd_int8(type)) {
+#ifdef SD_AVX2
+        int64_t blocks = m * k / 32;
+        mem = malloc((size_t)blocks * (sizeof(float) + 2 * sizeof(int16_t) + 32));
+        if (!mem) return -1;
+        float *d = mem;
+        int16_t *s = (int16_t *)(d + blocks);
+        int8_t *q = (int8_t *)(s + 2 * blocks);
+        quantize_rows(x, m, k, q, d, s);
+        j.xq = (xrows){.q = q, .d = d, .s = s, .k = k};
+#endif
+    } else if (!(t->dot && m <= MAX_ROWS) && type != T_F32 && k > 0) {
+        j.stride = (k + 15) / 16 * 16; /* floats: whole cache lines per thread */
+        j.bufs = mem = aligned_alloc(64, (size_t)(threads * j.stride) * sizeof(float));
+        if (!mem) return -1;
     }
     /* Chunks of work handed out as threads free up: a thread that the OS holds back (the machine
      * is shared with the server and everything else) costs one chunk, not its whole share. */
-    int64_t steps = direct ? (n + 1) / 2 : n, chunk = steps / (8 * threads) + 1;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        if (direct) {
-#pragma omp for schedule(dynamic, chunk)
-            for (int64_t p = 0; p < steps; p++) { /* weight rows in pairs */
-                prefetch_next(w, 2 * p * rb, 2 * rb, n * rb);
-                t->dot(w + 2 * p * rb, rb, 2 * p + 1 < n ? 2 : 1, k, x, (int)m, y + 2 * p, n);
-            }
-        } else {
-            float *buf = bufs ? bufs + stride * omp_get_thread_num() : NULL;
-#pragma omp for schedule(dynamic, chunk)
-            for (int64_t j = 0; j < steps; j++) {
-                const float *a = (const float *)(w + j * rb);
-                prefetch_next(w, j * rb, rb, n * rb);
-                if (buf) {
-                    t->dq(w + j * rb, buf, k);
-                    a = buf;
-                }
-                for (int64_t i = 0; i < m; i += MAX_ROWS) {
-                    int rows = m - i < MAX_ROWS ? (int)(m - i) : MAX_ROWS;
-                    dot_floats(a, k, x + i * k, rows, y + i * n + j, n);
-                }
-            }
-        }
-    }
-    free(bufs);
+    if (j.xq.q || (t->dot && m <= MAX_ROWS))
+        sd_parallel(threads, (n + 1) / 2, (n + 1) / 2 / (8 * threads) + 1, dot_pair, &j);
+    else
+        sd_parallel(threads, n, n / (8 * threads) + 1, dot_buffered, &j);
+    free(mem);
     return 0;
 }

@@ -1,0 +1,56 @@
+"""The float32 operations of a CPU decode step in C (ops_cpu.c): RMSNorm, NEOX rope, one query row's
+attention. engine/layers.py calls them for CPU float32 tensors when the kernels are available
+(`usable`); each matches its torch formulation to float32 rounding and computes every row on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels import cpu
+
+_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu.available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (x contiguous float32)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    cpu.library().sd_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += rms_norm(y) * weight, in place; returns x."""
+    y = y.contiguous()
+    dim = x.shape[-1]
+    cpu.library().sd_add_rms_norm(x.data_ptr(), y.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps)
+    return x
+
+
+def rope_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, dim] rotated at positions [N] (int64), tables cos/sin [context, dim / 2]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n, heads, dim = x.shape
+    cpu.library().sd_rope_neox(x.data_ptr(), out.data_ptr(), positions.data_ptr(), n, heads, dim,
+                               cos.data_ptr(), sin.data_ptr())
+    return out
+
+
+def attend_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int,
+               scale: float) -> torch.Tensor:
+    """One query row q [heads, dim] over positions lo..hi-1 of one session's cache keys/values
+    [kv_heads, ring, dim] (position p in slot p % ring) -> [1, heads * dim]."""
+    heads, dim = q.shape[-2:]
+    out = torch.empty(1, heads * dim)
+    if cpu.library().sd_attend_row(q.data_ptr(), heads, keys.shape[0], dim, keys.data_ptr(), values.data_ptr(),
+                                   _KV_TYPES[keys.dtype], keys.shape[1], lo, hi, scale, out.data_ptr(),
+                                   cpu.threads()) != 0:
+        raise MemoryError("sd_attend_row could not allocate its scores")
+    return out

@@ -1,0 +1,158 @@
+/* The small float32 operations of a CPU decode step (engine/kernels/ops.py): RMSNorm, NEOX rotary
+ * embedding, and one query row's attention over its session's cache.
+ *
+ * Why in C: each is a handful of torch calls of a few microseconds of dispatch each (an RMSNorm of
+ * 640 values: 43 us through torch on the 2-core test machine, ~1 us here), and a decode step makes
+ * hundreds of them. Every result is computed in one fixed order from its own row's inputs, so rows
+ * stay independent of each other (batch invariance). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "f16.h"
+#include "pool.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
+#include <immintrin.h>
+#define SD_AVX2 1
+#endif
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of dim values (out may be x). */
+void sd_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++, x += dim, out += dim) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < dim; i++) ss += (double)x[i] * x[i];
+        float scale = (float)(1.0 / sqrt(ss / (double)dim + eps));
+        for (int64_t i = 0; i < dim; i++) out[i] = x[i] * scale * w[i];
+    }
+}
+
+/* x[r] += rms_norm(y[r]) * w: a post-norm residual in one pass. */
+void sd_add_rms_norm(float *x, const float *y, const float *w, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++, x += dim, y += dim) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < dim; i++) ss += (double)y[i] * y[i];
+        float scale = (float)(1.0 / sqrt(ss / (double)dim + eps));
+        for (int64_t i = 0; i < dim; i++) x[i] += y[i] * scale * w[i];
+    }
+}
+
+/* NEOX rotation of x [rows, heads, dim] at pos[r] into out (which may be x), with tables cos/sin
+ * [positions, dim/2]. */
+void sd_rope_neox(const float *x, float *out, const int64_t *pos, int64_t rows, int64_t heads, int64_t dim,
+                  const float *cos_t, const float *sin_t) {
+    int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *a = x + (r * heads + h) * dim, *b = a + half;
+            float *oa = out + (r * heads + h) * dim, *ob = oa + half;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = a[i], x2 = b[i];
+                oa[i] = x1 * c[i] - x2 * s[i];
+                ob[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* ---- one query row's attention ------------------------------------------------------------------ */
+
+static inline float load_kv(const void *p, int type, int64_t i) {
+    if (type == KV_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (type == KV_BF16) {
+        uint32_t bits = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return sd_f16(h);
+}
+
+#ifdef SD_AVX2
+static inline __m256 load8_kv(const void *p, int type, int64_t i) {
+    if (type == KV_F32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (type == KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
+/* q . k[i .. i+d) in a fixed order. */
+static float dot_kv(const float *q, const void *k, int type, int64_t i, int64_t d) {
+    int64_t j = 0;
+    float acc = 0.0f;
+#ifdef SD_AVX2
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+    for (; j + 16 <= d; j += 16) {
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8_kv(k, type, i + j), c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), load8_kv(k, type, i + j + 8), c1);
+    }
+    acc = hsum8(_mm256_add_ps(c0, c1));
+#endif
+    for (; j < d; j++) acc += q[j] * load_kv(k, type, i + j);
+    return acc;
+}
+
+/* out[0 .. d) += p * v[i .. i+d) */
+static void axpy_kv(float *out, float p, const void *v, int type, int64_t i, int64_t d) {
+    int64_t j = 0;
+#ifdef SD_AVX2
+    __m256 vp = _mm256_set1_ps(p);
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(vp, load8_kv(v, type, i + j), _mm256_loadu_ps(out + j)));
+#endif
+    for (; j < d; j++) out[j] += p * load_kv(v, type, i + j);
+}
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int type;
+    int64_t heads, kv_heads, d, ring, lo, hi;
+    float scale;
+    float *out, *scores; /* scores: [heads, hi - lo] */
+} attend_job;
+
+static void attend_head(void *ctx, int64_t h, int thread) {
+    const attend_job *a = ctx;
+    (void)thread;
+    const float *q = a->q + h * a->d;
+    int64_t kvh = h / (a->heads / a->kv_heads), n = a->hi - a->lo, base = kvh * a->ring * a->d;
+    float *s = a->scores + h * n, *out = a->out + h * a->d, top = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = dot_kv(q, a->k, a->type, base + ((a->lo + t) % a->ring) * a->d, a->d) * a->scale;
+        if (s[t] > top) top = s[t];
+    }
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    memset(out, 0, (size_t)a->d * sizeof(float));
+    for (int64_t t = 0; t < n; t++) axpy_kv(out, s[t] / sum, a->v, a->type, base + ((a->lo + t) % a->ring) * a->d, a->d);
+}
+
+/* One query row q [heads, d] over positions lo..hi-1 of a session's cache k, v [kv_heads, ring, d]
+ * (position p in slot p % ring) -> out [heads, d]; heads split over threads. Returns -1 without memory. */
+int sd_attend_row(const float *q, int64_t heads, int64_t kv_heads, int64_t d, const void *k, const void *v,
+                  int type, int64_t ring, int64_t lo, int64_t hi, float scale, float *out, int threads) {
+    int64_t n = hi - lo;
+    float *scores = malloc((size_t)(heads * (n > 0 ? n : 1)) * sizeof(float));
+    if (!scores) return -1;
+    attend_job a = {q, k, v, type, heads, kv_heads, d, ring, lo, hi, scale, out, scores};
+    if (heads * n * d < 65536) threads = 1; /* too little work to wake a thread */
+    sd_parallel(threads, heads, 1, attend_head, &a);
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,82 @@
+"""The C float32 ops of a CPU decode step (engine/kernels/ops.py) against their torch formulations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu, ops
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rms_norm_matches_torch():
+    x, w = torch.randn(5, 640, generator=gen(0)) * 3, torch.randn(640, generator=gen(1))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (640,), w, 1e-6), rtol=1e-6, atol=1e-6)
+    heads = torch.randn(2, 4, 256, generator=gen(2))  # per-head norms: rows of the last dimension
+    wh = torch.randn(256, generator=gen(3))
+    torch.testing.assert_close(ops.rms_norm(heads, wh, 1e-6), F.rms_norm(heads, (256,), wh, 1e-6),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_add_rms_norm_adds_in_place():
+    x, y, w = (torch.randn(3, 640, generator=gen(i)) for i in range(3))
+    expected = x + F.rms_norm(y, (640,), w[0], 1e-6)
+    got = ops.add_rms_norm_(x, y, w[0], 1e-6)
+    assert got is x
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_matches_the_rotate_halves_formula():
+    n, heads, dim, context = 3, 4, 64, 100
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.arange(context, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = angles.cos().float(), angles.sin().float()
+    x, pos = torch.randn(n, heads, dim, generator=gen(4)), torch.tensor([0, 17, 99])
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert torch.equal(ops.rope_neox(x, pos, cos, sin), expected)
+
+
+def reference_attention(q, keys, values, positions, scale):
+    """q [H, D]; keys/values [Hkv, ring, D]; positions: which ring slots, in order."""
+    slots = torch.tensor([p % keys.shape[1] for p in positions])
+    k = keys[:, slots].double().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    v = values[:, slots].double().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    w = torch.softmax((q.double()[:, None, :] @ k.transpose(1, 2)) * scale, dim=-1)
+    return (w @ v).reshape(1, -1).float()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+def test_attend_row_matches_softmax_attention(dtype):
+    heads, kv_heads, dim, ring = 4, 2, 64, 48
+    keys = torch.randn(kv_heads, ring, dim, generator=gen(5)).to(dtype)
+    values = torch.randn(kv_heads, ring, dim, generator=gen(6)).to(dtype)
+    q = torch.randn(heads, dim, generator=gen(7))
+    scale = 1 / math.sqrt(dim)
+    for lo, hi in ((0, 1), (0, 48), (30, 70)):  # the last wraps around the ring
+        got = ops.attend_row(q, keys, values, lo, hi, scale)
+        torch.testing.assert_close(got, reference_attention(q, keys, values, range(lo, hi), scale),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_attend_row_is_the_same_on_any_number_of_threads():
+    keys, values = torch.randn(1, 4096, 256, generator=gen(8)), torch.randn(1, 4096, 256, generator=gen(9))
+    q = torch.randn(4, 256, generator=gen(10))
+    before = cpu.threads()
+    try:
+        results = []
+        for n in (1, 2):
+            cpu.set_threads(n)
+            results.append(ops.attend_row(q, keys, values, 0, 4096, 0.0625))
+    finally:
+        cpu.set_threads(before)
+    assert torch.equal(results[0], results[1])
