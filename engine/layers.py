@@ -77,6 +77,10 @@ def attend(
         part = slice(row, row + span.length)
         row += span.length
         lo = 0 if window is None else max(0, span.start - window + 1)
+        if span.length == 1 and cpu_ops.usable(q):  # writes its k/v and reads the ring in place
+            out.append(cpu_ops.attend_row(q[part.start], k[part.start], v[part.start], k_cache[span.session],
+                                          v_cache[span.session], lo, span.end, scale))
+            continue
         if span.end <= ring:  # no wrap: plain slices
             k_cache[span.session, :, span.start : span.end] = k[part].transpose(0, 1).to(k_cache.dtype)
             v_cache[span.session, :, span.start : span.end] = v[part].transpose(0, 1).to(v_cache.dtype)
@@ -84,10 +88,6 @@ def attend(
             slots = torch.arange(span.start, span.end, device=q.device) % ring
             k_cache[span.session][:, slots] = k[part].transpose(0, 1).to(k_cache.dtype)
             v_cache[span.session][:, slots] = v[part].transpose(0, 1).to(v_cache.dtype)
-        if span.length == 1 and cpu_ops.usable(q):  # reads the ring in place
-            out.append(cpu_ops.attend_row(q[part.start], k_cache[span.session], v_cache[span.session], lo, span.end,
-                                          scale))
-            continue
         if span.end <= ring:
             keys, values = k_cache[span.session, :, lo : span.end], v_cache[span.session, :, lo : span.end]
         else:
@@ -107,7 +107,7 @@ def attend(
             q[part].transpose(0, 1), keys, values, attn_mask=mask, scale=scale
         )  # [Hq, T, D]
         out.append(o.transpose(0, 1).reshape(span.length, -1))
-    return torch.cat(out, dim=0)
+    return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

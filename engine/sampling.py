@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import ops as cpu_ops
 from engine.protocol import TOP_K_MAX, Sampling
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
@@ -44,7 +45,7 @@ def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     Sampled rows all keep TOP_K_MAX candidates and mask their own top_k, so a row's arithmetic is
     the same alone or beside any other rows.
     """
-    chosen = logits.argmax(dim=-1)
+    chosen = cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
     sampled = [i for i, d in enumerate(draws) if not d.sampling.greedy]
     if sampled:
         chosen[sampled] = _sample(logits[sampled], [draws[i] for i in sampled])

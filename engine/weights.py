@@ -104,6 +104,8 @@ class BlockLinear(Linear):
         self.slab_rows = max(1, SLAB_BYTES // (4 * in_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= MATVEC_ROWS:  # decode: as it comes
+            return self.matrix.matmul(x.contiguous(), int8=self.int8)
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] <= MATVEC_ROWS:
             y = self.matrix.matmul(flat, int8=self.int8)

@@ -56,27 +56,38 @@ def reference_attention(q, keys, values, positions, scale):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
-def test_attend_row_matches_softmax_attention(dtype):
+def test_attend_row_stores_its_kv_then_matches_softmax_attention(dtype):
     heads, kv_heads, dim, ring = 4, 2, 64, 48
     keys = torch.randn(kv_heads, ring, dim, generator=gen(5)).to(dtype)
     values = torch.randn(kv_heads, ring, dim, generator=gen(6)).to(dtype)
     q = torch.randn(heads, dim, generator=gen(7))
     scale = 1 / math.sqrt(dim)
     for lo, hi in ((0, 1), (0, 48), (30, 70)):  # the last wraps around the ring
-        got = ops.attend_row(q, keys, values, lo, hi, scale)
+        k, v = torch.randn(kv_heads, dim, generator=gen(hi)) * 1e3, torch.randn(kv_heads, dim, generator=gen(-hi))
+        expected_keys, expected_values = keys.clone(), values.clone()
+        expected_keys[:, (hi - 1) % ring], expected_values[:, (hi - 1) % ring] = k.to(dtype), v.to(dtype)
+        got = ops.attend_row(q, k, v, keys, values, lo, hi, scale)
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # torch's rounding
         torch.testing.assert_close(got, reference_attention(q, keys, values, range(lo, hi), scale),
                                    rtol=1e-5, atol=1e-5)
 
 
 def test_attend_row_is_the_same_on_any_number_of_threads():
     keys, values = torch.randn(1, 4096, 256, generator=gen(8)), torch.randn(1, 4096, 256, generator=gen(9))
-    q = torch.randn(4, 256, generator=gen(10))
+    q, k, v = torch.randn(4, 256, generator=gen(10)), keys[:, -1].clone(), values[:, -1].clone()
     before = cpu.threads()
     try:
         results = []
         for n in (1, 2):
             cpu.set_threads(n)
-            results.append(ops.attend_row(q, keys, values, 0, 4096, 0.0625))
+            results.append(ops.attend_row(q, k, v, keys, values, 0, 4096, 0.0625))
     finally:
         cpu.set_threads(before)
     assert torch.equal(results[0], results[1])
+
+
+def test_argmax_is_the_first_largest():
+    x = torch.randn(3, 262_147, generator=gen(11))
+    x[1, 5], x[1, 900] = 50.0, 50.0  # a tie: the first
+    x[2, -1] = 60.0  # in the scalar tail
+    assert ops.argmax(x).tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 5, 262_146]

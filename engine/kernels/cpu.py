@@ -108,8 +108,9 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
     lib.sd_add_rms_norm.argtypes, lib.sd_add_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
     lib.sd_rope_neox.argtypes, lib.sd_rope_neox.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr], None
-    lib.sd_attend_row.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int, i64, i64, i64, f32, ptr, c_int]
+    lib.sd_attend_row.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, c_int, i64, i64, i64, f32, ptr, c_int]
     lib.sd_attend_row.restype = c_int
+    lib.sd_argmax.argtypes, lib.sd_argmax.restype = [ptr, i64, i64, ptr], None
     return lib
 
 

@@ -1,5 +1,5 @@
 """The float32 operations of a CPU decode step in C (ops_cpu.c): RMSNorm, NEOX rope, one query row's
-attention. engine/layers.py calls them for CPU float32 tensors when the kernels are available
+attention, argmax. engine/layers.py and engine/sampling.py call them for CPU float32 tensors when the kernels are available
 (`usable`); each matches its torch formulation to float32 rounding and computes every row on its own.
 """
 
@@ -43,14 +43,25 @@ def rope_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     return out
 
 
-def attend_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int,
-               scale: float) -> torch.Tensor:
-    """One query row q [heads, dim] over positions lo..hi-1 of one session's cache keys/values
-    [kv_heads, ring, dim] (position p in slot p % ring) -> [1, heads * dim]."""
+def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               lo: int, hi: int, scale: float) -> torch.Tensor:
+    """One decode row: its k, v [kv_heads, dim] stored at position hi - 1 of one session's cache
+    keys/values [kv_heads, ring, dim] (position p in slot p % ring, contiguous), then its query
+    q [heads, dim] over positions lo..hi-1 -> [1, heads * dim]."""
     heads, dim = q.shape[-2:]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(1, heads * dim)
-    if cpu.library().sd_attend_row(q.data_ptr(), heads, keys.shape[0], dim, keys.data_ptr(), values.data_ptr(),
-                                   _KV_TYPES[keys.dtype], keys.shape[1], lo, hi, scale, out.data_ptr(),
-                                   cpu.threads()) != 0:
+    if cpu.library().sd_attend_row(q.data_ptr(), k.data_ptr(), v.data_ptr(), heads, keys.shape[0], dim,
+                                   keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype], keys.shape[1], lo, hi,
+                                   scale, out.data_ptr(), cpu.threads()) != 0:
         raise MemoryError("sd_attend_row could not allocate its scores")
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value's index, int64 [rows], of x [rows, n] (torch.argmax without
+    its ~0.65 ms for a 262K vocabulary)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    cpu.library().sd_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out

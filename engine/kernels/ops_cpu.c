@@ -59,6 +59,25 @@ void sd_rope_neox(const float *x, float *out, const int64_t *pos, int64_t rows, 
     }
 }
 
+/* out[r] = the index of the first largest value of row r of x [rows, n] (NaNs are passed over). */
+void sd_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++, x += n) {
+        float best = -INFINITY;
+        int64_t i = 0, at = 0;
+#ifdef SD_AVX2
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#endif
+        for (; i < n; i++)
+            if (x[i] > best) best = x[i];
+        while (at < n - 1 && !(x[at] >= best)) at++;
+        out[r] = at;
+    }
+}
+
 /* ---- one query row's attention ------------------------------------------------------------------ */
 
 static inline float load_kv(const void *p, int type, int64_t i) {
@@ -143,11 +162,31 @@ static void attend_head(void *ctx, int64_t h, int thread) {
     for (int64_t t = 0; t < n; t++) axpy_kv(out, s[t] / sum, a->v, a->type, base + ((a->lo + t) % a->ring) * a->d, a->d);
 }
 
-/* One query row q [heads, d] over positions lo..hi-1 of a session's cache k, v [kv_heads, ring, d]
- * (position p in slot p % ring) -> out [heads, d]; heads split over threads. Returns -1 without memory. */
-int sd_attend_row(const float *q, int64_t heads, int64_t kv_heads, int64_t d, const void *k, const void *v,
-                  int type, int64_t ring, int64_t lo, int64_t hi, float scale, float *out, int threads) {
-    int64_t n = hi - lo;
+static void store_kv(void *dst, int type, const float *src, int64_t d) {
+    for (int64_t j = 0; j < d; j++) {
+        if (type == KV_F32) {
+            ((float *)dst)[j] = src[j];
+        } else if (type == KV_F16) {
+            ((uint16_t *)dst)[j] = sd_to_f16(src[j]);
+        } else {
+            ((uint16_t *)dst)[j] = sd_to_bf16(src[j]);
+        }
+    }
+}
+
+/* One decode row: its key and value k_new, v_new [kv_heads, d] are stored at position hi - 1 of the
+ * session's cache k, v [kv_heads, ring, d] (position p in slot p % ring), then its query q [heads, d]
+ * attends over positions lo..hi-1 -> out [heads, d]; heads split over threads. Returns -1 without
+ * memory. */
+int sd_attend_row(const float *q, const float *k_new, const float *v_new, int64_t heads, int64_t kv_heads,
+                  int64_t d, void *k, void *v, int type, int64_t ring, int64_t lo, int64_t hi, float scale,
+                  float *out, int threads) {
+    int64_t n = hi - lo, size = type == KV_F32 ? 4 : 2;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        int64_t at = (h * ring + (hi - 1) % ring) * d * size;
+        store_kv((char *)k + at, type, k_new + h * d, d);
+        store_kv((char *)v + at, type, v_new + h * d, d);
+    }
     float *scores = malloc((size_t)(heads * (n > 0 ? n : 1)) * sizeof(float));
     if (!scores) return -1;
     attend_job a = {q, k, v, type, heads, kv_heads, d, ring, lo, hi, scale, out, scores};
