@@ -102,13 +102,29 @@ class GGUFFile:
         self._pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """A string array in one tight loop: a vocabulary is ~260K of them, read at every start."""
+        buf, pos, end, out = self._buf, self._pos, len(self._buf), []
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise GGUFError(f"{self.path}: truncated string array at byte {pos}")
+            n = length(buf, pos)[0]
+            pos += 8
+            if pos + n > end:
+                raise GGUFError(f"{self.path}: truncated string at byte {pos}")
+            out.append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self._string()
         if vtype == _ARRAY:
             etype, count = self._read("<IQ")
             if etype == _STRING:
-                return [self._string() for _ in range(count)]
+                return self._strings(count)
             if etype in _NUMPY:
                 arr = np.frombuffer(self._buf, dtype=_NUMPY[etype], count=count, offset=self._pos)
                 self._pos += arr.nbytes

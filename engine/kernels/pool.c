@@ -13,7 +13,7 @@
 #include <stdatomic.h>
 #include <time.h>
 
-#define SPIN_US 300
+#define SPIN_US 100
 #define MAX_WORKERS 255
 
 #if defined(__x86_64__) || defined(__i386__)
