@@ -38,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", "--slots", dest="batch", type=int, default=0, help="batch slots (2..8)")
     p.add_argument("--exact", action="store_true", help="row-invariant windows: batch tokens equal solo tokens")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--int8-activations", action="store_true",
-                   help="CPU decode: round activations to int8 per 32 values for the quantized products "
-                        "(llama.cpp's arithmetic: faster, further from the float reference)")
+    p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
+                   help="CPU decode products with quantized weights: activations rounded to int16 per 32 "
+                        "values (faster) or float32 (the reference's arithmetic)")
     p.add_argument("--batch-groups", default="auto")
     p.add_argument("--batch-mtp", action="store_true")
     p.add_argument("--adapt-every", type=int, default=4)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_kernels.set_int8(args.int8_activations)
+    cpu_kernels.set_int16(args.cpu_activations == "int16")
     t0 = time.perf_counter()
     try:
         device = pick_device(args.device)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     info: dict[str, int | float | str] = {
         "engine": __version__, "model": os.path.basename(args.model), "arch": g.architecture,
         "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "kv": str(kv_dtype).removeprefix("torch."), "int8_activations": int(args.int8_activations),
+        "kv": str(kv_dtype).removeprefix("torch."), "cpu_activations": args.cpu_activations,
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
         "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",

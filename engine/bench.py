@@ -145,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--int8-activations", action="store_true", help="CPU decode with int8 activations")
+    p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
+                   help="CPU decode products: int16 or float32 activations")
     p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
                    "print its figures beside ours")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_kernels.set_int8(args.int8_activations)
+    cpu_kernels.set_int16(args.cpu_activations == "int16")
 
     t0 = time.perf_counter()
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context)

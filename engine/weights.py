@@ -5,8 +5,8 @@
 tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_blocks`):
 
 - CPU: quantized and 16-bit matrices keep the file's bytes and run through `engine.kernels.cpu`
-  (a matvec that dequantizes each weight row in cache for decode rows, or with int8 activations
-  when the engine runs `--int8-activations`; a dequantized slab and one GEMM for prompt chunks);
+  (a matvec straight from the blocks for decode rows, with int16 or float32 activations as
+  `--cpu-activations` chose; a dequantized slab and one GEMM for prompt chunks);
   F32 matrices are used as they are.
 - CUDA: matrices are dequantized once into the compute dtype (the GPU kernels that read the
   blocks directly are their own piece of work).
@@ -31,7 +31,7 @@ from engine.kernels import cpu as cpu_kernels
 from engine.quants import load_tensor
 
 MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
-# The head keeps float activations whatever the engine's int8 choice: it reads ~170 MB per token and
+# The head keeps float activations whatever the engine's choice: it reads ~170 MB per token and
 # is bound by memory either way, and its rounding lands directly on the logits.
 HEADS = ("output", "token_embd")
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
@@ -94,9 +94,9 @@ class BlockLinear(Linear):
     """A matrix kept in the file's blocks on the CPU, `[out_features, row_bytes]` bytes; the kernel
     for its type is chosen once, here. Products are float32 and cast back to the input's dtype."""
 
-    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, int8: bool | None = None):
+    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, int16: bool | None = None):
         self.qtype = qtype
-        self.int8 = int8  # None: the engine's choice (cpu_kernels.set_int8)
+        self.int16 = int16  # None: the engine's choice (cpu_kernels.set_int16)
         self.matrix = cpu_kernels.Matrix(qtype, blocks, in_features)
         self.out_features = blocks.shape[0]
         self.in_features = in_features
@@ -105,10 +105,10 @@ class BlockLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= MATVEC_ROWS:  # decode: as it comes
-            return self.matrix.matmul(x.contiguous(), int8=self.int8)
+            return self.matrix.matmul(x.contiguous(), int16=self.int16)
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] <= MATVEC_ROWS:
-            y = self.matrix.matmul(flat, int8=self.int8)
+            y = self.matrix.matmul(flat, int16=self.int16)
         else:
             y = torch.empty(flat.shape[0], self.out_features)
             for lo in range(0, self.out_features, self.slab_rows):
@@ -184,7 +184,7 @@ class WeightStore:
         kept = keeps_blocks(info, self.device)
         if kept:
             lin: Linear = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
-                                      int8=False if name in HEADS else None)
+                                      int16=False if name in HEADS else None)
         else:
             lin = DenseLinear(self._dense(info, self.dtype))
         self._count(info, lin.nbytes, kept)

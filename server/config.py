@@ -68,8 +68,8 @@ class RunConfig(BaseModel):
     adapt_min_gain: float = Field(1.5, ge=1)
     pcie_frac: float = Field(0.0, ge=0, le=1)
     exact: bool = Field(False, description="row-invariant arithmetic: batch tokens equal solo tokens")
-    int8_activations: bool = Field(
-        False, description="CPU decode: int8 activations for quantized products (faster, further from float)"
+    cpu_activations: Literal["int16", "float"] = Field(
+        "int16", description="CPU decode products: int16 activations (faster) or float32 (the reference's)"
     )
     queue_limit: int = Field(64, ge=1, le=4096, description="requests waiting beyond which 503")
     max_body_bytes: int = Field(4 << 20, ge=1024)
@@ -112,8 +112,8 @@ class RunConfig(BaseModel):
                 out += ["--batch-groups", str(self.batch_groups)]
         if self.exact:
             out.append("--exact")
-        if self.int8_activations:
-            out.append("--int8-activations")
+        if self.cpu_activations != "int16":
+            out += ["--cpu-activations", self.cpu_activations]
         out += ["--adapt-every", str(self.adapt_every), "--adapt-swaps", str(self.adapt_swaps)]
         out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}"]
         out += ["--pcie-frac", f"{self.pcie_frac:g}"]

@@ -1,5 +1,5 @@
 """The C CPU kernels (engine/kernels): exact dequantization against gguf-py, matmul accuracy (float
-and int8 activations), and batch invariance (a result row does not depend on the batch size or the
+and int16 activations), and batch invariance (a result row does not depend on the batch size or the
 thread count)."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_matmul_matches_float64(case):
     qtype, k, blocks = case
     w = torch.from_numpy(reference(qtype, blocks, k)).double()
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(1))
-    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int8=False)
+    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=False)
     exact = x.double() @ w.T
     # float32 accumulation error is bounded by a small multiple of eps * sum |x w|
     bound = 1e-5 * (x.double().abs() @ w.abs().T)
@@ -99,33 +99,33 @@ def test_matmul_matches_float64(case):
     assert ((y.double() - exact).abs() <= bound).all()
 
 
-def test_int8_matmul_error_is_the_rounding_of_x(case):
-    """int8 mode differs from the exact product only by x's rounding to int8 per block of 32 (at most
-    half a step, max|block| / 254, per value) and float32 accumulation."""
+def test_int16_matmul_error_is_the_rounding_of_x(case):
+    """Integer mode differs from the exact product only by x's rounding to int16 per block of 32 (at
+    most half a step, max|block| / 65534, per value) and float32 accumulation."""
     qtype, k, blocks = case
-    if not cpu.has_int8(qtype):
-        pytest.skip(f"{qtype.name} has no int8 path (float types)")
+    if not cpu.has_int16(qtype):
+        pytest.skip(f"{qtype.name} has no integer path (float types)")
     w = torch.from_numpy(reference(qtype, blocks, k)).double()
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(4))
-    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int8=True)
+    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=True)
     exact = x.double() @ w.T
-    step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, k) / 254
+    step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, k) / 65534
     bound = step @ w.abs().T * 1.001 + 1e-5 * (x.double().abs() @ w.abs().T)
     assert ((y.double() - exact).abs() <= bound).all()
-    assert not torch.equal(y, cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int8=False))
+    assert not torch.equal(y, cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=False))
 
 
-@pytest.mark.parametrize("int8", (False, True), ids=("float", "int8"))
-def test_matmul_is_batch_invariant(case, threads, int8):
+@pytest.mark.parametrize("int16", (False, True), ids=("float", "int16"))
+def test_matmul_is_batch_invariant(case, threads, int16):
     qtype, k, blocks = case
     w = torch.from_numpy(blocks)
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(2))
     threads(1)
-    alone = torch.cat([cpu.matmul(qtype, w, k, x[i:i + 1], int8=int8) for i in range(M)])
+    alone = torch.cat([cpu.matmul(qtype, w, k, x[i:i + 1], int16=int16) for i in range(M)])
     for n_threads in (1, 2):
         threads(n_threads)
         for m in range(1, M + 1):
-            y = cpu.matmul(qtype, w, k, x[:m], int8=int8)
+            y = cpu.matmul(qtype, w, k, x[:m], int16=int16)
             assert torch.equal(y.view(torch.int32), alone[:m].view(torch.int32)), (n_threads, m)
 
 

@@ -155,16 +155,16 @@ def test_default_mode_window_agrees_with_rows_alone(driver):
     assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_quantized_batch_equals_solo_without_exact_mode(tiny_model_q8, int8):
+@pytest.mark.parametrize("int16", [False, True], ids=["float", "int16"])
+def test_quantized_batch_equals_solo_without_exact_mode(tiny_model_q8, int16):
     """On the CPU the block kernels compute each row on its own, so even windows that share every
-    product give each row its solo tokens, with float or int8 activations."""
+    product give each row its solo tokens, with float or int16 activations."""
     from engine.kernels import cpu
 
-    cpu.set_int8(int8)
+    cpu.set_int16(int16)
     try:
         driver = Driver.load(str(tiny_model_q8), slots=4, exact=False, prefill=16)
         prompts = sample_prompts(driver.model.hyper.vocab, 4, seed=77)
         assert compare(driver, prompts, max_new=16) == []
     finally:
-        cpu.set_int8(False)
+        cpu.set_int16(True)

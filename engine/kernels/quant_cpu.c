@@ -13,11 +13,12 @@
  *    reduction (and, for float types with k not a multiple of 32, a scalar tail; the portable
  *    build has its own single order). So y[i, j] depends on W[j] and x[i] only: not on m, on which
  *    rows share a pass, on the path taken or on the thread split (batch invariance).
- *  - int8 mode (AVX2 only) first rounds each x row to int8 per block of 32 (scale max|x|/127, as
- *    llama.cpp's Q8_0), then takes integer dot products of each block: y[i, j] = the fixed-order
- *    sum over blocks of float(int dot) * (weight scale * x scale), plus the minimums' terms in a
- *    separate sum. Faster (integer multiply-adds on 32 lanes) and further from the float reference,
- *    but still a function of W[j] and x[i] only.
+ *  - integer mode (AVX2 only) first rounds each x row to int16 per block of 32 (scale
+ *    max|x|/32767), then takes integer dot products of each block: y[i, j] = the fixed-order sum
+ *    over blocks of float(int dot) * (weight scale * x scale), plus the minimums' terms in a
+ *    separate sum. Fewer instructions than widening every weight to float (integer multiply-adds
+ *    of 16 pairs), a relative rounding of x of 1.5e-5 (llama.cpp rounds x to int8: 4e-3), and
+ *    still a function of W[j] and x[i] only.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -128,18 +129,18 @@ static inline q32 high_bits32(uint32_t qh) {
  *   emit_scale:  w[l] = d * q[l]          (d0 for l < 16, d1 for the rest: K types scale per 16)
  *   emit_affine: w[l] = d * q[l] - m      (the product rounded first, as in the reference)
  * which store w (mode STORE: dequantize) or, with AVX2, multiply-add it into the dot products of
- * 1 to 4 x rows (mode = the number of rows, | INT8 for int8 x rows) without going through memory.
+ * 1 to 4 x rows (mode = the number of rows, | INT16 for int16 x rows) without going through memory.
  * The walkers are always inlined with a constant mode, so each (type, mode) compiles to its own loop. */
 
-enum { STORE = 0, MAX_ROWS = 4, INT8 = 8 };
+enum { STORE = 0, MAX_ROWS = 4, INT16 = 8 }; /* INT16: x rows as int16 blocks (integer mode) */
 
-/* The x rows of a product: float32 [rows, k], or (int8 mode) their int8 blocks: q [rows, k], a
+/* The x rows of a product: float32 [rows, k], or (integer mode) their int16 blocks: q [rows, k], a
  * scale per 32 values d [rows, k / 32] and the sum of each 16 values of q, s [rows, k / 16]. */
 typedef struct {
     const float *f;
-    const int8_t *q;
+    const int16_t *q;
     const float *d;
-    const int16_t *s;
+    const int32_t *s;
     int64_t k;
 } xrows;
 
@@ -148,7 +149,7 @@ typedef struct {
     float *dst;
     const xrows *x;
     __m256 c[MAX_ROWS][2];
-    float cm[MAX_ROWS]; /* int8 mode: the minimums' terms */
+    float cm[MAX_ROWS]; /* integer mode: the minimums' terms */
 } sink;
 
 INLINE void emit(sink *s, int mode, const __m256 w[4], int64_t off) {
@@ -170,32 +171,35 @@ INLINE void to_float32(q32 q, __m256 f[4]) {
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
 }
 
-/* int8 mode: per x row, the integer dot product of q with the row's block at off, in 8 int32 lanes
- * (lanes 0-3: values 0-15, lanes 4-7: values 16-31), scaled by d0 or d1 times the row's scale. q is
+/* integer mode: per x row, the integer dot products of q with the row's int16 block at off (values
+ * 0-15 and 16-31 apart), scaled by d0 and d1 times the row's scale (one product when d0 == d1). q is
  * signed (scale types) or unsigned 0..63 (affine types, whose minimum m0/m1 is applied through the
- * block's sums). maddubs multiplies unsigned by signed bytes: signed q goes in as |q| with its sign
- * moved onto x. */
-INLINE void emit_int8(sink *s, int rows, q32 q, int is_signed, float d0, float m0, float d1, float m1, int64_t off) {
+ * block's sums). */
+INLINE void emit_int(sink *s, int rows, q32 q, int is_signed, float d0, float m0, float d1, float m1, int64_t off) {
     const xrows *x = s->x;
     int64_t b = off / 32;
-    __m256i u = is_signed ? _mm256_sign_epi8(q, q) : q;
+    __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
     for (int r = 0; r < rows; r++) {
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + r * x->k + off));
-        if (is_signed) xq = _mm256_sign_epi8(xq, q);
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+        const int16_t *xq = x->q + r * x->k + off;
+        __m256i p0 = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq));
+        __m256i p1 = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16)));
         float dx = x->d[r * (x->k / 32) + b];
-        __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * dx), _mm_set1_ps(d0 * dx));
-        s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, s->c[r][0]);
+        if (d0 == d1) {
+            s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * dx), s->c[r][0]);
+        } else {
+            s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dx), s->c[r][0]);
+            s->c[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * dx), s->c[r][1]);
+        }
         if (!is_signed) {
-            const int16_t *sums = x->s + r * (x->k / 16) + 2 * b;
+            const int32_t *sums = x->s + r * (x->k / 16) + 2 * b;
             s->cm[r] -= dx * (m0 * (float)sums[0] + m1 * (float)sums[1]);
         }
     }
 }
 
 INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off) {
-    if (mode & INT8) {
-        emit_int8(s, mode & ~INT8, q, 1, d0, 0.0f, d1, 0.0f, off);
+    if (mode & INT16) {
+        emit_int(s, mode & ~INT16, q, 1, d0, 0.0f, d1, 0.0f, off);
         return;
     }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1);
@@ -205,8 +209,8 @@ INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off
 }
 
 INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, float m1, int64_t off) {
-    if (mode & INT8) {
-        emit_int8(s, mode & ~INT8, q, 0, d0, m0, d1, m1, off);
+    if (mode & INT16) {
+        emit_int(s, mode & ~INT16, q, 0, d0, m0, d1, m1, off);
         return;
     }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1), ma = _mm256_set1_ps(m0), mb = _mm256_set1_ps(m1);
@@ -235,7 +239,7 @@ INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, 
 INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
 #ifdef SD_AVX2 /* widening straight from memory saves the shuffles of emit_scale's to_float32 */
-    if (mode & INT8) {
+    if (mode & INT16) {
         emit_scale(s, mode, load32(src + 2), d, d, o);
         return;
     }
@@ -417,8 +421,8 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
     }
 }
 
-/* x rows (k a multiple of 32) to int8 blocks (xrows): scale max|x|/127, rounded to nearest even. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *d, int16_t *s) {
+/* x rows (k a multiple of 32) to int16 blocks (xrows): scale max|x|/32767, rounded to nearest even. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int16_t *q, float *d, int32_t *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < m * k / 32; i++) {
         const float *v = x + 32 * i;
@@ -431,21 +435,22 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         float top = _mm_cvtss_f32(h);
-        d[i] = top / 127.0f;
-        __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        d[i] = top / 32767.0f;
+        __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
         __m256i n[4];
         for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
-        /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + 32 * i), p);
+        /* int32 -> int16 in order: the packs interleave 128-bit lanes, the permute undoes it */
+        for (int j = 0; j < 2; j++) {
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2 * j], n[2 * j + 1]), 0xd8);
+            _mm256_storeu_si256((__m256i *)(q + 32 * i + 16 * j), p);
+        }
         int sum0 = 0, sum1 = 0;
         for (int l = 0; l < 16; l++) {
             sum0 += q[32 * i + l];
             sum1 += q[32 * i + 16 + l];
         }
-        s[2 * i] = (int16_t)sum0;
-        s[2 * i + 1] = (int16_t)sum1;
+        s[2 * i] = sum0;
+        s[2 * i + 1] = sum1;
     }
 }
 
@@ -466,7 +471,7 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
 /* ---- per-type kernels ---------------------------------------------------------------------------
  * dq_<t>: dequantize one row. dot_<t> (AVX2): dot_floats of the dequantized row(s) with 1..4 x rows,
  * straight from the blocks (the same arithmetic without the round trip through memory), or the
- * int8 products; with one x row or two, two weight rows go in lockstep so that the core has more
+ * integer products; with one x row or two, two weight rows go in lockstep so that the core has more
  * independent chains to overlap. */
 
 typedef void (*dq_fn)(const uint8_t *, float *, int64_t);
@@ -478,7 +483,7 @@ typedef void (*dot_fn)(const uint8_t *, int64_t, int, const xrows *, int, float 
 
 #ifdef SD_AVX2
 INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
-    for (int r = 0; r < (mode & ~INT8); r++) y[r * ys] = (mode & INT8) ? hsum(s->c[r]) + s->cm[r] : hsum(s->c[r]);
+    for (int r = 0; r < (mode & ~INT16); r++) y[r * ys] = (mode & INT16) ? hsum(s->c[r]) + s->cm[r] : hsum(s->c[r]);
 }
 
 #define WALK2(t, BLOCK, BYTES, src, rb, k, sa, sb, mode)                                                \
@@ -493,7 +498,7 @@ INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
                              int mode) {                                                                \
         sink a, b;                                                                                      \
         sink_init(&a, x);                                                                               \
-        if (nw == 2 && (mode & ~INT8) <= 2) {                                                           \
+        if (nw == 2 && (mode & ~INT16) <= 2) {                                                           \
             sink_init(&b, x);                                                                           \
             WALK2(t, BLOCK, BYTES, src, rb, x->k, &a, &b, mode);                                        \
             sink_store(&a, mode, y, ys);                                                                \
@@ -508,15 +513,15 @@ INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
     }                                                                                                   \
     static void dot_##t(const uint8_t *src, int64_t rb, int nw, const xrows *x, int rows, float *y,     \
                         int64_t ys) {                                                                   \
-        switch (rows | (x->q ? INT8 : 0)) {                                                             \
+        switch (rows | (x->q ? INT16 : 0)) {                                                             \
         case 1: dot_body_##t(src, rb, nw, x, y, ys, 1); break;                                          \
         case 2: dot_body_##t(src, rb, nw, x, y, ys, 2); break;                                          \
         case 3: dot_body_##t(src, rb, nw, x, y, ys, 3); break;                                          \
         case 4: dot_body_##t(src, rb, nw, x, y, ys, 4); break;                                          \
-        case INT8 | 1: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 1); break;                            \
-        case INT8 | 2: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 2); break;                            \
-        case INT8 | 3: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 3); break;                            \
-        case INT8 | 4: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 4); break;                            \
+        case INT16 | 1: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 1); break;                            \
+        case INT16 | 2: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 2); break;                            \
+        case INT16 | 3: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 3); break;                            \
+        case INT16 | 4: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 4); break;                            \
         }                                                                                               \
     }
 #define DOT_OF(t) dot_##t
@@ -593,8 +598,8 @@ static inline void prefetch_next(const uint8_t *w, int64_t at, int64_t bytes, in
 
 int sd_supported(int type) { return info(type) != NULL; }
 
-/* Whether sd_matmul's int8 mode exists for `type` here (AVX2 builds, block types). */
-int sd_int8(int type) {
+/* Whether sd_matmul's integer mode exists for `type` here (AVX2 builds, block types). */
+int sd_int16(int type) {
 #ifdef SD_AVX2
     const type_info *t = info(type);
     return t && t->dot;
@@ -616,7 +621,7 @@ typedef struct {
     const uint8_t *w;
     int64_t rb, n, k, m;
     const float *x;
-    xrows xq; /* int8 mode: the quantized rows (q != NULL) */
+    xrows xq; /* integer mode: the quantized rows (q != NULL) */
     float *y;
     float *bufs; /* per-thread dequantized rows (stride floats each) */
     int64_t stride;
@@ -676,13 +681,13 @@ static void dot_buffered(void *ctx, int64_t r, int thread) {
     }
 }
 
-/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. In int8 mode (when sd_int8)
+/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. In integer mode (when sd_int16)
  * the x rows are quantized first and every weight row is dotted straight from its blocks. Otherwise
  * with m <= MAX_ROWS block rows are dotted straight from their blocks (dot_<t>); above, and for the
  * float types, each row is dequantized once into a per-thread buffer and dotted with the x rows
  * MAX_ROWS at a time. Returns 0, or -1 for a bad type or k, or no memory. */
 int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
-              int threads, int int8) {
+              int threads, int integer) {
     const type_info *t = info(type);
     int64_t rb = sd_row_bytes(type, k);
     if (!t || rb < 0) return -1;
@@ -690,14 +695,14 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     if (threads < 1 || n * rb < PARALLEL_BYTES) threads = 1;
     job j = {.t = t, .w = w, .rb = rb, .n = n, .k = k, .m = m, .x = x, .y = y};
     void *mem = NULL;
-    if (int8 && sd_int8(type)) {
+    if (integer && sd_int16(type)) {
 #ifdef SD_AVX2
         int64_t blocks = m * k / 32;
-        mem = malloc((size_t)blocks * (sizeof(float) + 2 * sizeof(int16_t) + 32));
+        mem = malloc((size_t)blocks * (sizeof(float) + 2 * sizeof(int32_t) + 32 * sizeof(int16_t)));
         if (!mem) return -1;
         float *d = mem;
-        int16_t *s = (int16_t *)(d + blocks);
-        int8_t *q = (int8_t *)(s + 2 * blocks);
+        int32_t *s = (int32_t *)(d + blocks);
+        int16_t *q = (int16_t *)(s + 2 * blocks);
         quantize_rows(x, m, k, q, d, s);
         j.xq = (xrows){.q = q, .d = d, .s = s, .k = k};
 #endif
