@@ -203,7 +203,7 @@ class EngineLoop:
     def first_token(self, job: Job, logits: torch.Tensor) -> None:
         self.reading = None
         job.decode_started = time.perf_counter()
-        token = self.runner.sample(logits[None], [Draw(job.sampling, job.seed, len(job.prompt))])[0]
+        token = self.runner.sample(logits[None], [Draw.after(job.sampling, job.seed, job.session.tokens)])[0]
         job.generated = 1
         self.emit(P.Token(token))
         finish = self.finish_reason(job, token)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 FINISH_REASONS = ("stop", "length", "cancel")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "presence_penalty",
+                 "frequency_penalty", "repeat_last_n")
 MAX_SLOTS = 8  # batch slots the engine runs at most (a window holds 8 slot rows, as upstream's)
 TOP_K_MAX = 64  # the engine keeps at most this many candidates, as upstream does
 CONTEXT_SLACK = 8  # prompt + max_new + CONTEXT_SLACK must fit the context (upstream's rule)
@@ -28,17 +29,38 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """Per-request sampling keys. The defaults mean greedy decoding."""
+    """Per-request sampling keys. The defaults mean greedy decoding without penalties.
+
+    The penalties are llama.cpp's, over the last `repeat_last_n` tokens of the context (prompt and
+    generated; -1 = all of it, 0 = none): a token seen there has its logit divided by
+    `repeat_penalty` (multiplied when <= 0), then lowered by `presence_penalty` and by
+    `frequency_penalty` times its count.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int = 0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+
+    def penalty_window(self, tokens: list[int]) -> list[int]:
+        """The tokens the penalties count (none when the request has no penalties)."""
+        if not self.penalized:
+            return []
+        return tokens if self.repeat_last_n < 0 else tokens[-self.repeat_last_n:]
 
     def validate(self) -> Sampling:
         if not (0.0 <= self.temperature <= 100.0):
@@ -51,6 +73,13 @@ class Sampling:
             raise ProtocolError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed < 0:
             raise ProtocolError(f"seed must be >= 0, got {self.seed}")
+        if not (0.0 < self.repeat_penalty <= 10.0):
+            raise ProtocolError(f"repeat_penalty must be in (0, 10], got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise ProtocolError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repeat_last_n < -1:
+            raise ProtocolError(f"repeat_last_n must be >= -1 (-1 = the whole context), got {self.repeat_last_n}")
         return self
 
     def to_keys(self) -> list[str]:
@@ -66,6 +95,10 @@ class Sampling:
             keys.append(f"min_p={self.min_p:g}")
         if self.seed > 0:
             keys.append(f"seed={self.seed}")
+        for name in ("repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"):
+            value = getattr(self, name)
+            if value != getattr(Sampling, name):
+                keys.append(f"{name}={value:g}")
         return keys
 
 

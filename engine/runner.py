@@ -145,4 +145,4 @@ class Runner:
             logits = self.forward(spans, tokens)
         for r in rows:
             r.session.tokens.append(r.token)
-        return self.sample(logits, [Draw(r.sampling, r.seed, len(r.session.tokens)) for r in rows])
+        return self.sample(logits, [Draw.after(r.sampling, r.seed, r.session.tokens) for r in rows])

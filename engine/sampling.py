@@ -1,12 +1,14 @@
-"""Token choice: greedy, or temperature / top-k / top-p / min-p with a counter-based draw.
+"""Token choice: penalties, then greedy or temperature / top-k / top-p / min-p with a counter-based draw.
 
 The uniform number for the token at position `p` of a request with seed `s` is Philox4x32-10 keyed
 by `s` with counter `p`: a row draws the same number alone or in any batch, on any device, so a
-sampled request's tokens depend only on its seed, its logits and its positions.
+sampled request's tokens depend only on its seed, its logits and its positions. Penalties change a
+row's own logits from its own recent tokens (elementwise), so they keep that property.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +34,18 @@ def philox_uniform(seed: int, position: int) -> float:
 
 @dataclass(frozen=True)
 class Draw:
-    """How one row chooses its token: the request's sampling, its seed, and the token's position."""
+    """How one row chooses its token: the request's sampling, its seed, the token's position, and
+    the tokens its penalties count (empty without penalties)."""
 
     sampling: Sampling
     seed: int
     position: int
+    recent: tuple[int, ...] = ()
+
+    @classmethod
+    def after(cls, sampling: Sampling, seed: int, context: list[int]) -> Draw:
+        """The draw of the token that follows `context` (the row's prompt and generated tokens)."""
+        return cls(sampling, seed, len(context), tuple(sampling.penalty_window(context)))
 
 
 def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
@@ -45,11 +54,43 @@ def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     Sampled rows all keep TOP_K_MAX candidates and mask their own top_k, so a row's arithmetic is
     the same alone or beside any other rows.
     """
+    logits = penalize(logits, draws)
     chosen = cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
     sampled = [i for i, d in enumerate(draws) if not d.sampling.greedy]
     if sampled:
         chosen[sampled] = _sample(logits[sampled], [draws[i] for i in sampled])
     return chosen.tolist()
+
+
+def penalize(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    """llama.cpp's penalties on each row's logits of the tokens in its `recent` window: divided by
+    repeat_penalty (multiplied when <= 0), then minus count * frequency_penalty + presence_penalty.
+    Returns `logits` itself when no row has penalties, else a penalized copy."""
+    rows: list[int] = []
+    ids: list[int] = []
+    counts: list[int] = []
+    params: list[tuple[float, float, float]] = []
+    for row, d in enumerate(draws):
+        seen = Counter(d.recent)
+        s = d.sampling
+        rows += [row] * len(seen)
+        ids += seen.keys()
+        counts += seen.values()
+        params += [(s.repeat_penalty, s.frequency_penalty, s.presence_penalty)] * len(seen)
+    if not rows:
+        return logits
+
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=logits.device)
+
+    at = (column(rows, torch.int64), column(ids, torch.int64))
+    repeat, frequency, presence = column(params).unbind(1)
+    values = logits[at]
+    values = torch.where(values <= 0, values * repeat, values / repeat)
+    values = values - (column(counts) * frequency + presence)
+    out = logits.clone()
+    out[at] = values
+    return out
 
 
 def _sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:

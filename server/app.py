@@ -17,17 +17,21 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine.chat_template import ChatTemplate
 from server import openai_api as api
 from server.access_log import AccessLog
 from server.auth import Guard
+from server.chat_prompt import render_chat
 from server.config import RunConfig
 from server.engine_client import EngineDied, EngineSupervisor, default_log_path, say
 from server.metrics import Metrics
 from server.metrics_schema import Activity, Concurrency, StatusView, Timings
 from server.openai_api import ApiError
+from server.reply_parser import Piece, ReplyParser
 from server.scheduler import Job, QueueFull, Scheduler
 from server.streaming import KEEPALIVE, SSEResponse, TextAssembler, reply_events, sse
 from server.tokens import TokenizerLike, encode_prompt, load_vocabulary
+from server.tool_calls import ToolCall
 
 LONG_TEXT = 20_000  # characters: tokenize in a thread beyond this
 
@@ -46,7 +50,7 @@ class ServerState:
         self.metrics.scheduler = self.scheduler
         self.metrics.supervisor = self.supervisor
         self.tokenizer: TokenizerLike | None = None
-        self.template: Any = None
+        self.template: ChatTemplate | None = None
         self.vocab_error: str | None = None
         self.requests = 0
         self.last_request_at: float | None = None
@@ -118,22 +122,9 @@ def _check_ready(st: ServerState) -> None:
         raise ApiError(503, "the model is loading; try again shortly", code="loading")
 
 
-async def _tokenize(st: ServerState, body: Any, chat: bool) -> list[int]:
+async def _encode(st: ServerState, text: str) -> list[int]:
     tok = st.tokenizer
     assert tok is not None
-    if chat:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        if not any(m["content"] for m in messages):
-            raise ApiError(400, "the messages are all empty", param="messages", code="invalid_value")
-        try:
-            text = st.template.render(messages, add_generation_prompt=True)
-        except Exception as exc:
-            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-    else:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return list(prompt)
-        text = prompt[0] if isinstance(prompt, list) else prompt
     if len(text) > LONG_TEXT:
         ids = await asyncio.to_thread(encode_prompt, tok, text)
     else:
@@ -141,6 +132,16 @@ async def _tokenize(st: ServerState, body: Any, chat: bool) -> list[int]:
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     return ids
+
+
+async def _prompt(st: ServerState, body: Any, chat: bool) -> tuple[list[int], ReplyParser | None]:
+    """The prompt's tokens, and for a chat the parser of its reply."""
+    if chat:
+        prompt = render_chat(body, st.template)
+        return await _encode(st, prompt.text), prompt.parser()
+    if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
+        return list(body.prompt), None
+    return await _encode(st, body.prompt[0] if isinstance(body.prompt, list) else body.prompt), None
 
 
 async def _wait_disconnect(receive: Any) -> None:
@@ -218,7 +219,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         raw = await read_body(request, st.config.max_body_bytes)
         body = api.parse_body(raw, api.ChatRequest if chat else api.CompletionRequest)
         _check_ready(st)
-        ids = await _tokenize(st, body, chat)
+        ids, parser = await _prompt(st, body, chat)
         asked = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
         max_new = api.budget(len(ids), asked, st.context, st.config.sampling.max_tokens)
         sampling = api.sampling_of(body, st.config.sampling)
@@ -243,9 +244,9 @@ async def _generate(request: Request, chat: bool) -> Response:
 
     events = reply_events(job, assembler, on_stop, st.config.keepalive_s)
     if body.stream:
-        gen = _stream(cid, model, chat, job, assembler, events, body.include_usage())
+        gen = _stream(cid, model, parser, job, assembler, events, body.include_usage())
         return SSEResponse(gen, lambda: st.scheduler.cancel(job, "disconnect"))  # type: ignore[return-value]
-    return await _collect(request, st, cid, model, chat, job, assembler, events)
+    return await _collect(request, st, cid, model, parser, job, assembler, events)
 
 
 def _usage(job: Job, assembler: TextAssembler) -> dict[str, Any]:
@@ -253,8 +254,9 @@ def _usage(job: Job, assembler: TextAssembler) -> dict[str, Any]:
     return api.usage(len(job.prompt), n, job.reused)
 
 
-async def _collect(request: Request, st: ServerState, cid: str, model: str, chat: bool, job: Job,
+async def _collect(request: Request, st: ServerState, cid: str, model: str, parser: ReplyParser | None, job: Job,
                    assembler: TextAssembler, events: AsyncIterator[tuple]) -> Response:
+    """One JSON body; `parser` None: a completion's plain text."""
     parts: list[str] = []
     end: tuple | None = None
 
@@ -276,24 +278,36 @@ async def _collect(request: Request, st: ServerState, cid: str, model: str, chat
     assert end is not None
     if end[0] == "error":
         return error(end[1], end[2], code="engine_error")
-    finish = api.finish_reason(end[1])
     text = "".join(parts)
-    render = api.chat_response if chat else api.completion_response
-    return JSONResponse(render(cid, model, text, finish, _usage(job, assembler), api.timings(job)))
+    use, tim = _usage(job, assembler), api.timings(job)
+    if parser is None:
+        return JSONResponse(api.completion_response(cid, model, text, api.finish_reason(end[1]), use, tim))
+    message = api.chat_message(parser.feed(text) + parser.finish())
+    finish = api.finish_reason(end[1], called="tool_calls" in message)
+    return JSONResponse(api.chat_response(cid, model, message, finish, use, tim))
 
 
-async def _stream(cid: str, model: str, chat: bool, job: Job, assembler: TextAssembler,
+async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, assembler: TextAssembler,
                   events: AsyncIterator[tuple], include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE chunks; `parser` None: a completion's plain text."""
     created = int(time.time())
-    if chat:
+    called = False
+
+    def chunks(pieces: list[Piece]) -> list[bytes]:
+        nonlocal called
+        called |= any(isinstance(p, ToolCall) for p in pieces)
+        return [sse(api.chat_chunk(cid, created, model, api.chat_delta(p))) for p in pieces]
+
+    if parser is not None:
         yield sse(api.chat_chunk(cid, created, model, {"role": "assistant", "content": ""}))
     async for ev in events:
         kind = ev[0]
         if kind == "text":
-            if chat:
-                yield sse(api.chat_chunk(cid, created, model, {"content": ev[1]}))
-            else:
+            if parser is None:
                 yield sse(api.completion_chunk(cid, created, model, ev[1]))
+            else:
+                for chunk in chunks(parser.feed(ev[1])):
+                    yield chunk
         elif kind == "keepalive":
             yield KEEPALIVE
         elif kind == "error":
@@ -301,13 +315,16 @@ async def _stream(cid: str, model: str, chat: bool, job: Job, assembler: TextAss
             yield sse("[DONE]")
             return
         elif kind == "done":
-            finish = api.finish_reason(ev[1])
-            last = (api.chat_chunk(cid, created, model, {}, finish) if chat
-                    else api.completion_chunk(cid, created, model, "", finish))
+            if parser is None:
+                last = api.completion_chunk(cid, created, model, "", api.finish_reason(ev[1]))
+            else:
+                for chunk in chunks(parser.finish()):
+                    yield chunk
+                last = api.chat_chunk(cid, created, model, {}, api.finish_reason(ev[1], called))
             last["timings"] = api.timings(job)
             yield sse(last)
             if include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
+                obj = "chat.completion.chunk" if parser is not None else "text_completion"
                 yield sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
                            "usage": _usage(job, assembler)})
             yield sse("[DONE]")

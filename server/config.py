@@ -33,6 +33,10 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     max_tokens: int | None = Field(None, ge=1)
+    repeat_penalty: float | None = Field(None, gt=0, le=10)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repeat_last_n: int | None = Field(None, ge=-1)
 
 
 class SamplingDefaults(SamplingFields):

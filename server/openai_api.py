@@ -6,10 +6,20 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.protocol import CONTEXT_SLACK, Sampling
 from server.config import SamplingFields
+from server.reply_parser import Piece, Text
+from server.tool_calls import ToolCall
 
 MAX_STOP_STRINGS = 16
 
@@ -35,8 +45,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 class _Body(SamplingFields):
-    # strict: "5" is not an integer, "true" is not a boolean; unknown fields are accepted and ignored
-    # unless listed in `_refused`.
+    # strict: "5" is not an integer, "true" is not a boolean. Unknown fields are accepted and
+    # ignored; the known ones this server cannot honour are refused (`_refuse`).
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
@@ -45,9 +55,12 @@ class _Body(SamplingFields):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)  # accepted, not applied (as batch rows upstream)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logprobs: bool | None = None
+    logprobs: bool | int | None = None  # chat: a boolean; completions: a number
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    grammar: str | None = None  # llama.cpp's
+    json_schema: dict[str, Any] | None = None  # llama.cpp's
 
     @field_validator("stop")
     @classmethod
@@ -59,11 +72,20 @@ class _Body(SamplingFields):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs", "logit_bias", "grammar", "json_schema")
     @classmethod
-    def _logprobs(cls, v: bool | None) -> bool | None:
+    def _refuse(cls, v: Any, info: ValidationInfo) -> Any:
         if v:
-            raise ValueError("logprobs are not supported")
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (v or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported yet (it needs constrained decoding); "
+                             "ask for JSON in the prompt, or leave response_format out")
         return v
 
     def stop_list(self) -> list[str]:
@@ -84,10 +106,29 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant
 
     @field_validator("content", mode="before")
     @classmethod
@@ -102,23 +143,64 @@ class Message(BaseModel):
                 raise ValueError(f"content parts of type {kind!r} are not supported (only 'text')")
         return v
 
+    @model_validator(mode="after")
+    def _role_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools")  # set by the request itself
+
+
 class ChatRequest(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("tools")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calling is not supported by this server")
+    def _tool_choice(cls, v: Any) -> Any:
+        if v == "required" or isinstance(v, dict):
+            raise ValueError("only 'auto' and 'none' are supported: forcing a call needs constrained decoding")
         return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        own = [k for k in TEMPLATE_OWN if k in (v or {})]
+        if own:
+            raise ValueError(f"{own[0]!r} comes from the request itself, not from chat_template_kwargs")
+        return v
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the template is given (none with tool_choice 'none')."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class CompletionRequest(_Body):
@@ -192,7 +274,11 @@ def sampling_of(body: _Body, defaults: Any) -> Sampling:
         return fallback if v is None else v
 
     return Sampling(temperature=float(pick("temperature", 0.0)), top_p=float(pick("top_p", 1.0)),
-                    top_k=int(pick("top_k", 0)), min_p=float(pick("min_p", 0.0)), seed=int(pick("seed", 0)))
+                    top_k=int(pick("top_k", 0)), min_p=float(pick("min_p", 0.0)), seed=int(pick("seed", 0)),
+                    repeat_penalty=float(pick("repeat_penalty", 1.0)),
+                    presence_penalty=float(pick("presence_penalty", 0.0)),
+                    frequency_penalty=float(pick("frequency_penalty", 0.0)),
+                    repeat_last_n=int(pick("repeat_last_n", 64)))
 
 
 def budget(prompt_tokens: int, asked: int | None, context: int, default_max: int | None) -> int:
@@ -214,8 +300,33 @@ def budget(prompt_tokens: int, asked: int | None, context: int, default_max: int
 # responses
 
 
-def finish_reason(finish: str) -> str:
-    return "length" if finish == "length" else "stop"
+def finish_reason(finish: str, called: bool = False) -> str:
+    """OpenAI's finish_reason for the engine's `finish`; `called`: the reply made tool calls."""
+    if finish == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def chat_message(pieces: list[Piece]) -> dict[str, Any]:
+    """The assistant message of a whole reply: content (null when the reply only calls tools),
+    reasoning_content and tool_calls when there are any."""
+    def text(kind: str) -> str:
+        return "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == kind)
+
+    content, reasoning = text("content"), text("reasoning")
+    calls = [p.openai() for p in pieces if isinstance(p, ToolCall)]
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_delta(piece: Piece) -> dict[str, Any]:
+    if isinstance(piece, ToolCall):
+        return {"tool_calls": [{"index": piece.index, **piece.openai()}]}
+    return {"content" if piece.kind == "content" else "reasoning_content": piece.text}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -246,10 +357,10 @@ def completion_chunk(cid: str, created: int, model: str, text: str, finish: str 
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
-def chat_response(cid: str, model: str, text: str, finish: str, use: dict, tim: dict) -> dict[str, Any]:
+def chat_response(cid: str, model: str, message: dict[str, Any], finish: str, use: dict, tim: dict) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}], "usage": use, "timings": tim}
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": use, "timings": tim}
 
 
 def completion_response(cid: str, model: str, text: str, finish: str, use: dict, tim: dict) -> dict[str, Any]:

@@ -2,14 +2,16 @@
 
 The real vocabulary and chat template come from the model's GGUF through the engine's pure helpers
 (`engine.tokenizer`, `engine.chat_template`; never the engine's compute). The `bytes` vocabulary
-(config "tokenizer": "bytes") is one id per UTF-8 byte plus ChatML specials; it serves the fake
-engine in tests and needs no model file.
+(config "tokenizer": "bytes") is one id per UTF-8 byte plus ChatML specials, with Qwen3's ChatML
+template (tools, thinking); it serves the fake engine in tests and needs no model file.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
+from typing import Protocol
+
+from engine.chat_template import QWEN3_CHAT_TEMPLATE, ChatTemplate
 
 
 class StreamDecoder(Protocol):
@@ -26,10 +28,6 @@ class TokenizerLike(Protocol):
     def encode(self, text: str, add_special: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def stream_decoder(self) -> StreamDecoder: ...
-
-
-class TemplateLike(Protocol):
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,22 +90,13 @@ class ByteTokenizer:
         return _ByteStream(self.stop_ids)
 
 
-class ChatMLTemplate:
-    """The ChatML layout (Qwen's), used with the byte vocabulary."""
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
 # ---------------------------------------------------------------------------------------------
 
 
-def load_vocabulary(model_path: str, kind: str = "gguf") -> tuple[TokenizerLike, TemplateLike]:
+def load_vocabulary(model_path: str, kind: str = "gguf") -> tuple[TokenizerLike, ChatTemplate]:
     """The tokenizer and chat template for a model (kind "gguf"), or the byte vocabulary ("bytes")."""
     if kind == "bytes":
-        return ByteTokenizer(), ChatMLTemplate()
-    from engine.chat_template import ChatTemplate
+        return ByteTokenizer(), ChatTemplate(QWEN3_CHAT_TEMPLATE, "builtin-qwen3")
     from engine.gguf_file import GGUFFile
     from engine.tokenizer import Tokenizer
 

@@ -1,8 +1,9 @@
 """Batch slots, token by token against solo runs (exact mode, the tiny test model on CPU).
 
-The seed's batch_test and batch_interleave_test as pytest: N prompts alone then together; a long
-prompt read while slots decode; a read that gives way (BYIELD) and goes on; a next turn continued
-from its slot; a request stopped in its slot and continued on the solo path.
+The seed's batch_test and batch_interleave_test as pytest: N prompts alone then together (greedy,
+sampled, with penalties); a long prompt read while slots decode; a read that gives way (BYIELD) and
+goes on; a next turn continued from its slot; a request stopped in its slot and continued on the
+solo path.
 """
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from engine import protocol as P
 from engine.batch import Span
 from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
+
+PENALTIES = "repeat_penalty=1.3 presence_penalty=0.5 frequency_penalty=0.5 repeat_last_n=12"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,12 @@ def test_batch_equals_solo_greedy(driver, n):
 def test_batch_equals_solo_sampled(driver, n):
     prompts = sample_prompts(driver.model.hyper.vocab, n, seed=100 + n)
     assert compare(driver, prompts, max_new=24, keys="temperature=0.9 top_p=0.95 top_k=40 seed=1234") == []
+
+
+@pytest.mark.parametrize("keys", [PENALTIES, PENALTIES + " temperature=0.9 top_k=40 seed=77"], ids=["greedy", "sampled"])
+def test_batch_equals_solo_with_penalties(driver, keys):
+    prompts = sample_prompts(driver.model.hyper.vocab, 4, seed=200)
+    assert compare(driver, prompts, max_new=24, keys=keys) == []
 
 
 def test_batches_really_share_windows(driver):
@@ -117,18 +126,19 @@ def test_next_turn_continues_from_its_slot(driver):
     assert collect(lines).slots[0] == ref2_dropped
 
 
-def test_stopped_in_slot_then_continued_on_the_solo_path(driver):
+@pytest.mark.parametrize("keys", ["", PENALTIES], ids=["plain", "penalties"])
+def test_stopped_in_slot_then_continued_on_the_solo_path(driver, keys):
     vocab = driver.model.hyper.vocab
     a, b = sample_prompts(vocab, 2, seed=61)
-    expected = solo_tokens(driver, a, 30)
+    expected = solo_tokens(driver, a, 30, keys)
     # stop slot 0 after its 8th slot token, then continue the request alone with GEN
     driver.reset()
     hooks = [(lambda line, n=[0]: line.startswith("BT 0") and (n.__setitem__(0, n[0] + 1) or n[0] == 8), ["BSTOP 0"])]
-    lines = driver.run([bgen(0, a, 30), bgen(1, b, 30)], hooks)
+    lines = driver.run([bgen(0, a, 30, keys), bgen(1, b, 30)], hooks)
     part = collect(lines).slots[0]
     bdone = next(P.parse_reply(ln) for ln in lines if ln.startswith("BDONE 0"))
     assert bdone.finish == "cancel" and bdone.generated == len(part) - 1
-    lines = driver.run([gen(a + part, 30 - len(part))])
+    lines = driver.run([gen(a + part, 30 - len(part), keys)])
     assert f"RESUME {len(a) + len(part) - 1}" in lines
     rest = collect(lines).solo[0]
     assert part + rest == expected

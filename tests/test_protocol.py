@@ -7,6 +7,7 @@ from engine import protocol as P
 REQUESTS = [
     "GEN 16 1,2,3",
     "GEN 8 temperature=0.7 top_p=0.9 top_k=40 min_p=0.05 seed=7 5,6",
+    "GEN 8 repeat_penalty=1.1 presence_penalty=0.5 frequency_penalty=-0.5 repeat_last_n=-1 5,6",
     "BGEN 3 32 1,2",
     "STOP",
     "QUIT",
@@ -59,6 +60,11 @@ def test_done_with_fewer_optional_fields_parses():
         ("GEN 4 temperature=hot 1", "bad value for temperature"),
         ("GEN 4 top_p=0 1", "top_p must be in (0, 1]"),
         ("GEN 4 min_p=2 1", "min_p must be in [0, 1]"),
+        ("GEN 4 repeat_penalty=0 1", "repeat_penalty must be in (0, 10]"),
+        ("GEN 4 presence_penalty=3 1", "presence_penalty must be in [-2, 2]"),
+        ("GEN 4 frequency_penalty=-2.5 1", "frequency_penalty must be in [-2, 2]"),
+        ("GEN 4 repeat_last_n=-2 1", "repeat_last_n must be >= -1"),
+        ("GEN 4 repeat_last_n=1.5 1", "bad value for repeat_last_n"),
         ("BGEN x 4 1", "slot must be an integer"),
         ("BSTOP", "BSTOP needs <slot>"),
         ("STOP now", "STOP takes no arguments"),
@@ -72,6 +78,7 @@ def test_malformed_requests(line, message):
 def test_sampling_keys_leave_defaults_out():
     assert P.Sampling().to_keys() == []
     assert P.Sampling(top_k=500).to_keys() == [f"top_k={P.TOP_K_MAX}"]
+    assert P.Sampling(repeat_penalty=1.0, repeat_last_n=64, presence_penalty=0.0).to_keys() == []
 
 
 def test_unknown_reply_is_refused():

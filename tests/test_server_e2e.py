@@ -11,6 +11,8 @@ import httpx
 import pytest
 from test_server_harness import ROOT, LiveServer, sse_events
 
+from server.tokens import encode_prompt, load_vocabulary
+
 ENGINE_SERVE = ROOT / "engine" / "loop.py"
 pytestmark = pytest.mark.slow
 
@@ -73,3 +75,19 @@ def test_real_engine_concurrent_equals_alone(real):
     m = real.metrics()
     assert m["live"]["parallel"] == m["engine"]["info"].get("batch_slots", 1) or m["live"]["parallel"] == 1
     assert m["totals"]["errors"] == 0
+
+
+def test_real_engine_penalties_and_tools_reach_the_model(real):
+    def complete(**kw) -> str:
+        body = {"prompt": "the the the the cat sat on the the mat", "max_tokens": 24, **kw}
+        r = httpx.post(real.base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert complete(repeat_penalty=1.5, presence_penalty=0.6, repeat_last_n=8) != complete()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    r = ask(real, "Weather in Paris?", 2, tools=tools)
+    tokenizer, template = load_vocabulary(real.config["model"])
+    rendered = template.render(messages, add_generation_prompt=True, tools=tools)
+    assert "get_weather" in rendered and r["usage"]["prompt_tokens"] == len(encode_prompt(tokenizer, rendered))

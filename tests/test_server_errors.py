@@ -15,6 +15,9 @@ from server.config import ConfigError, validate_config
 
 CHAT = "/v1/chat/completions"
 OK_MSGS = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "abc123XYZ", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +55,30 @@ BAD_CHAT = [
     ("too many stop strings", {"messages": OK_MSGS, "stop": [str(i) for i in range(20)]}, 400, "stop"),
     ("n above one", {"messages": OK_MSGS, "n": 2}, 400, "'n'"),
     ("prompt on the chat route", {"prompt": "hi"}, 400, "/v1/completions"),
-    ("tools", {"messages": OK_MSGS, "tools": [{"type": "function"}]}, 400, "tool"),
+    ("tool without a function", {"messages": OK_MSGS, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ("tool of another type", {"messages": OK_MSGS, "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    ("tool_choice required", {"messages": OK_MSGS, "tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tool_choice unknown", {"messages": OK_MSGS, "tools": TOOLS, "tool_choice": "maybe"}, 400, "tool_choice"),
+    ("tool message without tool_call_id", {"messages": [*OK_MSGS, CALLED, {"role": "tool", "content": "x"}]},
+     400, "tool_call_id"),
+    ("tool_calls on a user message", {"messages": [{**CALLED, "role": "user"}]}, 400, "assistant"),
+    ("tool call arguments not a string", {"messages": [*OK_MSGS, {**CALLED, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": {}}}]}]}, 400, "arguments"),
+    ("chat_template_kwargs sets the messages", {"messages": OK_MSGS, "chat_template_kwargs": {"messages": []}},
+     400, "comes from the request"),
+    ("chat_template_kwargs not an object", {"messages": OK_MSGS, "chat_template_kwargs": "x"}, 400,
+     "chat_template_kwargs"),
     ("logprobs", {"messages": OK_MSGS, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs", {"messages": OK_MSGS, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("logit_bias", {"messages": OK_MSGS, "logit_bias": {"50": -100}}, 400, "logit_bias"),
+    ("response_format json_object", {"messages": OK_MSGS, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("response_format json_schema", {"messages": OK_MSGS, "response_format": {"type": "json_schema",
+                                     "json_schema": {"name": "x", "schema": {}}}}, 400, "constrained decoding"),
+    ("presence_penalty above two", {"messages": OK_MSGS, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("frequency_penalty below minus two", {"messages": OK_MSGS, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("repeat_penalty zero", {"messages": OK_MSGS, "repeat_penalty": 0}, 400, "repeat_penalty"),
+    ("repeat_last_n below -1", {"messages": OK_MSGS, "repeat_last_n": -2}, 400, "repeat_last_n"),
     ("unknown stream_options field", {"messages": OK_MSGS, "stream_options": {"x": 1}}, 400, "stream_options"),
     ("prompt + max_tokens beyond the context", {"messages": OK_MSGS, "max_tokens": 600}, 400, "context"),
     ("prompt alone beyond the context", {"messages": [{"role": "user", "content": "w" * 800}]}, 400, "context"),
@@ -77,6 +102,8 @@ BAD_COMPLETIONS = [
     ("two prompts", {"prompt": ["a", "b"]}, "one prompt"),
     ("negative token id", {"prompt": [1, -2]}, ">= 0"),
     ("echo", {"prompt": "x", "echo": True}, "echo"),
+    ("logprobs", {"prompt": "x", "logprobs": 5}, "logprobs"),
+    ("response_format", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
 ]
 
 

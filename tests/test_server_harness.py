@@ -23,14 +23,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fake_engine import reference_reply  # noqa: E402
 from ports import free_port  # noqa: E402
 
-from server.tokens import ByteTokenizer, ChatMLTemplate  # noqa: E402
+from server.tokens import load_vocabulary  # noqa: E402
 
-TOK = ByteTokenizer()
-TEMPLATE = ChatMLTemplate()
+TOK, TEMPLATE = load_vocabulary("", "bytes")
 
 
-def chat_ids(messages: list[dict[str, str]]) -> list[int]:
-    return TOK.encode(TEMPLATE.render(messages, add_generation_prompt=True))
+def chat_ids(messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+    """The prompt tokens the server sends for `messages` (byte vocabulary, Qwen3's template)."""
+    return TOK.encode(TEMPLATE.render(messages, add_generation_prompt=True, **template_kwargs))
 
 
 def expected_chat(messages: list[dict[str, str]], max_tokens: int, **kw: Any) -> tuple[str, str]:
