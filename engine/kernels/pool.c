@@ -15,6 +15,9 @@
 
 #define SPIN_US 100
 #define MAX_WORKERS 255
+/* When the workers keep the caller waiting longer than the job took it (another program holds
+ * their cores), this many calls run on the caller alone before the workers are tried again. */
+#define ALONE_CALLS 256
 
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -41,6 +44,7 @@ static struct {
     atomic_llong next;    /* the next item to hand out */
     job current;          /* written only while no worker reads it (pending == 0) */
     unsigned born[MAX_WORKERS + 1]; /* gen when each worker was started */
+    int alone;                      /* calls left to run on the caller alone */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 static double now_us(void) {
@@ -115,10 +119,12 @@ static int start_workers(int want) {
 void sd_parallel(int threads, int64_t items, int64_t chunk, sd_task fn, void *ctx) {
     if (chunk < 1) chunk = 1;
     if (threads > 1) threads = 1 + (start_workers(threads - 1) < threads - 1 ? P.workers : threads - 1);
-    if (threads <= 1 || items <= chunk) {
+    if (threads <= 1 || items <= chunk || P.alone > 0) {
+        if (threads > 1 && items > chunk) P.alone--;
         for (int64_t i = 0; i < items; i++) fn(ctx, i, 0);
         return;
     }
+    double start = now_us();
     P.current = (job){fn, ctx, items, chunk, threads};
     atomic_store(&P.next, 0);
     atomic_store(&P.pending, P.workers);
@@ -129,9 +135,12 @@ void sd_parallel(int threads, int64_t items, int64_t chunk, sd_task fn, void *ct
         pthread_mutex_unlock(&P.lock);
     }
     run_items(0);
+    double mine = now_us();
     /* The others finish their last chunk; yield the core if one of them is held back for long. */
     for (int spins = 1; atomic_load(&P.pending) > 0; spins++) {
         cpu_relax();
         if (spins % 4096 == 0) sched_yield();
     }
+    double waited = now_us() - mine;
+    if (waited > 50.0 && waited > mine - start) P.alone = ALONE_CALLS;
 }
