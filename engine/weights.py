@@ -8,10 +8,12 @@ tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_bl
   (a matvec straight from the blocks for decode rows, with int16 or float32 activations as
   `--cpu-activations` chose; a dequantized slab and one GEMM for prompt chunks);
   F32 matrices are used as they are.
-- CUDA: matrices are dequantized once into the compute dtype (the GPU kernels that read the
-  blocks directly are their own piece of work).
-- Without a C compiler the CPU kernels are missing: matrices are dequantized at load, and the log
-  says why.
+- CUDA: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices keep the file's bytes and run through the Triton kernels
+  (`GpuBlockLinear`: a matvec for decode windows, a dequantize-in-tile GEMM for prompt chunks); other
+  types, and expert stacks until a fused MoE kernel reads blocks (the grouped GEMMs need dense
+  stacks), are dequantized once into the compute dtype.
+- Without a C compiler the CPU kernels are missing, without Triton the GPU ones: matrices are
+  dequantized at load, and the log says why.
 
 Models never call `F.linear` on raw tensors and never see a weight's device or format.
 """
@@ -28,6 +30,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.gguf_file import GGUFError, GGUFFile, TensorInfo
 from engine.kernels import cpu as cpu_kernels
+from engine.kernels import gpu as gpu_kernels
 from engine.quants import load_tensor
 
 MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
@@ -44,6 +47,9 @@ def is_vector(info: TensorInfo) -> bool:
 
 def keeps_blocks(info: TensorInfo, device: torch.device) -> bool:
     """The format policy: does this tensor stay in the file's format on `device`?"""
+    if device.type == "cuda":
+        return (len(info.shape) == 2 and not is_vector(info) and info.qtype in gpu_kernels.SUPPORTED
+                and gpu_kernels.available())
     return (device.type == "cpu" and not is_vector(info) and info.qtype != Q.F32
             and cpu_kernels.available() and info.qtype in cpu_kernels.SUPPORTED)
 
@@ -76,7 +82,7 @@ class Linear:
 
 
 class DenseLinear(Linear):
-    """A float matrix on its device (F32 files on the CPU; every matrix on CUDA for now)."""
+    """A float matrix on its device (F32 files on the CPU; on CUDA what the Triton kernels do not read)."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
@@ -182,9 +188,13 @@ class WeightStore:
     def linear(self, name: str) -> Linear:
         info = self._info(name, dims=2)
         kept = keeps_blocks(info, self.device)
-        if kept:
-            lin: Linear = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
-                                      int16=False if name in HEADS else None)
+        if kept and self.device.type == "cuda":
+            from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
+
+            lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], self.device)
+        elif kept:
+            lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
+                              int16=False if name in HEADS else None)
         else:
             lin = DenseLinear(self._dense(info, self.dtype))
         self._count(info, lin.nbytes, kept)
@@ -230,8 +240,9 @@ class WeightStore:
         """The formats the weights were placed in, for the log: `197 Q5_0 blocks, 109 float32`."""
         formats = Counter(fmt for _, fmt in self.placed.values())
         text = ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common())
-        reason = cpu_kernels.unavailable_reason() if self.device.type == "cpu" else None
-        return text + (f"; CPU kernels unavailable ({reason}): matrices dequantized" if reason else "")
+        kernels = {"cpu": ("CPU", cpu_kernels), "cuda": ("GPU", gpu_kernels)}.get(self.device.type)
+        reason = kernels[1].unavailable_reason() if kernels else None
+        return text + (f"; {kernels[0]} kernels unavailable ({reason}): matrices dequantized" if reason else "")
 
     def split(self) -> dict[str, int]:
         """Bytes placed per device (one device per store until layers are split across GPUs)."""

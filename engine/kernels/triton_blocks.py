@@ -1,0 +1,313 @@
+"""Triton kernels over GGUF blocks: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices kept as the file's bytes,
+uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized in registers only.
+
+- `Matrix.dequantize`: rows of W as float32, bf16 or f16; the float32 values are gguf-py's bit for bit.
+- `Matrix.matvec`: x [m <= 8, k] @ W.T for decode windows. Each program reads its weight rows once for
+  all m rows of x; float32 accumulation; x bf16, f16 or float32, y in x's dtype.
+- `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
+  dtype (bf16 for the engine) and multiplied with tl.dot, float32 accumulation.
+- `Matrix.matmul`: the matvec up to `MATVEC_ROWS` rows, the GEMM above.
+
+Every kernel sees a weight row as groups of 16 or 32 values sharing a scale (and, in Q4_K/Q5_K, a min):
+w = q * scale - min, computed in float32 as gguf-py does (`_group` knows where each type keeps them).
+
+Deterministic by construction: no atomics and no split-K; each output is reduced over k in one order,
+set by the tile sizes (`Tiles`), which are chosen from the matrix's shape only, never from m.
+Batch invariance, within each path: every call of a matrix runs one compiled kernel (m is not
+specialized; x is copied when its rows do not start 16-byte aligned). In the matvec, row i of y runs
+the same instructions whatever m is (rows past m are skipped by a uniform branch); in the GEMM, row i
+is the same dots over the same tiles whatever place it has in its tile (the tensor cores' sums do
+not depend on it). So y[i] does not depend on how many rows x has. The two paths round differently from each other (x in
+float32 against x in tiles of its dtype), as the CPU's matvec and slab GEMM do.
+
+`python -m engine.kernels.triton_blocks` prints, per type, the matvec's GB/s at m=1 and m=8 and the
+GEMM's TFLOP/s at m=512 (CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from engine.kernels.gpu import SUPPORTED
+
+MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
+GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED}  # values per scale
+X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED = dict(enable_fp_fusion=True)  # multiply-adds fused in the products' sums (Triton's default is changing)
+
+_Q8_0 = tl.constexpr(int(Q.Q8_0))
+_Q4_0 = tl.constexpr(int(Q.Q4_0))
+_Q4_K = tl.constexpr(int(Q.Q4_K))
+_Q5_K = tl.constexpr(int(Q.Q5_K))
+
+
+@triton.jit
+def _byte(w, at, mask):
+    return tl.load(w + at, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _signed(w, at, mask):
+    return tl.load(w + at, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16(w, at, mask):
+    """The little-endian float16 at byte `at`, as float32."""
+    bits = _byte(w, at, mask) | (_byte(w, at + 1, mask) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scales(w, blk, j, mask):
+    """Q4_K/Q5_K: sub-block j's (0..7) scale and min: d and dmin times 6-bit values packed in 12 bytes."""
+    a = _byte(w, blk + 4 + j, mask)
+    b = _byte(w, blk + 8 + j, mask)
+    c = _byte(w, blk + 4 + j % 4, mask)
+    low = j < 4
+    sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
+    mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return _f16(w, blk, mask) * sc.to(tl.float32), _f16(w, blk + 2, mask) * mn.to(tl.float32)
+
+
+@triton.jit
+def _group(w, row, g, i, mask, QTYPE: tl.constexpr):
+    """Groups g [1, G, 1] of the weight rows starting at bytes `row` [R, 1, 1], values i [1, 1, GROUP]:
+    float32 q [R, G, GROUP], scale [R, G, 1] and min ([R, G, 1], or 0.0) with w = q * scale - min."""
+    if QTYPE == _Q8_0:  # 34 bytes: d, 32 int8
+        blk = row + g * 34
+        q = _signed(w, blk + 2 + i, mask)
+        scale = _f16(w, blk, mask)
+        minimum = 0.0
+    elif QTYPE == _Q4_0:  # 18 bytes: d, 16 bytes whose low nibbles are values 0-15, high ones 16-31
+        blk = row + g * 18
+        q = ((_byte(w, blk + 2 + i % 16, mask) >> (i // 16 * 4)) & 15) - 8
+        scale = _f16(w, blk, mask)
+        minimum = 0.0
+    elif QTYPE == _Q4_K:  # 144 bytes per 8 groups: d, dmin, 12 bytes of scales, 4 x 32 bytes of nibble pairs
+        blk = row + g // 8 * 144
+        j = g % 8
+        scale, minimum = _k_scales(w, blk, j, mask)
+        q = (_byte(w, blk + 16 + j // 2 * 32 + i, mask) >> (j % 2 * 4)) & 15
+    elif QTYPE == _Q5_K:  # 176 bytes per 8 groups: as Q4_K, with 32 bytes of fifth bits before the nibbles
+        blk = row + g // 8 * 176
+        j = g % 8
+        scale, minimum = _k_scales(w, blk, j, mask)
+        low = (_byte(w, blk + 48 + j // 2 * 32 + i, mask) >> (j % 2 * 4)) & 15
+        q = low | (((_byte(w, blk + 16 + i, mask) >> j) & 1) << 4)
+    else:  # Q6_K, 210 bytes per 16 groups: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+        blk = row + g // 16 * 210
+        h = g % 16
+        s = h // 2  # the 32 values whose bits share bytes
+        at = h % 2 * 16 + i
+        low = (_byte(w, blk + s // 4 * 64 + s % 2 * 32 + at, mask) >> (s // 2 % 2 * 4)) & 15
+        high = (_byte(w, blk + 128 + s // 4 * 32 + at, mask) >> (s % 4 * 2)) & 3
+        q = (low | (high << 4)) - 32
+        scale = _f16(w, blk + 208, mask) * _signed(w, blk + 192 + h, mask)
+        minimum = 0.0
+    return q.to(tl.float32), scale, minimum
+
+
+@triton.jit
+def _dequantize_kernel(w, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                       BK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    g = tl.program_id(1) * (BK // GROUP) + tl.arange(0, BK // GROUP)[None, :, None]
+    i = tl.arange(0, GROUP)[None, None, :]
+    live = (rows[:, None, None] < n) & (g < k // GROUP)
+    row = rows.to(tl.int64)[:, None, None]
+    q, scale, minimum = _group(w, row * row_bytes, g, i, live, QTYPE)
+    tl.store(y + row * k + g * GROUP + i, (q * scale - minimum).to(y.dtype.element_ty), mask=live)
+
+
+# m, x and y not specialized: every call runs the same compiled kernel, whatever m and x's alignment
+@triton.jit(do_not_specialize=["m"])
+def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
+                   R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    row = rows.to(tl.int64)[:, None, None] * row_bytes
+    g_step = tl.arange(0, BK // GROUP)[None, :, None]
+    i = tl.arange(0, GROUP)[None, None, :]
+    r = tl.arange(0, ROWS)[:, None]
+    groups = k // GROUP
+    acc = tl.zeros((ROWS, R), dtype=tl.float32)
+    for e0 in range(0, k, BK):
+        g = e0 // GROUP + g_step
+        q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
+        for j in tl.static_range(ROWS):
+            if j < m:
+                xj = tl.load(x + j * k + g * GROUP + i, mask=g < groups, other=0.0).to(tl.float32)
+                # one scale per group: multiplied into the group's dot, not into each weight
+                part = scale * tl.sum(q * xj, axis=2)[:, :, None]
+                if HAS_MIN:
+                    part -= minimum * tl.sum(xj, axis=2)[:, :, None]
+                part = tl.sum(tl.sum(part, axis=2), axis=1)
+                acc = tl.where(r == j, acc + part[None, :], acc)
+    tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
+
+
+@triton.jit(do_not_specialize=["m"])
+def _gemm_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    xr = tl.program_id(0) * BM + tl.arange(0, BM)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    row = rows.to(tl.int64)[:, None, None] * row_bytes
+    g_step = tl.arange(0, BK // GROUP)[None, :, None]
+    i = tl.arange(0, GROUP)[None, None, :]
+    e_step = tl.arange(0, BK)[None, :]
+    xp = x + xr.to(tl.int64)[:, None] * k
+    groups = k // GROUP
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for e0 in range(0, k, BK):
+        g = e0 // GROUP + g_step
+        q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
+        tile = tl.reshape(q * scale - minimum, (BN, BK)).to(x.dtype.element_ty)
+        e = e0 + e_step
+        xs = tl.load(xp + e, mask=(xr[:, None] < m) & (e < k), other=0.0)
+        acc = tl.dot(xs, tl.trans(tile), acc)
+    out = y + xr.to(tl.int64)[:, None] * n + rows[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=(xr[:, None] < m) & (rows[None, :] < n))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A matrix's tile sizes (powers of two), chosen from its shape only, so never from m: they fix
+    every output's reduction order."""
+
+    matvec_rows: int  # weight rows per matvec program
+    matvec_k: int  # values of each row per matvec step
+    gemm_m: int
+    gemm_n: int
+    gemm_k: int
+
+    @classmethod
+    def for_shape(cls, n: int, k: int) -> Tiles:
+        # Decode is bound by memory: the most rows per program (x re-read less often) that still leaves
+        # two programs per SM of an H200 (132 SMs), and ~2048 weights per step (16 per thread).
+        rows = next(r for r in (8, 4, 2, 1) if r == 1 or n // r >= 264)
+        return cls(rows, min(2048 // rows, triton.next_power_of_2(k)), 64, 64, 64)
+
+
+def row_bytes(qtype: Q, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return k // block * size
+
+
+class Matrix:
+    """n weight rows of `qtype` blocks (uint8 [n, row_bytes(qtype, k)] on the kernels' device), checked
+    once, with its tiles chosen once, for products called many times."""
+
+    def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, tiles: Tiles | None = None):
+        if qtype not in SUPPORTED:
+            raise ValueError(f"{Q(qtype).name} has no Triton kernel (supported: {', '.join(t.name for t in SUPPORTED)})")
+        block = GGML_QUANT_SIZES[qtype][0]
+        if k % block:
+            raise ValueError(f"k={k} is not a multiple of the {qtype.name} block size {block}")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, k):
+            raise ValueError(f"blocks must be uint8 [n, {row_bytes(qtype, k)}] for {qtype.name} with k={k}, "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        if not blocks.is_contiguous():
+            raise ValueError("blocks must be contiguous")
+        self.qtype, self.blocks, self.k, self.n = qtype, blocks, k, blocks.shape[0]
+        self.tiles = tiles or Tiles.for_shape(self.n, k)
+        self._type_args = dict(QTYPE=int(qtype), GROUP=GROUP[qtype])
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+        """x itself, or a copy where its rows do not start 16-byte aligned: Triton compiles a kernel per
+        alignment of its pointers (loads laid out differently), and every call of a matrix must run one
+        kernel for its rows not to depend on the call."""
+        if (x.dtype not in X_DTYPES or x.dim() != 2 or x.shape[1] != self.k or x.device != self.blocks.device
+                or not x.is_contiguous()):
+            raise ValueError(f"x must be a contiguous float32/bf16/f16 tensor [m, {self.k}] on {self.blocks.device}, "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        return x.clone() if x.data_ptr() % 16 else x
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape[0], self.n, dtype=x.dtype, device=x.device)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] @ W.T -> [m, n] in x's dtype: the matvec up to `MATVEC_ROWS` rows, the GEMM above."""
+        return self.matvec(x) if x.shape[0] <= MATVEC_ROWS else self.gemm(x)
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m <= MATVEC_ROWS, k] @ W.T -> [m, n] in x's dtype, accumulated in float32."""
+        x = self._checked(x)
+        if x.shape[0] > MATVEC_ROWS:
+            raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {x.shape[0]}")
+        y = self._out(x)
+        if x.shape[0]:
+            t = self.tiles
+            _matvec_kernel[(triton.cdiv(self.n, t.matvec_rows),)](
+                self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
+                HAS_MIN=self.qtype in (Q.Q4_K, Q.Q5_K), R=t.matvec_rows, BK=t.matvec_k, ROWS=MATVEC_ROWS, **_FUSED)
+        return y
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] @ W.T -> [m, n] in x's dtype: tiles of W dequantized to x's dtype, float32 accumulation."""
+        x = self._checked(x)
+        y = self._out(x)
+        if x.shape[0]:
+            t = self.tiles
+            grid = (triton.cdiv(x.shape[0], t.gemm_m), triton.cdiv(self.n, t.gemm_n))
+            _gemm_kernel[grid](self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
+                               BM=t.gemm_m, BN=t.gemm_n, BK=t.gemm_k, **_FUSED)
+        return y
+
+    def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of W (all rows: None) as [len(ids), k] of `dtype`."""
+        blocks = self.blocks if ids is None else self.blocks[ids]
+        y = torch.empty(blocks.shape[0], self.k, dtype=dtype, device=blocks.device)
+        if blocks.shape[0]:
+            rows, bk = 4, min(1024, triton.next_power_of_2(self.k))
+            grid = (triton.cdiv(blocks.shape[0], rows), triton.cdiv(self.k, bk))
+            # no fused multiply-add: q * scale - min rounds twice, as gguf-py's float32 numpy does
+            _dequantize_kernel[grid](blocks, y, blocks.shape[0], self.k, blocks.shape[1], **self._type_args,
+                                     R=rows, BK=bk, enable_fp_fusion=False)
+        return y
+
+
+_F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(qtype: Q, n: int, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random bytes for n rows of k values (tests, the benchmark): every bit pattern of the quants and
+    the packed scales, float16 scales of both signs below 2**-7 (zeros and subnormals included)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8, generator=generator)
+    for at in _F16_FIELDS[qtype]:
+        blocks[..., at + 1] &= 0x9F  # the top two exponent bits cleared: |d| < 2**-7, as real scales are
+    return blocks.reshape(n, -1)
+
+
+def _bench() -> None:
+    """Per type and shape: matvec GB/s (weight bytes over time) at m=1 and m=8, GEMM TFLOP/s at m=512, x bf16,
+    beside torch's bf16 product of the same shape (each the mean of triton.testing.do_bench, L2 flushed)."""
+    from triton.testing import do_bench
+
+    def seconds(fn, x: torch.Tensor) -> float:
+        return do_bench(lambda: fn(x)) * 1e-3
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for n, k in ((2048, 768), (768, 2048), (4096, 2048), (151936, 2048)):
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 8, 512)}
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        linear = functools.partial(torch.nn.functional.linear, weight=dense)
+        runs = [("bf16 torch", dense.numel() * 2, linear, linear)]
+        for qtype in SUPPORTED:
+            mat = Matrix(qtype, random_blocks(qtype, n, k).cuda(), k)
+            runs.append((qtype.name, mat.blocks.numel(), mat.matvec, mat.gemm))
+        for name, nbytes, matvec, gemm in runs:
+            t1, t8, tg = seconds(matvec, xs[1]), seconds(matvec, xs[8]), seconds(gemm, xs[512])
+            print(f"{name:10} {n:>6} x {k:<5} matvec m=1 {nbytes / t1 / 1e9:7.1f} GB/s  m=8 {nbytes / t8 / 1e9:7.1f} GB/s"
+                  f"  gemm m=512 {2 * 512 * n * k / tg / 1e12:6.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    _bench()

@@ -1,0 +1,144 @@
+"""The Triton kernels over GGUF blocks (engine/kernels/triton_blocks.py) at small shapes: in Triton's
+interpreter on the CPU (CI), compiled where there is a GPU. Every type against gguf-py's dequantizer:
+exact dequantization, matvec and GEMM accuracy, rows bit-identical whatever the number of rows; the
+CUDA format policy and `GpuBlockLinear`."""
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from triton_checks import assert_close, assert_same_bits, gemm_tolerance, matvec_tolerance, reference
+
+from engine.gguf_file import TensorInfo
+from engine.kernels import gpu
+from engine.weights import WeightStore, keeps_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
+
+pytest.importorskip("triton")
+
+from engine.kernels import triton_blocks as tb  # noqa: E402
+from engine.linear_gpu import GpuBlockLinear  # noqa: E402
+
+N, K = 12, 768  # K: 3 super-blocks; N: a partial program of rows
+# 2 matvec programs (the second with 4 masked rows) of 2 steps (the second with masked groups); GEMM
+# tiles of 16 rows of x and of W, 2 steps along k (the second masked).
+TILES = tb.Tiles(matvec_rows=8, matvec_k=512, gemm_m=16, gemm_n=16, gemm_k=512)
+BF16_GEMM = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    INTERPRETED, reason="Triton's interpreter multiplies bf16 tiles as their uint16 bits"))
+
+
+@pytest.fixture(params=gpu.SUPPORTED, ids=lambda t: t.name)
+def case(request: pytest.FixtureRequest) -> tuple[tb.Matrix, torch.Tensor]:
+    """A matrix of random blocks and gguf-py's values of it."""
+    qtype = request.param
+    blocks = tb.random_blocks(qtype, N, K, torch.Generator().manual_seed(int(qtype))).to(DEVICE)
+    return tb.Matrix(qtype, blocks, K, TILES), reference(qtype, blocks)
+
+
+def random_x(m: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def test_dequantize_matches_gguf_py(case):
+    mat, ref = case
+    assert_same_bits(mat.dequantize(), ref)
+    assert_same_bits(mat.dequantize(dtype=torch.float16), ref.half())
+    # float32 to bf16: the interpreter truncates, the GPU rounds to nearest even
+    bf16 = (ref.view(torch.int32) & -65536).view(torch.float32) if INTERPRETED else ref
+    assert_same_bits(mat.dequantize(dtype=torch.bfloat16), bf16.bfloat16())
+    ids = torch.tensor([7, 0, 11, 7], device=DEVICE)
+    assert_same_bits(mat.dequantize(ids), ref[ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_matvec_matches_reference(case, dtype):
+    mat, ref = case
+    x = random_x(tb.MATVEC_ROWS if dtype == torch.float32 else 3, dtype)
+    assert_close(mat.matvec(x), x, ref, matvec_tolerance(dtype))
+
+
+def test_matvec_rows_do_not_depend_on_m(case):
+    mat, _ = case
+    x = random_x(tb.MATVEC_ROWS, torch.bfloat16, seed=2)
+    together = mat.matvec(x)
+    for i in range(tb.MATVEC_ROWS):
+        assert_same_bits(mat.matvec(x[i:i + 1]), together[i:i + 1])
+    assert_same_bits(mat.matvec(x[2:7]), together[2:7])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_GEMM], ids=str)
+def test_gemm_matches_reference(case, dtype):
+    mat, ref = case
+    x = random_x(20, dtype)  # two tiles of x, the second partial
+    assert_close(mat.gemm(x), x, ref, gemm_tolerance(dtype))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "
+                    "depend on a row's place in the tile (the GPU's tensor cores do not)")
+def test_gemm_rows_do_not_depend_on_m(case):
+    mat, _ = case
+    x = random_x(20, torch.bfloat16, seed=3)
+    assert_same_bits(mat.gemm(x[3:14]), mat.gemm(x)[3:14])  # other rows, other places in the tile
+
+
+def test_matmul_dispatch_and_bad_input():
+    blocks = tb.random_blocks(Q.Q8_0, N, 64).to(DEVICE)
+    mat = tb.Matrix(Q.Q8_0, blocks, 64, TILES)
+    x = torch.randn(tb.MATVEC_ROWS + 1, 64, device=DEVICE)
+    assert_same_bits(mat.matmul(x[:tb.MATVEC_ROWS]), mat.matvec(x[:tb.MATVEC_ROWS]))
+    assert_same_bits(mat.matmul(x), mat.gemm(x))
+    assert mat.matmul(x[:0]).shape == (0, N)
+    unaligned = torch.empty(64 + 1, device=DEVICE)[1:].view(1, 64).copy_(x[:1])  # copied to one kernel's alignment
+    assert_same_bits(mat.matvec(unaligned), mat.matvec(x[:1]))
+    with pytest.raises(ValueError, match="at most"):
+        mat.matvec(x)
+    with pytest.raises(ValueError, match="x must be"):
+        mat.matvec(x[:2].double())
+    with pytest.raises(ValueError, match="x must be"):
+        mat.gemm(x[:, :32])
+    with pytest.raises(ValueError, match="multiple"):
+        tb.Matrix(Q.Q4_K, blocks, 64)
+    with pytest.raises(ValueError, match="blocks must be"):
+        tb.Matrix(Q.Q8_0, blocks[:, :-2], 64)
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        tb.Matrix(Q.Q5_0, blocks, 64)
+
+
+def test_gpu_block_linear():
+    k = 64
+    blocks = tb.random_blocks(Q.Q8_0, N, k)
+    lin = GpuBlockLinear(Q.Q8_0, blocks, k, torch.device(DEVICE))
+    assert (lin.out_features, lin.in_features, lin.nbytes) == (N, k, blocks.numel())
+    dense = lin.matrix.dequantize()
+    for rows in (3, tb.MATVEC_ROWS + 2):
+        x = torch.randn(2, rows, k, device=DEVICE)
+        y = lin(x)
+        assert y.shape == (2, rows, N)
+        assert_close(y.reshape(-1, N), x.reshape(-1, k), dense, gemm_tolerance(torch.float32))
+    ids = torch.tensor([[4, 1]], device=DEVICE)
+    assert_same_bits(lin.lookup(ids), dense[[4, 1]])
+
+
+def info(name: str, shape: tuple[int, ...], qtype: Q) -> TensorInfo:
+    return TensorInfo(name, shape, qtype, offset=0, nbytes=0)
+
+
+def test_cuda_policy_keeps_the_blocks_the_kernels_read(monkeypatch):
+    cuda = torch.device("cuda")
+    assert keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.Q4_K), cuda)
+    assert keeps_blocks(info("output.weight", (64, 256), Q.Q6_K), cuda)
+    assert not keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.F16), cuda)  # dense bf16 needs no kernel
+    assert not keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.Q5_0), cuda)
+    assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q4_K), cuda)  # grouped GEMMs
+    assert not keeps_blocks(info("blk.0.attn_norm.weight", (256,), Q.Q8_0), cuda)
+    assert WeightStore(None, cuda, torch.bfloat16).describe() == ""
+
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: "triton is not importable: test")
+    assert not keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.Q4_K), cuda)
+    assert WeightStore(None, cuda, torch.bfloat16).describe() == (
+        "; GPU kernels unavailable (triton is not importable: test): matrices dequantized")
