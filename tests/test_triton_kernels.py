@@ -93,7 +93,7 @@ def test_matmul_dispatch_and_bad_input():
     assert_same_bits(mat.matmul(x[:tb.MATVEC_ROWS]), mat.matvec(x[:tb.MATVEC_ROWS]))
     assert_same_bits(mat.matmul(x), mat.gemm(x))
     assert mat.matmul(x[:0]).shape == (0, N)
-    unaligned = torch.empty(64 + 1, device=DEVICE)[1:].view(1, 64).copy_(x[:1])  # copied to one kernel's alignment
+    unaligned = torch.empty(64 + 1, device=DEVICE)[1:].view(1, 64).copy_(x[:1])  # copied to 16-byte alignment
     assert_same_bits(mat.matvec(unaligned), mat.matvec(x[:1]))
     with pytest.raises(ValueError, match="at most"):
         mat.matvec(x)

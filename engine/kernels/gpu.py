@@ -13,7 +13,7 @@ SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    """Why the Triton kernels cannot run here (Triton missing or broken, a GPU older than Ampere), else None."""
+    """Why the Triton kernels cannot run here (Triton missing or broken, a GPU before Ampere), else None."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # a broken install raises more than ImportError

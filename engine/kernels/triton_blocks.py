@@ -17,8 +17,8 @@ Batch invariance, within each path: every call of a matrix runs one compiled ker
 specialized; x is copied when its rows do not start 16-byte aligned). In the matvec, row i of y runs
 the same instructions whatever m is (rows past m are skipped by a uniform branch); in the GEMM, row i
 is the same dots over the same tiles whatever place it has in its tile (the tensor cores' sums do
-not depend on it). So y[i] does not depend on how many rows x has. The two paths round differently from each other (x in
-float32 against x in tiles of its dtype), as the CPU's matvec and slab GEMM do.
+not depend on it). So y[i] does not depend on how many rows x has. The two paths round differently
+from each other (x in float32 against x in tiles of its dtype), as the CPU's matvec and slab GEMM do.
 
 `python -m engine.kernels.triton_blocks` prints, per type, the matvec's GB/s at m=1 and m=8 and the
 GEMM's TFLOP/s at m=512 (CUDA).
@@ -40,7 +40,7 @@ from engine.kernels.gpu import SUPPORTED
 MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED}  # values per scale
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FUSED = dict(enable_fp_fusion=True)  # multiply-adds fused in the products' sums (Triton's default is changing)
+_FUSED = dict(enable_fp_fusion=True)  # fused multiply-adds in the products (Triton's default is changing)
 
 _Q8_0 = tl.constexpr(int(Q.Q8_0))
 _Q4_0 = tl.constexpr(int(Q.Q4_0))
@@ -127,10 +127,9 @@ def _dequantize_kernel(w, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.con
     tl.store(y + row * k + g * GROUP + i, (q * scale - minimum).to(y.dtype.element_ty), mask=live)
 
 
-# m, x and y not specialized: every call runs the same compiled kernel, whatever m and x's alignment
-@triton.jit(do_not_specialize=["m"])
-def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
-                   R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
+def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+                   HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row = rows.to(tl.int64)[:, None, None] * row_bytes
     g_step = tl.arange(0, BK // GROUP)[None, :, None]
@@ -153,7 +152,7 @@ def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.c
     tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
 
-@triton.jit(do_not_specialize=["m"])
+@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
 def _gemm_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr):
     xr = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -206,7 +205,8 @@ class Matrix:
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, tiles: Tiles | None = None):
         if qtype not in SUPPORTED:
-            raise ValueError(f"{Q(qtype).name} has no Triton kernel (supported: {', '.join(t.name for t in SUPPORTED)})")
+            names = ", ".join(t.name for t in SUPPORTED)
+            raise ValueError(f"{Q(qtype).name} has no Triton kernel (supported: {names})")
         block = GGML_QUANT_SIZES[qtype][0]
         if k % block:
             raise ValueError(f"k={k} is not a multiple of the {qtype.name} block size {block}")
@@ -225,8 +225,8 @@ class Matrix:
         kernel for its rows not to depend on the call."""
         if (x.dtype not in X_DTYPES or x.dim() != 2 or x.shape[1] != self.k or x.device != self.blocks.device
                 or not x.is_contiguous()):
-            raise ValueError(f"x must be a contiguous float32/bf16/f16 tensor [m, {self.k}] on {self.blocks.device}, "
-                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+            raise ValueError(f"x must be a contiguous float32/bf16/f16 tensor [m, {self.k}] on "
+                             f"{self.blocks.device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
         return x.clone() if x.data_ptr() % 16 else x
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,18 +246,19 @@ class Matrix:
             t = self.tiles
             _matvec_kernel[(triton.cdiv(self.n, t.matvec_rows),)](
                 self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
-                HAS_MIN=self.qtype in (Q.Q4_K, Q.Q5_K), R=t.matvec_rows, BK=t.matvec_k, ROWS=MATVEC_ROWS, **_FUSED)
+                HAS_MIN=self.qtype in (Q.Q4_K, Q.Q5_K), R=t.matvec_rows, BK=t.matvec_k, ROWS=MATVEC_ROWS,
+                **_FUSED)
         return y
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, k] @ W.T -> [m, n] in x's dtype: tiles of W dequantized to x's dtype, float32 accumulation."""
+        """x [m, k] @ W.T -> [m, n] in x's dtype: tiles of W dequantized to x's dtype, float32 sums."""
         x = self._checked(x)
         y = self._out(x)
         if x.shape[0]:
             t = self.tiles
             grid = (triton.cdiv(x.shape[0], t.gemm_m), triton.cdiv(self.n, t.gemm_n))
-            _gemm_kernel[grid](self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
-                               BM=t.gemm_m, BN=t.gemm_n, BK=t.gemm_k, **_FUSED)
+            _gemm_kernel[grid](self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1],
+                               **self._type_args, BM=t.gemm_m, BN=t.gemm_n, BK=t.gemm_k, **_FUSED)
         return y
 
     def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -305,8 +306,8 @@ def _bench() -> None:
             runs.append((qtype.name, mat.blocks.numel(), mat.matvec, mat.gemm))
         for name, nbytes, matvec, gemm in runs:
             t1, t8, tg = seconds(matvec, xs[1]), seconds(matvec, xs[8]), seconds(gemm, xs[512])
-            print(f"{name:10} {n:>6} x {k:<5} matvec m=1 {nbytes / t1 / 1e9:7.1f} GB/s  m=8 {nbytes / t8 / 1e9:7.1f} GB/s"
-                  f"  gemm m=512 {2 * 512 * n * k / tg / 1e12:6.1f} TFLOP/s")
+            print(f"{name:10} {n:>6} x {k:<5} matvec m=1 {nbytes / t1 / 1e9:7.1f} GB/s  "
+                  f"m=8 {nbytes / t8 / 1e9:7.1f} GB/s  gemm m=512 {2 * 512 * n * k / tg / 1e12:6.1f} TFLOP/s")
 
 
 if __name__ == "__main__":
