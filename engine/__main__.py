@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ from engine.loading import DTYPES, fit_slots, log, model_context, pick_device, p
 from engine.loop import EngineLoop
 from engine.memory import MIB
 from engine.models import architecture_of, load_model
+from engine.models.base import Model
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 
@@ -52,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool], Runner] = Runner,
+         make_loop: Callable[..., EngineLoop] = EngineLoop) -> int:
+    """Load, announce, serve. `make_runner`/`make_loop` build the Runner and the EngineLoop (the test
+    harness, engine/harness.py, passes subclasses that add its switches)."""
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch:
         info.update(batch_slots=slots, slot_cache=1, batch_groups=1)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
-    loop = EngineLoop(Runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
+    loop = make_loop(make_runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
     loop.emit(P.Info(info))
     loop.emit(P.Ready(context, stop=True))
     loop.start_reader(sys.stdin)

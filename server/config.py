@@ -86,7 +86,7 @@ class RunConfig(BaseModel):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     log: str | None = Field(None, description="engine log file (default: the user log dir)")
     tokenizer: Literal["gguf", "bytes"] = Field(
-        "gguf", description="'gguf': the model's own vocabulary; 'bytes': one id per byte (fake engine, tests)"
+        "gguf", description="'gguf': the model's own vocabulary; 'bytes': one id per byte (the HashLM test model)"
     )
     keepalive_s: float = Field(10.0, gt=0, le=300, description="SSE keep-alive comment interval")
 

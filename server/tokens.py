@@ -2,8 +2,9 @@
 
 The real vocabulary and chat template come from the model's GGUF through the engine's pure helpers
 (`engine.tokenizer`, `engine.chat_template`; never the engine's compute). The `bytes` vocabulary
-(config "tokenizer": "bytes") is one id per UTF-8 byte plus ChatML specials, with Qwen3's ChatML
-template (tools, thinking); it serves the fake engine in tests and needs no model file.
+(config "tokenizer": "bytes") is one id per UTF-8 byte plus ChatML specials, the vocabulary of the
+HashLM test model (engine/hashlm.py), with Qwen3's ChatML template (tools, thinking); it needs no
+model file.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 from typing import Protocol
 
 from engine.chat_template import QWEN3_CHAT_TEMPLATE, ChatTemplate
+from engine.hashlm import BYTE_SPECIALS
 
 
 class StreamDecoder(Protocol):
@@ -34,7 +36,6 @@ class TokenizerLike(Protocol):
 # The byte vocabulary
 
 
-BYTE_SPECIALS = {"<|im_start|>": 256, "<|im_end|>": 257, "<|endoftext|>": 258}
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in BYTE_SPECIALS) + ")")
 
 

@@ -9,8 +9,9 @@ import time
 
 import httpx
 import pytest
-from test_server_harness import ROOT, LiveServer, expected_chat, user
+from test_server_harness import ROOT, LiveServer, user
 
+from engine.hashlm import Rule
 from server.config import ConfigError, validate_config
 
 CHAT = "/v1/chat/completions"
@@ -22,8 +23,7 @@ CALLED = {"role": "assistant", "content": None,
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = LiveServer(tmp_path_factory.mktemp("err"), config={"context": 512, "max_body_bytes": 4096},
-                   fake={"TOK_S": 0})
+    s = LiveServer(tmp_path_factory.mktemp("err"), config={"context": 512, "max_body_bytes": 4096})
     yield s
     s.stop()
 
@@ -146,7 +146,7 @@ def test_host_header_check_without_key(srv, host, status):
 
 
 def test_api_key(tmp_path):
-    with LiveServer(tmp_path, config={"api_key": "s3cret", "allowed_hosts": ["box.lan"]}, fake={"TOK_S": 0}) as s:
+    with LiveServer(tmp_path, config={"api_key": "s3cret", "allowed_hosts": ["box.lan"]}) as s:
         bare = httpx.Client(base_url=s.base)
         r = bare.get("/v1/models")
         assert r.status_code == 401 and "no API key" in r.json()["error"]["message"]
@@ -166,10 +166,10 @@ def test_api_key(tmp_path):
 
 
 def test_key_from_env_and_flag(tmp_path):
-    with LiveServer(tmp_path, fake={"TOK_S": 0}, env={"STRATA_API_KEY": "envkey"}) as s:
+    with LiveServer(tmp_path, env={"STRATA_API_KEY": "envkey"}) as s:
         assert httpx.get(s.base + "/v1/models").status_code == 401
         assert httpx.get(s.base + "/v1/models", headers={"x-api-key": "envkey"}).status_code == 200
-    with LiveServer(tmp_path, fake={"TOK_S": 0}, args=["--api-key", "flagkey"]) as s:
+    with LiveServer(tmp_path, args=["--api-key", "flagkey"]) as s:
         assert httpx.get(s.base + "/v1/models", headers={"x-api-key": "flagkey"}).status_code == 200
 
 
@@ -215,13 +215,13 @@ def test_config_errors_name_key_and_allowed_values(data, key, allowed):
 
 
 def test_engine_death_error_carries_log_and_next_request_restarts(tmp_path):
-    with LiveServer(tmp_path, fake={"TOK_S": 0, "DIE_AFTER": 20, "NO_EOS": 1}) as s:
+    with LiveServer(tmp_path, switches={"die_after": 20}, rule=Rule(ends=False)) as s:
         r = s.client.post(CHAT, json={"messages": OK_MSGS, "max_tokens": 50})
         assert r.status_code == 503, r.text
         msg = r.json()["error"]["message"]
         assert "engine" in msg and "illegal memory access" in msg  # the last log lines
         assert s.client.get("/health").status_code == 503
-        text, _ = expected_chat(OK_MSGS, 10, no_eos=True)
+        text, _ = s.expected_chat(OK_MSGS, 10)
         r = s.client.post(CHAT, json={"messages": OK_MSGS, "max_tokens": 10})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
         m = s.metrics()
@@ -236,7 +236,8 @@ def test_engine_death_error_carries_log_and_next_request_restarts(tmp_path):
 
 
 def test_engine_silent_is_ended_by_the_watchdog(tmp_path):
-    with LiveServer(tmp_path, config={"engine_silence_s": 1.0}, fake={"TOK_S": 0, "SILENT_AFTER": 5, "NO_EOS": 1}) as s:
+    with LiveServer(tmp_path, config={"engine_silence_s": 1.0}, switches={"silent_after": 5},
+                    rule=Rule(ends=False)) as s:
         t = time.monotonic()
         r = s.client.post(CHAT, json={"messages": OK_MSGS, "max_tokens": 40})
         assert r.status_code == 503 and "silent" in r.json()["error"]["message"]
@@ -246,7 +247,7 @@ def test_engine_silent_is_ended_by_the_watchdog(tmp_path):
 
 
 def test_loading_answers_503(tmp_path):
-    s = LiveServer(tmp_path, fake={"STARTUP_S": 3}, wait=False)
+    s = LiveServer(tmp_path, switches={"startup_s": 3}, wait=False)
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -270,7 +271,7 @@ def test_loading_answers_503(tmp_path):
 def test_queue_full_503(tmp_path):
     import concurrent.futures as cf
 
-    with LiveServer(tmp_path, config={"queue_limit": 1}, fake={"TOK_S": 50, "NO_EOS": 1}) as s:
+    with LiveServer(tmp_path, config={"queue_limit": 1}, switches={"tok_s": 50}, rule=Rule(ends=False)) as s:
         def one(i):
             return httpx.post(s.base + CHAT, json={"messages": user(f"q{i}"), "max_tokens": 15}, timeout=30)
 
@@ -285,7 +286,8 @@ def test_queue_full_503(tmp_path):
 def test_engine_death_with_batch_slots_fails_every_running_request(tmp_path):
     import concurrent.futures as cf
 
-    with LiveServer(tmp_path, config={"parallel": 2}, fake={"TOK_S": 200, "DIE_AFTER": 60, "NO_EOS": 1}) as s:
+    with LiveServer(tmp_path, config={"parallel": 2}, switches={"tok_s": 200, "die_after": 60},
+                    rule=Rule(ends=False)) as s:
         def one(i):
             return httpx.post(s.base + CHAT, json={"messages": user(f"d{i}"), "max_tokens": 100}, timeout=30)
 
@@ -293,7 +295,7 @@ def test_engine_death_with_batch_slots_fails_every_running_request(tmp_path):
             results = list(pool.map(one, range(3)))
         assert all(r.status_code == 503 for r in results), [r.text for r in results]  # each engine dies at 60
         assert all("illegal memory access" in r.json()["error"]["message"] for r in results if r.status_code == 503)
-        text, _ = expected_chat(user("after"), 5, no_eos=True)
+        text, _ = s.expected_chat(user("after"), 5)
         r = s.client.post(CHAT, json={"messages": user("after"), "max_tokens": 5})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
         assert s.client.get("/v1/status").json()["concurrency"]["serving"] == 2
@@ -305,7 +307,7 @@ def test_every_request_leaves_a_timed_line_in_the_server_log(tmp_path):
     import re
     import time
 
-    with LiveServer(tmp_path, config={"api_key": "k"}, fake={"TOK_S": 0}) as s:
+    with LiveServer(tmp_path, config={"api_key": "k"}) as s:
         bare = httpx.Client(base_url=s.base)
         assert bare.post(CHAT, json={"messages": OK_MSGS, "max_tokens": 3}).status_code == 401
         assert s.client.get("/nope").status_code == 404

@@ -1,6 +1,7 @@
-"""Shared helpers for the server tests: a live `python -m server` process driving tests/fake_engine.py.
+"""Shared helpers for the server tests: a live `python -m server` process over the real engine, run
+on a HashLM model (engine/hashlm.py) through the test switches of engine/harness.py.
 
-Imported by the other tests/test_server_*.py files (it holds no tests of its own but a smoke test).
+Imported by the other tests/test_server_*.py files (it holds no tests of its own).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE = ROOT / "tests" / "fake_engine.py"
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fake_engine import reference_reply  # noqa: E402
 from ports import free_port  # noqa: E402
 
+from engine import harness  # noqa: E402
+from engine.hashlm import Rule, write_hashlm  # noqa: E402
 from server.tokens import load_vocabulary  # noqa: E402
 
 TOK, TEMPLATE = load_vocabulary("", "bytes")
@@ -33,32 +34,27 @@ def chat_ids(messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int
     return TOK.encode(TEMPLATE.render(messages, add_generation_prompt=True, **template_kwargs))
 
 
-def expected_chat(messages: list[dict[str, str]], max_tokens: int, **kw: Any) -> tuple[str, str]:
-    """(text, finish_reason) the fake engine must produce for a chat request."""
-    ids, finish = reference_reply(chat_ids(messages), max_tokens, **kw)
-    text = bytes(i for i in ids if i < 256).decode("utf-8", "replace")
-    return text, finish
-
-
 def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
 class LiveServer:
-    """A server process with the fake engine. `fake` maps fake-engine env names (TOK_S=0 ...)."""
+    """A server process over the real engine and a HashLM file that says what `rule` says.
+    `switches` are the harness's (`{"tok_s": 0, "die_after": 20}`, engine/harness.py); every read
+    the engine starts is logged (`admissions()`)."""
 
-    def __init__(self, tmp: Path, config: dict[str, Any] | None = None, fake: dict[str, Any] | None = None,
-                 args: list[str] | None = None, env: dict[str, str] | None = None, wait: bool = True):
+    def __init__(self, tmp: Path, config: dict[str, Any] | None = None, switches: dict[str, Any] | None = None,
+                 rule: Rule | None = None, args: list[str] | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True):
         self.port = free_port()
         self.tmp = tmp
+        self.rule = rule or Rule()
         self.admission_log = tmp / f"admissions-{self.port}.jsonl"
         cfg: dict[str, Any] = {
-            "model": str(tmp / "fake.gguf"), "model_name": "fake", "tokenizer": "bytes", "port": self.port,
-            "engine_command": [sys.executable, str(FAKE)], "log": str(tmp / f"engine-{self.port}.log"),
-            "env": {"FAKE_ADMISSION_LOG": str(self.admission_log), "FAKE_STATS_S": "0.2"},
+            "model": str(write_hashlm(tmp / f"hashlm-{self.port}.gguf", self.rule)), "model_name": "hashlm",
+            "tokenizer": "bytes", "device": "cpu", "port": self.port, "log": str(tmp / f"engine-{self.port}.log"),
+            "engine_command": harness.command(admission_log=self.admission_log, **(switches or {})),
         }
-        for k, v in (fake or {}).items():
-            cfg["env"]["FAKE_" + k] = str(v)
         cfg.update(config or {})
         self.config = cfg
         self.config_path = tmp / f"strata-{self.port}.json"
@@ -75,6 +71,13 @@ class LiveServer:
         self.client = httpx.Client(base_url=self.base, timeout=60, headers=headers)
         if wait:
             self.wait_ready()
+
+    def expected_chat(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, str]:
+        """(text, finish_reason) the model must give a chat request."""
+        return self.rule.reply_text(chat_ids(messages), max_tokens)
+
+    def expected_completion(self, prompt: str, max_tokens: int) -> str:
+        return self.rule.reply_text(TOK.encode(prompt), max_tokens)[0]
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -134,9 +137,3 @@ def sse_events(raw: str) -> list[str]:
         out.append(lines[0][6:])
     return out
 
-
-def test_harness_reference_is_deterministic() -> None:
-    a = expected_chat(user("hello"), 50)
-    b = expected_chat(user("hello"), 50)
-    c = expected_chat(user("hellp"), 50)
-    assert a == b and a != c

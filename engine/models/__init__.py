@@ -7,10 +7,11 @@ import torch
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.models.base import Model
 from engine.models.gemma3 import Gemma3
+from engine.models.hashlm import HashLM
 from engine.models.qwen3moe import Qwen3Moe
 from engine.quants import check_supported
 
-ARCHITECTURES: dict[str, type[Model]] = {"qwen3moe": Qwen3Moe, "gemma3": Gemma3}
+ARCHITECTURES: dict[str, type[Model]] = {"qwen3moe": Qwen3Moe, "gemma3": Gemma3, "hashlm": HashLM}
 
 
 def architecture_of(g: GGUFFile) -> type[Model]:
