@@ -1,12 +1,13 @@
 """HashLM, the test model: a language model whose next token is a hash of the whole context.
 
 The server, dashboard and CLI tests run the real engine over it (`engine/models/hashlm.py` is the
-architecture; `engine/harness.py` adds the tests' timing and fault switches). It costs microseconds
-a token and its replies are known in advance: `Rule.reply` is the reference a test compares with.
-This module is torch-free (the server's benchmark and the tests import it).
+architecture; `engine/harness.py` adds the tests' timing and fault switches). It costs under a
+millisecond a token and its replies are known in advance: `Rule.reply` is the reference a test
+compares with. This module is torch-free: the server imports its `BYTE_SPECIALS`, its benchmark and
+the tests `write_hashlm` and `Rule`.
 
-Vocabulary: the bytes 0..255 and the ChatML specials of `BYTE_SPECIALS`, as the `bytes` tokenizer
-of server/tokens.py has them; `<|im_end|>` ends a reply.
+Vocabulary: the bytes 0..255 and the ChatML specials of `BYTE_SPECIALS` (the `bytes` tokenizer of
+server/tokens.py); `<|im_end|>` ends a reply.
 
 The rule: the context's hash is the sum over its positions p of (token_p + 1) * weight(p); the next
 token is a letter of `ALPHABET` chosen by the mixed hash, or the end token for about one hash in
@@ -105,7 +106,7 @@ class Rule:
 def write_hashlm(out: str | Path, rule: Rule | None = None) -> Path:
     """Write a HashLM GGUF: the tensors its architecture runs (identity embedding and tied head, a
     unit output norm, routed experts whose down projections are zero) and the rule's keys."""
-    import gguf  # here, not above: the server imports this module for BYTE_SPECIALS and needs no numpy
+    import gguf  # here, not above: the server imports this module and needs no numpy at start
     import numpy as np
 
     rule = rule or Rule()

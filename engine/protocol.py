@@ -1,4 +1,4 @@
-"""The engine's stdin/stdout line grammar, shared by the engine, the server and the fake engine.
+"""The engine's stdin/stdout line grammar, shared by the engine and the server.
 
 One message per line, fields separated by single spaces, token ids always the last field as a
 comma-separated list. docs/protocol.md is the human-readable contract; this module is its code.

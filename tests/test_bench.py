@@ -2,8 +2,8 @@
 
 The live runs use a stand-in OpenAI server (starlette + uvicorn, below) that streams a few tokens
 and reports the config's `parallel` in /metrics, started through `ServerProcess` so the arms'
-rewrite-restart-measure loop is exercised end to end; with the real server and the fake engine
-landed, one more test runs bench against them.
+rewrite-restart-measure loop is exercised end to end; one more test runs bench against the real
+server and engine on a HashLM model.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from engine.hashlm import write_hashlm
 from server.config import RunConfig, load_config, save_config
 from strata_desk import bench, paths
 from strata_desk.bench import (
@@ -33,9 +33,6 @@ from strata_desk.bench import (
 from strata_desk.bench_stats import bootstrap_ratio_ci, median
 from strata_desk.cli import main
 from strata_desk.launcher import ServerProcess
-
-ROOT = Path(__file__).resolve().parent.parent
-FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
 OPENAI_STAND_IN = textwrap.dedent('''
     import asyncio, json, sys, time
@@ -250,15 +247,12 @@ async def test_bench_arms_reject_bad_keys(openai_stand_in):
     assert load_config(openai_stand_in).parallel == 1
 
 
-@pytest.mark.skipif(not (ROOT / "server" / "__main__.py").is_file(), reason="server/__main__.py has not landed yet")
-@pytest.mark.skipif(not FAKE_ENGINE.is_file(), reason="tests/fake_engine.py has not landed yet")
-async def test_bench_real_server_fake_engine(tmp_path):
+async def test_bench_real_server_and_engine(tmp_path):
     from ports import free_port
 
-    config = save_config(RunConfig(model=str(tmp_path / "m.gguf"), port=free_port(),
-                                   engine_command=[sys.executable, str(FAKE_ENGINE)], tokenizer="bytes",
-                                   model_name="fake", log=str(tmp_path / "engine.log")),
-                         tmp_path / "strata-fake.json")
+    config = save_config(RunConfig(model=str(write_hashlm(tmp_path / "hashlm.gguf")), port=free_port(),
+                                   tokenizer="bytes", device="cpu", log=str(tmp_path / "engine.log")),
+                         tmp_path / "strata-hashlm.json")
     spec = BenchSpec(config=config, concurrency=[1, 2], max_tokens=8, rounds=2, prompt_words=30,
                      arms=[{"parallel": 1}, {"parallel": 2}], ready_timeout=60)
     result = await run_bench(spec)

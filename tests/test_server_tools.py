@@ -1,7 +1,7 @@
 """Tool calls, reasoning and chat_template_kwargs through the server, with the official `openai` client.
 
-The fake engine "emits" a scripted reply (--text) in the byte vocabulary, whose chat template is
-Qwen3's (tools, <think>): a reasoning block and a Hermes tool call.
+The real engine runs a HashLM model whose reply is a fixed text (`Rule(text=...)`) in the byte
+vocabulary, whose chat template is Qwen3's (tools, <think>): a reasoning block and a Hermes tool call.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from test_server_harness import LiveServer, chat_ids, sse_events, user
 
 from engine.chat_template import GEMMA_TEMPLATE, ChatTemplate
+from engine.hashlm import Rule
 from server.chat_prompt import render_chat
 from server.openai_api import ApiError, ChatRequest
 
@@ -26,7 +27,7 @@ ASK = user("What is the weather in Paris?")
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = LiveServer(tmp_path_factory.mktemp("tools"), fake={"TOK_S": 2000, "TEXT": REPLY})
+    s = LiveServer(tmp_path_factory.mktemp("tools"), switches={"tok_s": 2000}, rule=Rule(text=REPLY))
     yield s
     s.stop()
 
@@ -37,7 +38,7 @@ def client(srv):
 
 
 def test_tool_call_non_streamed(client):
-    r = client.chat.completions.create(model="fake", messages=ASK, tools=TOOLS, max_tokens=200)
+    r = client.chat.completions.create(model="hashlm", messages=ASK, tools=TOOLS, max_tokens=200)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -49,7 +50,7 @@ def test_tool_call_non_streamed(client):
 
 
 def test_tool_call_streamed_as_openai_deltas(client, srv):
-    stream = client.chat.completions.create(model="fake", messages=ASK, tools=TOOLS, max_tokens=200, stream=True)
+    stream = client.chat.completions.create(model="hashlm", messages=ASK, tools=TOOLS, max_tokens=200, stream=True)
     chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks]
     reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
@@ -69,9 +70,9 @@ def test_tool_call_streamed_as_openai_deltas(client, srv):
 
 
 def test_tool_result_is_rendered_back(client, srv):
-    first = client.chat.completions.create(model="fake", messages=ASK, tools=TOOLS, max_tokens=200).choices[0].message
+    first = client.chat.completions.create(model="hashlm", messages=ASK, tools=TOOLS, max_tokens=200).choices[0].message
     history = [*ASK, first, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny, 21 C"}]
-    r = client.chat.completions.create(model="fake", messages=history, tools=TOOLS, max_tokens=200)
+    r = client.chat.completions.create(model="hashlm", messages=history, tools=TOOLS, max_tokens=200)
     expected = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "sunny, 21 C"}]
@@ -81,7 +82,7 @@ def test_tool_result_is_rendered_back(client, srv):
 
 
 def test_tool_choice_none_offers_no_tools_and_parses_none(client):
-    r = client.chat.completions.create(model="fake", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=200)
+    r = client.chat.completions.create(model="hashlm", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=200)
     message = r.choices[0].message
     assert message.content == CALL and not message.tool_calls and r.choices[0].finish_reason == "stop"
     assert message.model_extra["reasoning_content"] == "The user wants the weather."
@@ -89,7 +90,7 @@ def test_tool_choice_none_offers_no_tools_and_parses_none(client):
 
 
 def test_chat_template_kwargs_reach_the_template(client):
-    r = client.chat.completions.create(model="fake", messages=ASK, max_tokens=200,
+    r = client.chat.completions.create(model="hashlm", messages=ASK, max_tokens=200,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.usage.prompt_tokens == len(chat_ids(ASK, enable_thinking=False)) > len(chat_ids(ASK))
 
@@ -99,7 +100,7 @@ def test_unsupported_tool_options_are_refused(client):
                       ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "constrained"),
                       ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name")]:
         with pytest.raises(openai.BadRequestError, match=words):
-            client.chat.completions.create(model="fake", messages=ASK, max_tokens=5, **{"tools": TOOLS, **kw})
+            client.chat.completions.create(model="hashlm", messages=ASK, max_tokens=5, **{"tools": TOOLS, **kw})
 
 
 def request(**kw) -> ChatRequest:

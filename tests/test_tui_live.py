@@ -1,5 +1,6 @@
-"""Pilot tests of every screen against a real server process (`python -m server`) running the
-scripted fake engine (tests/fake_engine.py): the dashboard starts and stops it as a user would.
+"""Pilot tests of every screen against a real server process (`python -m server`) running the real
+engine on a HashLM model (engine/hashlm.py, paced by engine/harness.py): the dashboard starts and
+stops it as a user would.
 
 Covered: start-up to ready; a state change at the server on screen within 2 s; settings
 validation (RunConfig's rules, unsupported options); apply-and-restart (diff, config + .bak,
@@ -24,17 +25,15 @@ import httpx
 import pytest
 from ports import free_port
 
+from engine import harness
+from engine.hashlm import Rule, write_hashlm
 from server.config import RunConfig, load_config, save_config
 from strata_desk import paths, state
 from tui.app import StrataDeskApp, backup_path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
-pytestmark = pytest.mark.skipif(
-    not (ROOT / "server" / "__main__.py").is_file() or not FAKE_ENGINE.is_file(),
-    reason="needs the server and the fake engine",
-)
+pytestmark = pytest.mark.skipif(not (ROOT / "server" / "__main__.py").is_file(), reason="needs the server")
 
 SIZE = (120, 40)
 
@@ -52,13 +51,14 @@ def desk_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             ServerProcess.adopt(record).stop(timeout=3)
 
 
-def fake_config(tmp_path: Path, *, parallel: int = 4, flags: tuple[str, ...] = ("--tok-s", "25", "--no-eos"),
-                name: str = "strata-fake.json", **extra: object) -> Path:
-    model = tmp_path / "fake.gguf"
-    model.touch()
-    config = RunConfig(model=str(model), port=free_port(), parallel=parallel, tokenizer="bytes",
-                       engine_command=[sys.executable, str(FAKE_ENGINE), *flags],
-                       log=str(tmp_path / "engine.log"), **extra)
+def hashlm_config(tmp_path: Path, *, parallel: int = 4, ends: bool = False, name: str = "strata-hashlm.json",
+                  **switches: float) -> Path:
+    """A config for the real engine on a HashLM file whose replies end by themselves only with `ends`,
+    with the harness's `switches` (default 25 decode steps a second)."""
+    switches.setdefault("tok_s", 25)
+    config = RunConfig(model=str(write_hashlm(tmp_path / "hashlm.gguf", Rule(ends=ends))), port=free_port(),
+                       parallel=parallel, tokenizer="bytes", device="cpu", engine_command=harness.command(**switches),
+                       log=str(tmp_path / "engine.log"))
     return save_config(config, tmp_path / name)
 
 
@@ -119,7 +119,7 @@ async def stop_and_quit(pilot, app: StrataDeskApp) -> None:
 
 
 async def test_live_dashboard_follows_server_within_2s(tmp_path: Path) -> None:
-    config = fake_config(tmp_path)
+    config = hashlm_config(tmp_path)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: "Starting the server" in screen_text(app) or app.phase == "running", 10,
@@ -166,7 +166,7 @@ async def test_live_dashboard_follows_server_within_2s(tmp_path: Path) -> None:
 
 
 async def test_live_settings_validation(tmp_path: Path) -> None:
-    config = fake_config(tmp_path, flags=("--tok-s", "50"))
+    config = hashlm_config(tmp_path, ends=True, tok_s=50)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
@@ -201,8 +201,8 @@ async def test_live_settings_validation(tmp_path: Path) -> None:
         await set_field("parallel", "4")
         await set_field("adapt_decay", "1.5")
         assert "less than or equal to 1" in message("adapt_decay")
-        await set_field("adapt_decay", "0.8")
-        assert message("adapt_decay") == ""
+        await set_field("adapt_decay", "0.8")  # valid; this engine's tier is not adaptive, so it is only kept
+        assert message("adapt_decay") == "kept in the config; no effect yet: this engine holds every expert in memory"
         # options this engine lacks are shown as such, and their switches cannot be turned on
         assert "not supported by this engine yet" in message("batch_mtp")
         assert "not supported by this engine yet" in message("adapt_async")
@@ -217,7 +217,7 @@ async def test_live_settings_validation(tmp_path: Path) -> None:
 
 
 async def test_live_apply_settings_and_restart(tmp_path: Path) -> None:
-    config = fake_config(tmp_path, flags=("--tok-s", "50"))
+    config = hashlm_config(tmp_path, ends=True, tok_s=50)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
@@ -247,7 +247,7 @@ async def test_live_apply_settings_and_restart(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["drain", "now"])
 async def test_live_restart_with_requests_in_flight(tmp_path: Path, mode: str) -> None:
     """drain: the request in flight finishes normally, then the restart; now: it ends with an error."""
-    config = fake_config(tmp_path, flags=("--tok-s", "25", "--no-eos"))
+    config = hashlm_config(tmp_path)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
@@ -273,14 +273,14 @@ async def test_live_restart_with_requests_in_flight(tmp_path: Path, mode: str) -
 
 
 async def test_live_failed_start_shows_why_and_restores_backup(tmp_path: Path) -> None:
-    good = fake_config(tmp_path, flags=("--tok-s", "50"))
+    good = hashlm_config(tmp_path, ends=True, tok_s=50)
     app = StrataDeskApp(config_path=good, start_timeout=20)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
         # a config whose engine cannot start replaces the good one (which becomes the .bak)
         broken = load_config(good).model_copy(update={"engine_command": [
             sys.executable, "-c",
-            "import sys; print('fake engine: cannot load model: tensor blk.0.ffn_gate_exps missing', "
+            "import sys; print('strata-engine: cannot load model: tensor blk.0.ffn_gate_exps missing', "
             "file=sys.stderr); sys.exit(3)"]})
         save_config(broken, good)
         app.reload_config()
@@ -295,13 +295,13 @@ async def test_live_failed_start_shows_why_and_restores_backup(tmp_path: Path) -
         await wait_for(pilot, lambda: "ffn_gate_exps missing" in screen_text(app), 5, "the log tail on screen")
         await pilot.press("u")
         await wait_ready(pilot, app)
-        assert "tests/fake_engine.py" in " ".join(load_config(good).engine_command or [])
+        assert "engine.harness" in load_config(good).engine_command
         assert "-c" in (load_config(backup_path(good)).engine_command or [])  # the broken one is kept
         await stop_and_quit(pilot, app)
 
 
 async def test_live_quit_leave_running_then_attach(tmp_path: Path) -> None:
-    config = fake_config(tmp_path, flags=("--tok-s", "50"))
+    config = hashlm_config(tmp_path, ends=True, tok_s=50)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
@@ -324,7 +324,7 @@ async def test_live_quit_leave_running_then_attach(tmp_path: Path) -> None:
     assert app.exit_choice == "leave"
     assert any(r.pid == pid for r in state.find_running())  # left running, on record
     note = app.farewell() or ""  # what run_dashboard prints on the terminal
-    assert f"still running at {url}/v1 (pid {pid})" in note and "strata-desk stop fake" in note
+    assert f"still running at {url}/v1 (pid {pid})" in note and "strata-desk stop hashlm" in note
     assert httpx.get(url + "/health", timeout=5).status_code == 200
 
     # attach finds it again and, knowing its config, may manage it
@@ -342,7 +342,7 @@ async def test_live_attach_to_unknown_server_hides_management(tmp_path: Path) ->
     """A server this dashboard has no record of: monitoring only, and quitting leaves it alone."""
     from strata_desk.launcher import ServerProcess
 
-    config = fake_config(tmp_path, flags=("--tok-s", "50"))
+    config = hashlm_config(tmp_path, ends=True, tok_s=50)
     server = ServerProcess(config)
     server.start()
     try:
@@ -365,7 +365,7 @@ async def test_live_attach_to_unknown_server_hides_management(tmp_path: Path) ->
 
 
 async def test_live_bench_screen_arms(tmp_path: Path) -> None:
-    config = fake_config(tmp_path, parallel=1, flags=("--tok-s", "0"))
+    config = hashlm_config(tmp_path, parallel=1, ends=True, tok_s=0)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
@@ -400,16 +400,14 @@ async def test_live_bench_screen_arms(tmp_path: Path) -> None:
 
 async def test_live_first_run_setup_writes_config_and_starts(tmp_path: Path, tiny_model: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # the written config runs the fake engine (the real one is tested elsewhere), on a free port
+    # the written config runs as written (the real engine on the tiny model picked), on a free port
     import strata_desk.setup as setup_mod
 
     real_build = setup_mod.build_config
 
     def build(model: Path, parallel=None, context=None):
         config, messages = real_build(model, parallel=parallel, context=context)
-        fast = config.model_copy(update={"engine_command": [sys.executable, str(FAKE_ENGINE), "--tok-s", "50"],
-                                         "tokenizer": "bytes", "port": free_port()})
-        return fast, messages
+        return config.model_copy(update={"port": free_port()}), messages
 
     monkeypatch.setattr(setup_mod, "build_config", build)
     app = StrataDeskApp()
@@ -433,7 +431,7 @@ async def test_live_first_run_setup_writes_config_and_starts(tmp_path: Path, tin
 
 
 async def test_live_broken_config_file_restored_from_backup(tmp_path: Path) -> None:
-    config = fake_config(tmp_path, flags=("--tok-s", "50"))
+    config = hashlm_config(tmp_path, ends=True, tok_s=50)
     save_config(load_config(config).model_copy(update={"parallel": 2}), config)  # .bak: parallel 4
     config.write_text('{"model": "x.gguf", "parallel": ')  # then the file breaks
     app = StrataDeskApp(config_path=config)
@@ -452,7 +450,7 @@ async def test_live_broken_config_file_restored_from_backup(tmp_path: Path) -> N
 
 async def test_live_engine_death_is_shown(tmp_path: Path) -> None:
     """An engine that dies under a request: the dashboard shows the error and why; r restarts."""
-    config = fake_config(tmp_path, flags=("--tok-s", "50", "--no-eos", "--die-after", "20"))
+    config = hashlm_config(tmp_path, tok_s=50, die_after=20)
     app = StrataDeskApp(config_path=config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)

@@ -1,6 +1,6 @@
-"""The dashboard in a real terminal: tmux starts it on a fake-engine config, the screen is read with
-capture-pane, keys are sent (help, a panel toggle, quit -> stop the server), and the process must
-exit 0 with the server stopped. Skipped only when tmux is not installed."""
+"""The dashboard in a real terminal: tmux starts it on a config for the real engine on a HashLM model,
+the screen is read with capture-pane, keys are sent (help, a panel toggle, quit -> stop the server),
+and the process must exit 0 with the server stopped. Skipped only when tmux is not installed."""
 
 from __future__ import annotations
 
@@ -14,25 +14,23 @@ import httpx
 import pytest
 from ports import free_port
 
+from engine import harness
+from engine.hashlm import write_hashlm
 from server.config import RunConfig, save_config
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
-    pytest.mark.skipif(not (ROOT / "server" / "__main__.py").is_file() or not FAKE_ENGINE.is_file(),
-                       reason="needs the server and the fake engine"),
+    pytest.mark.skipif(not (ROOT / "server" / "__main__.py").is_file(), reason="needs the server"),
 ]
 
 
-def fake_config(tmp_path: Path) -> Path:
-    model = tmp_path / "fake.gguf"
-    model.touch()
-    config = RunConfig(model=str(model), port=free_port(), parallel=4, tokenizer="bytes",
-                       engine_command=[sys.executable, str(FAKE_ENGINE), "--tok-s", "50"],
+def hashlm_config(tmp_path: Path) -> Path:
+    config = RunConfig(model=str(write_hashlm(tmp_path / "hashlm.gguf")), port=free_port(), parallel=4,
+                       tokenizer="bytes", device="cpu", engine_command=harness.command(tok_s=50),
                        log=str(tmp_path / "engine.log"))
-    return save_config(config, tmp_path / "strata-fake.json")
+    return save_config(config, tmp_path / "strata-hashlm.json")
 
 
 def tmux(*args: str) -> str:
@@ -56,7 +54,7 @@ def wait_screen(session: str, needle: str, timeout: float) -> str:
 
 def test_dashboard_in_tmux(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    config = fake_config(tmp_path)
+    config = hashlm_config(tmp_path)
     done = tmp_path / "exit-code"
     session = f"strata-desk-test-{tmp_path.name}"
     script = (f"from pathlib import Path; from tui.app import run_dashboard; "
