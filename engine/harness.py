@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
 
+import torch
+
 from engine import protocol as P
 from engine.__main__ import main as engine_main
 from engine.loading import log
@@ -76,7 +78,7 @@ class PacedRunner(Runner):
         self.step_s = 1 / switches.tok_s if switches.tok_s else 0.0
         self.read_token_s = 1 / switches.prefill_tok_s if switches.prefill_tok_s else 0.0
 
-    def read(self, session: Session, ids: list[int]):
+    def read(self, session: Session, ids: list[int]) -> torch.Tensor:
         started = time.perf_counter()
         logits = super().read(session, ids)
         _pace(started, len(ids) * self.read_token_s)
