@@ -129,7 +129,8 @@ void sd_parallel(int threads, int64_t items, int64_t chunk, sd_task fn, void *ct
     atomic_store(&P.next, 0);
     atomic_store(&P.pending, P.workers);
     atomic_fetch_add(&P.gen, 1);
-    if (atomic_load(&P.sleepers) > 0) {
+    int woken = atomic_load(&P.sleepers) > 0; /* a wake-up is slow too, but no sign of another program */
+    if (woken) {
         pthread_mutex_lock(&P.lock);
         pthread_cond_broadcast(&P.wake);
         pthread_mutex_unlock(&P.lock);
@@ -142,5 +143,5 @@ void sd_parallel(int threads, int64_t items, int64_t chunk, sd_task fn, void *ct
         if (spins % 4096 == 0) sched_yield();
     }
     double waited = now_us() - mine;
-    if (waited > 50.0 && waited > mine - start) P.alone = ALONE_CALLS;
+    if (!woken && waited > 50.0 && waited > mine - start) P.alone = ALONE_CALLS;
 }
