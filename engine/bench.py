@@ -79,6 +79,8 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         for _ in range(steps):
             state["token"] = runner.decode([Row(runner.solo, state["token"], greedy, 0)])[0]
 
+    read()  # warm-up, as llama-bench does: the first read also pays one-off costs (page faults, plans)
+    runner.solo.tokens = []
     prefill_s = timed(device, read)
     one_row(3)  # warm-up
     decode_s = timed(device, lambda: one_row(decode))
