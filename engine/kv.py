@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from engine.hyper import ring_lengths
+
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-
-
-def ring_lengths(windows: list[int | None], context: int, max_chunk: int) -> list[int]:
-    """Positions each layer keeps per session: the context, or a sliding layer's ring."""
-    return [context if w is None else min(context, w + max_chunk) for w in windows]
 
 
 class KVCache:
     """Keys and values of every layer for `sessions` sessions: `[sessions, kv_heads, length, head_dim]`,
     `length` per layer from `ring_lengths`."""
 
-    def __init__(self, windows: list[int | None], sessions: int, kv_heads: int, context: int, head_dim: int,
+    def __init__(self, windows: tuple[int | None, ...], sessions: int, kv_heads: int, context: int, head_dim: int,
                  max_chunk: int, dtype: torch.dtype, device: torch.device):
         self.lengths = ring_lengths(windows, context, max_chunk)
         self.k = [torch.zeros((sessions, kv_heads, n, head_dim), dtype=dtype, device=device) for n in self.lengths]
@@ -33,7 +30,7 @@ class KVCache:
         self.max_chunk = max_chunk
 
     @staticmethod
-    def bytes_per_session(windows: list[int | None], kv_heads: int, context: int, head_dim: int,
+    def bytes_per_session(windows: tuple[int | None, ...], kv_heads: int, context: int, head_dim: int,
                           max_chunk: int, dtype: torch.dtype) -> int:
         positions = sum(ring_lengths(windows, context, max_chunk))
         return 2 * positions * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

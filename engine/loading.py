@@ -10,7 +10,7 @@ from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
 from engine.kv import KV_DTYPES, KVCache
 from engine.memory import MIB, free_bytes
-from engine.models import architecture_of, load_model
+from engine.models import load_model
 from engine.models.base import Model
 from engine.protocol import MAX_SLOTS
 from engine.weights import planned_bytes
@@ -51,8 +51,7 @@ def pick_kv_dtype(name: str | None, device: torch.device, dtype: torch.dtype) ->
 def session_bytes(g: GGUFFile, context: int, max_chunk: int, kv_dtype: torch.dtype) -> int:
     """One session's KV bytes, sliding-window rings included."""
     h = Hyper.from_gguf(g)
-    windows = architecture_of(g).layer_windows(g, h)
-    return KVCache.bytes_per_session(windows, h.kv_heads, context, h.head_dim, max_chunk, kv_dtype)
+    return KVCache.bytes_per_session(h.windows, h.kv_heads, context, h.head_dim, max_chunk, kv_dtype)
 
 
 def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device,

@@ -21,14 +21,20 @@ class ModelFacts:
     expert_bytes: int = 0  # all routed experts of all layers, as stored in the file
     total_bytes: int = 0  # the file(s) on disk
     context_length: int = 0  # the model's trained context (0 = unknown)
+    windows: tuple[int | None, ...] = ()  # each layer's attention window (empty or None: the whole context)
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
         """K and V of every layer for one token: 2 * layers * kv_heads * head_dim * bytes (bf16 = 2)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_elem
 
-    def slot_bytes(self, context: int, bytes_per_elem: int = 2) -> int:
-        """One batch slot's session: its KV cache at the full context."""
-        return self.kv_bytes_per_token(bytes_per_elem) * context
+    def slot_bytes(self, context: int, bytes_per_elem: int = 2, max_chunk: int = 512) -> int:
+        """One batch slot's session: its KV cache at `context`, sliding-window layers keeping only
+        their ring (engine.hyper.ring_lengths; `max_chunk` is the engine's --prefill)."""
+        from engine.hyper import ring_lengths
+
+        windows = self.windows or (None,) * self.n_layers
+        positions = sum(ring_lengths(windows, context, max_chunk))
+        return 2 * positions * self.n_kv_heads * self.head_dim * bytes_per_elem
 
     @property
     def dense(self) -> bool:
@@ -64,4 +70,5 @@ class ModelFacts:
             expert_bytes=sum(t.nbytes for t in g.tensors.values() if "_exps" in t.name),
             total_bytes=sum(p.stat().st_size for p in parts),
             context_length=h.context,
+            windows=h.windows,
         )

@@ -210,3 +210,18 @@ def test_build_config_on_the_generated_test_model(tiny_model):
     config, messages = build_config(tiny_model, probe=_probe(24.0))
     assert config.parallel == 4 and config.model == str(tiny_model.resolve())
     assert any("MiB" in m for m in messages)
+
+
+def test_slot_bytes_count_sliding_window_rings(demo_model):
+    """Gemma 3: 15 of 18 layers keep a ring of window + prefill positions, not the whole context,
+    as the engine's cache does."""
+    import torch
+
+    from engine.gguf_file import GGUFFile
+    from engine.loading import session_bytes
+
+    facts = ModelFacts.from_gguf(demo_model)
+    assert facts.windows.count(None) == 3
+    engine_bytes = session_bytes(GGUFFile(demo_model), 32768, 512, torch.float16)
+    assert facts.slot_bytes(32768) == engine_bytes
+    assert facts.slot_bytes(32768) < facts.kv_bytes_per_token() * 32768 / 4

@@ -34,13 +34,8 @@ class Model:
         self.output_norm = self.w.vector("output_norm")
         self.output = self.w.linear("output") if self.w.has("output") else self.token_embd  # tied head
         self.blk = [self.w.block(i) for i in range(hyper.layers)]
-        self.kv = KVCache(self.layer_windows(g, hyper), sessions, hyper.kv_heads, context, hyper.head_dim,
+        self.kv = KVCache(hyper.windows, sessions, hyper.kv_heads, context, hyper.head_dim,
                           max_chunk, kv_dtype, device)
-
-    @classmethod
-    def layer_windows(cls, g: GGUFFile, hyper: Hyper) -> list[int | None]:
-        """Each layer's attention window (None: the whole context)."""
-        return [None] * hyper.layers
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embd.lookup(tokens).to(self.dtype)

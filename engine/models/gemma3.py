@@ -16,11 +16,6 @@ from engine.layers import Rope, rms_norm
 from engine.models.base import Model
 
 LOCAL_ROPE_BASE = 10_000.0  # not in the GGUF metadata: Gemma 3's sliding layers use this base
-FULL_ATTENTION_EVERY = 6  # every 6th layer attends to the whole context (layers 5, 11, 17, ...)
-
-
-def sliding_window(g: GGUFFile) -> int:
-    return int(g.arch_key("attention.sliding_window", 512))
 
 
 class Gemma3(Model):
@@ -30,29 +25,20 @@ class Gemma3(Model):
                  max_chunk: int, kv_dtype: torch.dtype):
         super().__init__(g, Hyper.from_gguf(g), device, dtype, sessions, context, max_chunk, kv_dtype)
         h = self.hyper
-        self.window = sliding_window(g)
         self.rope_full = Rope(h.head_dim, h.rope_base, context, device)
         self.rope_local = Rope(h.head_dim, LOCAL_ROPE_BASE, context, device)
         self.scale = 1.0 / math.sqrt(h.head_dim)
         self.embed_scale = torch.tensor(math.sqrt(h.hidden), dtype=dtype)
-
-    @staticmethod
-    def is_full(i: int) -> bool:
-        return (i + 1) % FULL_ATTENTION_EVERY == 0
-
-    @classmethod
-    def layer_windows(cls, g: GGUFFile, hyper: Hyper) -> list[int | None]:
-        return [None if cls.is_full(i) else sliding_window(g) for i in range(hyper.layers)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().embed(tokens) * self.embed_scale.to(self.device)
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper
-        full = self.is_full(i)
+        window = h.windows[i]  # None: a full-attention layer (hyper.FULL_ATTENTION_EVERY)
         a = rms_norm(x, b.attn_norm, h.eps)
-        rope = self.rope_full if full else self.rope_local
-        o = self.attention(i, a, rows, rope, self.scale, None if full else self.window)
+        rope = self.rope_full if window is None else self.rope_local
+        o = self.attention(i, a, rows, rope, self.scale, window)
         x = x + rms_norm(b.attn_output(o), b.post_attention_norm, h.eps)
         m = rms_norm(x, b.ffn_norm, h.eps)
         f = F.gelu(b.ffn_gate(m), approximate="tanh") * b.ffn_up(m)
