@@ -84,13 +84,11 @@ def attend(
         if span.end <= ring:  # no wrap: plain slices
             k_cache[span.session, :, span.start : span.end] = k[part].transpose(0, 1).to(k_cache.dtype)
             v_cache[span.session, :, span.start : span.end] = v[part].transpose(0, 1).to(v_cache.dtype)
+            keys, values = k_cache[span.session, :, lo : span.end], v_cache[span.session, :, lo : span.end]
         else:
             slots = torch.arange(span.start, span.end, device=q.device) % ring
             k_cache[span.session][:, slots] = k[part].transpose(0, 1).to(k_cache.dtype)
             v_cache[span.session][:, slots] = v[part].transpose(0, 1).to(v_cache.dtype)
-        if span.end <= ring:
-            keys, values = k_cache[span.session, :, lo : span.end], v_cache[span.session, :, lo : span.end]
-        else:
             seen = torch.arange(lo, span.end, device=q.device) % ring
             keys, values = k_cache[span.session][:, seen], v_cache[span.session][:, seen]
         if span.length == 1:

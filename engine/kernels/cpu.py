@@ -106,7 +106,6 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_int16.argtypes, lib.sd_int16.restype = [c_int], c_int
     f32 = ctypes.c_float
     lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
-    lib.sd_add_rms_norm.argtypes, lib.sd_add_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
     lib.sd_rope_neox.argtypes, lib.sd_rope_neox.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr], None
     lib.sd_attend_row.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, c_int, i64, i64, i64, f32, ptr, c_int]
     lib.sd_attend_row.restype = c_int
@@ -140,10 +139,6 @@ def unavailable_reason() -> str | None:
 
 def library() -> ctypes.CDLL:
     """The loaded kernels (engine/kernels/ops.py calls them too); RuntimeError when unavailable."""
-    return _require()
-
-
-def _require() -> ctypes.CDLL:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU quant kernels unavailable: {_reason}")
@@ -159,7 +154,7 @@ def row_bytes(qtype: Q, k: int) -> int:
     if n is None:
         if qtype not in SUPPORTED:
             raise ValueError(f"{Q(qtype).name} is not supported by the CPU kernels")
-        n = _require().sd_row_bytes(int(qtype), k)
+        n = library().sd_row_bytes(int(qtype), k)
         if n < 0:
             raise ValueError(f"k={k} is not a multiple of the {Q(qtype).name} block size")
         _row_bytes[(qtype, k)] = n
@@ -201,7 +196,7 @@ def set_int16(on: bool) -> None:
 def has_int16(qtype: Q) -> bool:
     """Whether `Matrix.matmul(..., int16=True)` runs integer products for `qtype` here (AVX2 builds, block
     types); elsewhere it takes the float path."""
-    return bool(_require().sd_int16(int(qtype)))
+    return bool(library().sd_int16(int(qtype)))
 
 
 class Matrix:
@@ -211,7 +206,7 @@ class Matrix:
     def __init__(self, qtype: Q, blocks: torch.Tensor, k: int):
         _check_blocks(qtype, blocks, k)
         self.qtype, self.blocks, self.k, self.n = int(qtype), blocks, k, blocks.shape[0]
-        self._lib = _require()
+        self._lib = library()
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, int16: bool | None = None) -> torch.Tensor:
         """x [m, k] @ W.T -> float32 [m, n]; int16 None: as `set_int16` chose."""

@@ -25,14 +25,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x += rms_norm(y) * weight, in place; returns x."""
-    y = y.contiguous()
-    dim = x.shape[-1]
-    cpu.library().sd_add_rms_norm(x.data_ptr(), y.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps)
-    return x
-
-
 def rope_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, dim] rotated at positions [N] (int64), tables cos/sin [context, dim / 2]."""
     x = x.contiguous()

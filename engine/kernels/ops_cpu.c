@@ -30,16 +30,6 @@ void sd_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
     }
 }
 
-/* x[r] += rms_norm(y[r]) * w: a post-norm residual in one pass. */
-void sd_add_rms_norm(float *x, const float *y, const float *w, int64_t rows, int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; r++, x += dim, y += dim) {
-        double ss = 0.0;
-        for (int64_t i = 0; i < dim; i++) ss += (double)y[i] * y[i];
-        float scale = (float)(1.0 / sqrt(ss / (double)dim + eps));
-        for (int64_t i = 0; i < dim; i++) x[i] += y[i] * scale * w[i];
-    }
-}
-
 /* NEOX rotation of x [rows, heads, dim] at pos[r] into out (which may be x), with tables cos/sin
  * [positions, dim/2]. */
 void sd_rope_neox(const float *x, float *out, const int64_t *pos, int64_t rows, int64_t heads, int64_t dim,
