@@ -129,39 +129,76 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(driver: Driver, prompts: list[list[int]], max_new: int, keys: str = "") -> list[str]:
-    """Each prompt alone, then all together in slots; returns one failure message per divergence."""
+def solo_and_batch(driver: Driver, prompts: list[list[int]], max_new: int, keys: str = "") -> list[tuple[list[int], list[int]]]:
+    """Each prompt alone, then all together in slots: (solo tokens, batch tokens) per slot."""
     alone = []
     for ids in prompts:
         driver.reset()
         alone.append(collect(driver.run([gen(ids, max_new, keys)])).solo[0])
     driver.reset()
     together = collect(driver.run([bgen(i, ids, max_new, keys) for i, ids in enumerate(prompts)])).slots
+    return [(solo, together.get(i, [])) for i, solo in enumerate(alone)]
+
+
+def compare(driver: Driver, prompts: list[list[int]], max_new: int, keys: str = "") -> list[str]:
+    """One failure message per slot whose batch tokens differ from its solo tokens."""
     failures = []
-    for i, solo in enumerate(alone):
-        at = first_divergence(solo, together.get(i, []))
+    for i, (solo, batch) in enumerate(solo_and_batch(driver, prompts, max_new, keys)):
+        at = first_divergence(solo, batch)
         if at is not None:
-            failures.append(f"slot {i}: first divergence at token {at}: solo {solo[at:at + 4]} batch {together.get(i, [])[at:at + 4]}")
+            failures.append(f"slot {i}: first divergence at token {at}: solo {solo[at:at + 4]} batch {batch[at:at + 4]}")
     return failures
 
 
+def agreement(driver: Driver, prompts: list[list[int]], max_new: int, keys: str = "") -> tuple[int, int]:
+    """(tokens equal to solo before each slot's first divergence, tokens in all): default mode's figure."""
+    pairs = solo_and_batch(driver, prompts, max_new, keys)
+    equal = sum(len(solo) if first_divergence(solo, batch) is None else first_divergence(solo, batch) for solo, batch in pairs)
+    return equal, sum(len(solo) for solo, _ in pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from engine import scenarios  # it builds on this module's Driver
+
     p = argparse.ArgumentParser(prog="strata-desk check", description="batch-vs-solo token equality on your model")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--slots", default="4", help="slot counts to compare, e.g. 2,4,8")
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--keys", default="", help="sampling keys, e.g. 'temperature=0.7 seed=7'")
+    p.add_argument("--interleave", action="store_true",
+                   help="also the interleave cases: " + ", ".join(scenarios.INTERLEAVES))
+    p.add_argument("--runs", type=int, default=1, help="run everything this many times (kernels must not vary run to run)")
+    p.add_argument("--default-mode", action="store_true",
+                   help="also count how many tokens equal solo without --exact (a figure, not a pass)")
     args = p.parse_args(argv)
-    driver = Driver.load(args.model, args.slots, args.device)
-    prompts = sample_prompts(driver.model.hyper.vocab, args.slots)
+    try:
+        counts = sorted({int(n) for n in args.slots.split(",")})
+    except ValueError:
+        p.error(f"--slots takes slot counts like 2,4,8, not {args.slots!r}")
+    if counts[0] < 1 or args.runs < 1:
+        p.error("--slots and --runs must be at least 1")
+    slots = max(counts + ([3] if args.interleave else []))
+    driver = Driver.load(args.model, slots, args.device)
+    cases = {f"{n} slots": (lambda d, keys, n=n: scenarios.slots_n(d, keys, n=n, seed=n, max_new=args.max_new)) for n in counts}
+    if args.interleave:
+        cases |= scenarios.INTERLEAVES
+    failed = 0
     with torch.inference_mode():
-        failures = compare(driver, prompts, args.max_new, args.keys)
-    for f in failures:
-        print("FAIL", f)
-    if not failures:
-        print(f"PASS: {args.slots} conversations of {args.max_new} tokens, batch tokens equal solo tokens ({driver.model.device}, exact mode)")
-    return 1 if failures else 0
+        for run in range(1, args.runs + 1):
+            for name, case in cases.items():
+                failures = case(driver, args.keys).failures
+                failed += bool(failures)
+                print(f"{'FAIL' if failures else 'PASS'} run {run}: {name}" + "".join(f"\n  {f}" for f in failures), flush=True)
+        if args.default_mode:
+            loose = Driver(driver.model, driver.stop_ids, slots, exact=False)
+            for run in range(1, args.runs + 1):
+                equal, total = agreement(loose, sample_prompts(driver.model.hyper.vocab, slots, seed=slots), args.max_new, args.keys)
+                print(f"default mode run {run}: {equal} of {total} tokens equal to solo ({slots} slots)", flush=True)
+    mode = f"{driver.model.device}, exact mode, {'sampled: ' + args.keys if args.keys else 'greedy'}"
+    total = args.runs * len(cases)
+    print(f"{'PASS' if not failed else 'FAIL'}: {total - failed} of {total} runs gave batch tokens equal to solo tokens ({mode})")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

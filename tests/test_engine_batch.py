@@ -12,8 +12,10 @@ import torch
 from engine import protocol as P
 from engine.batch import Span
 from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
+from engine.scenarios import give_way, long_read, next_turn, slots_n, solo, stop_solo
 
 PENALTIES = "repeat_penalty=1.3 presence_penalty=0.5 frequency_penalty=0.5 repeat_last_n=12"
+SAMPLED = "temperature=0.9 top_p=0.95 top_k=40 seed=1234"
 
 
 @pytest.fixture(scope="module")
@@ -22,27 +24,19 @@ def driver(tiny_model):
     return Driver.load(str(tiny_model), slots=8, exact=True, prefill=16)
 
 
-def solo_tokens(driver, ids, max_new, keys=""):
-    driver.reset()
-    return collect(driver.run([gen(ids, max_new, keys)])).solo[0]
-
-
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_batch_equals_solo_greedy(driver, n):
-    prompts = sample_prompts(driver.model.hyper.vocab, n, seed=n)
-    assert compare(driver, prompts, max_new=24) == []
+    assert slots_n(driver, n=n, seed=n).failures == []
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_batch_equals_solo_sampled(driver, n):
-    prompts = sample_prompts(driver.model.hyper.vocab, n, seed=100 + n)
-    assert compare(driver, prompts, max_new=24, keys="temperature=0.9 top_p=0.95 top_k=40 seed=1234") == []
+    assert slots_n(driver, SAMPLED, n=n, seed=100 + n).failures == []
 
 
 @pytest.mark.parametrize("keys", [PENALTIES, PENALTIES + " temperature=0.9 top_k=40 seed=77"], ids=["greedy", "sampled"])
 def test_batch_equals_solo_with_penalties(driver, keys):
-    prompts = sample_prompts(driver.model.hyper.vocab, 4, seed=200)
-    assert compare(driver, prompts, max_new=24, keys=keys) == []
+    assert slots_n(driver, keys, n=4, seed=200).failures == []
 
 
 def test_batches_really_share_windows(driver):
@@ -53,44 +47,30 @@ def test_batches_really_share_windows(driver):
     assert stats.windows < stats.tokens  # several rows per window
 
 
-def test_long_prompt_read_while_two_slots_decode(driver):
-    vocab = driver.model.hyper.vocab
-    a, b, long = sample_prompts(vocab, 2, seed=21) + sample_prompts(vocab, 1, seed=22, lo=200, hi=200)
-    expected = [solo_tokens(driver, p, 32) for p in (a, b, long)]
-    driver.reset()
-    # the long admission arrives after the two slots have started decoding
-    hooks = [(lambda line: line.startswith("BT 1"), [bgen(2, long, 32)])]
-    lines = driver.run([bgen(0, a, 32), bgen(1, b, 32)], hooks)
-    got = collect(lines).slots
-    assert [got[0], got[1], got[2]] == expected
+@pytest.mark.parametrize("keys", ["", SAMPLED], ids=["greedy", "sampled"])
+def test_long_prompt_read_while_two_slots_decode(driver, keys):
+    r = long_read(driver, keys, length=200)
+    assert r.failures == []
     # the slots decoded between the long prompt's chunks
-    long_chunks = [i for i, ln in enumerate(lines) if ln.startswith("PP") and P.parse_reply(ln).total == len(long)]
-    assert len(long_chunks) == len(long) // 16 + (len(long) % 16 > 0)
-    assert any(ln.startswith("BT 0") for ln in lines[long_chunks[0] : long_chunks[-1]])
+    long_chunks = [i for i, ln in enumerate(r.lines) if ln.startswith("PP") and P.parse_reply(ln).total == 200]
+    assert len(long_chunks) == 200 // 16 + 1
+    assert any(ln.startswith("BT 0") for ln in r.lines[long_chunks[0] : long_chunks[-1]])
 
 
-def test_read_that_gives_way_goes_on_from_its_slot(driver):
-    vocab = driver.model.hyper.vocab
-    long = sample_prompts(vocab, 1, seed=31, lo=120, hi=120)[0]
-    short = sample_prompts(vocab, 1, seed=32, lo=10, hi=10)[0]
-    expected_long, expected_short = solo_tokens(driver, long, 20), solo_tokens(driver, short, 20)
-    driver.reset()
-    # after the long read's second chunk the server asks it to give way
-    hooks = [(lambda line: line.startswith("PP 32 120"), ["BYIELD 0"])]
-    lines = driver.run([bgen(0, long, 20)], hooks)
-    yielded = [P.parse_reply(ln) for ln in lines if ln.startswith("YIELDED")]
-    assert yielded == [P.Yielded(0, 32)]
-    assert lines[-2].endswith("cancel 0 0 0 0 0") and lines[-1] == "BADM 0 0"
-    lines = driver.run([bgen(1, short, 20), bgen(0, long, 20)])
-    assert "RESUME 32" in lines
-    got = collect(lines).slots
-    assert got[1] == expected_short and got[0] == expected_long
+@pytest.mark.parametrize("keys", ["", SAMPLED], ids=["greedy", "sampled"])
+def test_read_that_gives_way_goes_on_from_its_slot(driver, keys):
+    r = give_way(driver, keys, length=120)
+    assert r.failures == []
+    assert [ln for ln in r.lines if ln.startswith("YIELDED")] == ["YIELDED 0 32"]
+    given_way = r.lines.index("YIELDED 0 32")
+    assert r.lines[given_way + 1].endswith("cancel 0 0 0 0 0") and r.lines[given_way + 2] == "BADM 0 0"
+    assert "RESUME 32" in r.lines
 
 
 def test_solo_read_yields_into_a_free_slot(driver):
     vocab = driver.model.hyper.vocab
     long = sample_prompts(vocab, 1, seed=41, lo=100, hi=100)[0]
-    expected = solo_tokens(driver, long, 12)
+    expected = solo(driver, long, 12)
     driver.reset()
     lines = driver.run([gen(long, 12)], [(lambda line: line.startswith("PP 16 100"), ["BYIELD 3"])])
     assert "YIELDED 3 16" in lines
@@ -98,50 +78,24 @@ def test_solo_read_yields_into_a_free_slot(driver):
     assert got == expected
 
 
-def test_next_turn_continues_from_its_slot(driver):
-    vocab = driver.model.hyper.vocab
-    turn1, other = sample_prompts(vocab, 2, seed=51)
-    extra = sample_prompts(vocab, 1, seed=52, lo=6, hi=6)[0]
-    # solo reference: the two turns one after the other on the solo path
-    driver.reset()
-    first = collect(driver.run([gen(turn1, 10)])).solo[0]
-    turn2 = turn1 + first + extra  # the client kept the reply
-    turn2_dropped = turn1 + extra  # the client dropped the reply (e.g. its thinking)
-    ref2 = collect(driver.run([gen(turn2, 10)])).solo[0]
-    driver.reset()
-    collect(driver.run([gen(turn1, 10)]))
-    ref2_dropped = collect(driver.run([gen(turn2_dropped, 10)])).solo[0]
-
-    driver.reset()
-    got1 = collect(driver.run([bgen(0, turn1, 10), bgen(1, other, 10)])).slots[0]
-    assert got1 == first
-    lines = driver.run([bgen(0, turn2, 10)])
-    assert f"RESUME {len(turn1) + len(first) - 1}" in lines
-    assert collect(lines).slots[0] == ref2
-    # the same slot again, from the turn boundary, the reply dropped
-    driver.reset()
-    driver.run([bgen(0, turn1, 10), bgen(1, other, 10)])
-    lines = driver.run([bgen(0, turn2_dropped, 10)])
-    assert f"RESUME {len(turn1)}" in lines
-    assert collect(lines).slots[0] == ref2_dropped
+@pytest.mark.parametrize("keys", ["", SAMPLED], ids=["greedy", "sampled"])
+def test_next_turn_continues_from_its_slot(driver, keys):
+    r = next_turn(driver, keys, seed=51, max_new=10)
+    assert r.failures == []
+    turn1 = sample_prompts(driver.model.hyper.vocab, 2, seed=51)[0]
+    first = solo(driver, turn1, 10, keys)
+    resumed = [ln for ln in r.lines if ln.startswith("RESUME")]
+    # from the end of the reply when the client kept it, from the turn boundary when it dropped it
+    assert resumed == [f"RESUME {len(turn1) + len(first) - 1}", f"RESUME {len(turn1)}"]
 
 
-@pytest.mark.parametrize("keys", ["", PENALTIES], ids=["plain", "penalties"])
+@pytest.mark.parametrize("keys", ["", PENALTIES, SAMPLED], ids=["plain", "penalties", "sampled"])
 def test_stopped_in_slot_then_continued_on_the_solo_path(driver, keys):
-    vocab = driver.model.hyper.vocab
-    a, b = sample_prompts(vocab, 2, seed=61)
-    expected = solo_tokens(driver, a, 30, keys)
-    # stop slot 0 after its 8th slot token, then continue the request alone with GEN
-    driver.reset()
-    hooks = [(lambda line, n=[0]: line.startswith("BT 0") and (n.__setitem__(0, n[0] + 1) or n[0] == 8), ["BSTOP 0"])]
-    lines = driver.run([bgen(0, a, 30, keys), bgen(1, b, 30)], hooks)
-    part = collect(lines).slots[0]
-    bdone = next(P.parse_reply(ln) for ln in lines if ln.startswith("BDONE 0"))
-    assert bdone.finish == "cancel" and bdone.generated == len(part) - 1
-    lines = driver.run([gen(a + part, 30 - len(part), keys)])
-    assert f"RESUME {len(a) + len(part) - 1}" in lines
-    rest = collect(lines).solo[0]
-    assert part + rest == expected
+    r = stop_solo(driver, keys, after=8)
+    assert r.failures == []
+    bdone = next(P.parse_reply(ln) for ln in r.lines if ln.startswith("BDONE 0"))
+    assert bdone.finish == "cancel" and bdone.generated == len(collect(r.lines).slots[0]) - 1
+    assert any(ln.startswith("RESUME") for ln in r.lines)
 
 
 def test_bad_batch_commands(driver):
