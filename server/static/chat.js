@@ -54,6 +54,7 @@ async function checkHealth() {
     const resp = await fetch("/health", { cache: "no-store" });
     const health = await resp.json();
     ready = health.status === "ok";
+    $("api-key").placeholder = health.api_key ? "this server needs one" : "not needed by this server";
     if (ready) {
       status.textContent = "ready";
       status.className = "status ok";
