@@ -170,6 +170,7 @@ def test_loading_reasoning_streaming_stop_and_new_chat(browser, servers):
     text, state = page.last_reply()
     assert state == "stopped" and ANSWER.startswith(text) and len(text) < len(ANSWER)
     assert page.text_of(".message.assistant .note") == "stopped"
+    wait_for(browser, lambda: srv.metrics()["totals"]["disconnects"] == 1, "Stop did not end the engine's work")
 
     page.el("#new-chat").click()
     assert page.messages() == [] and page.error() == ""
@@ -214,12 +215,14 @@ def test_two_turns_behind_the_key(browser, servers):
 def test_page_files_need_no_key_but_keep_the_host_check(servers):
     slow, keyed = servers
     keyed.wait_ready()
-    for path, kind in [("/", "text/html"), ("/static/chat.js", "text/javascript"), ("/static/chat.css", "text/css")]:
-        r = httpx.get(keyed.base + path)  # no key
-        assert r.status_code == 200 and r.headers["content-type"].startswith(kind), (path, r.status_code)
-        assert "default-src 'self'" in r.headers["content-security-policy"]
-    assert httpx.get(keyed.base + "/v1/models").status_code == 401
-    assert httpx.get(keyed.base + "/static/other.js").status_code == 401  # only the page's own files are open
-    # without a key the Host check (DNS rebinding) covers the page as every other path
-    assert httpx.get(slow.base + "/", headers={"Host": "evil.example"}).status_code == 403
-    assert httpx.get(slow.base + "/", headers={"Host": f"localhost:{slow.port}"}).status_code == 200
+    with httpx.Client() as client:  # no key
+        for path, kind in [("/", "text/html"), ("/static/chat.js", "text/javascript"),
+                           ("/static/chat.css", "text/css")]:
+            r = client.get(keyed.base + path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind), (path, r.status_code)
+            assert "default-src 'self'" in r.headers["content-security-policy"]
+        assert client.get(keyed.base + "/v1/models").status_code == 401
+        assert client.get(keyed.base + "/static/other.js").status_code == 401  # only the page's own files
+        # without a key the Host check (DNS rebinding) covers the page as every other path
+        assert client.get(slow.base + "/", headers={"Host": "evil.example"}).status_code == 403
+        assert client.get(slow.base + "/", headers={"Host": f"localhost:{slow.port}"}).status_code == 200
