@@ -63,10 +63,10 @@ ANSWER = "Hello there! This reply streams slowly, so that the stop button can cu
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
-    """Both servers start at once, while the browser starts: `slow` (no key, a reasoning reply at 40
-    tokens a second, its engine 2 s late, so the first test meets it loading) and `keyed` (API key,
+    """Both servers start at once, while the browser starts: `slow` (no key, a reasoning reply at 25
+    tokens a second, its engine 3 s late, so the first test meets it loading) and `keyed` (API key,
     HashLM's hash rule: each reply depends on the whole conversation)."""
-    slow = LiveServer(tmp_path_factory.mktemp("chat-slow"), switches={"startup_s": 2.0, "tok_s": 40},
+    slow = LiveServer(tmp_path_factory.mktemp("chat-slow"), switches={"startup_s": 3.0, "tok_s": 25},
                       rule=Rule(text=f"<think>{THOUGHT}</think>{ANSWER}"), wait=False)
     keyed = LiveServer(tmp_path_factory.mktemp("chat-keyed"), config={"api_key": KEY}, wait=False)
     yield slow, keyed

@@ -223,7 +223,9 @@ async function send(text) {
       note = "stopped";
     } else {
       state = "error";
-      showError(err instanceof RequestError ? err.message : "Cannot reach the server: " + err.message);
+      if (err instanceof RequestError) showError(err.message);
+      else if (err instanceof TypeError) showError("Cannot reach the server: " + err.message);
+      else showError("The reply could not be read: " + err.message);
     }
   } finally {
     controller = null;
