@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.chat_template import ChatTemplate
+from server import chat_page
 from server import openai_api as api
 from server.access_log import AccessLog
 from server.auth import Guard
@@ -363,10 +364,11 @@ def build_app(config: RunConfig, config_path: str | None = None, api_key: str | 
         Route("/v1/status", status, methods=["GET"]),
         Route("/metrics", metrics_json, methods=["GET"]),
         Route("/metrics/prometheus", metrics_prometheus, methods=["GET"]),
+        *chat_page.routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _not_found})
     app.state.strata = st
-    guarded = Guard(app, api_key, config.host, config.allowed_hosts, config.max_body_bytes)
+    guarded = Guard(app, api_key, config.host, config.allowed_hosts, config.max_body_bytes, chat_page.PAGE_PATHS)
     logged = AccessLog(guarded, say)
     logged.state = st  # type: ignore[attr-defined]
     return logged

@@ -1,7 +1,9 @@
 """Who may talk to the server: API key (Bearer or x-api-key, constant-time), Host check, body size.
 
 An ASGI middleware (no per-request Starlette objects). `/health` is public. With a key, the key is
-the check; without one (loopback only), the Host header must be a local name (DNS-rebinding guard).
+the check, except for `page_paths` (the chat page's static files, which carry no data: a browser
+opening the URL cannot send a key); without one (loopback only), the Host header must be a local name
+on every path but `/health` (DNS-rebinding guard).
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def host_allowed(name: str, bind_host: str, allowed: list[str]) -> bool:
 
 
 class Guard:
-    def __init__(self, app: Any, api_key: str | None, bind_host: str, allowed_hosts: list[str], max_body: int):
+    def __init__(self, app: Any, api_key: str | None, bind_host: str, allowed_hosts: list[str], max_body: int,
+                 page_paths: frozenset[str] = frozenset()):
         self.app = app
+        self.page_paths = page_paths
         self.key = api_key.encode() if api_key else None
         self.bind_host = bind_host
         self.allowed = list(allowed_hosts)
@@ -60,7 +64,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.key is not None:
+        if self.key is not None and scope["path"] not in self.page_paths:
             given = headers.get("x-api-key")
             auth = headers.get("authorization", "")
             if given is None and auth[:7].lower() == "bearer ":
@@ -72,7 +76,7 @@ class Guard:
             if not hmac.compare_digest(given.encode(), self.key):
                 await _reject(send, 401, "invalid API key", "invalid_api_key")
                 return
-        else:
+        elif self.key is None:
             name = host_name(headers.get("host", ""))
             if not host_allowed(name, self.bind_host, self.allowed):
                 await _reject(send, 403, f"Host '{name}' is not allowed (add it to the config's allowed_hosts, or "
