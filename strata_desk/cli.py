@@ -21,6 +21,7 @@ from strata_desk import paths
 
 PROG = "strata-desk"
 PASSTHROUGH = {"bench-engine": "engine.bench", "check": "engine.check"}
+DEMO_MODELS = {"gemma": "demo_model_path", "chat": "chat_model_path", "moe": "moe_model_path"}  # in strata_desk.demo
 
 
 class CliError(Exception):
@@ -61,8 +62,8 @@ def _gguf_model(text: str) -> Path:
     return model
 
 
-def _demo_model() -> Path:
-    demo_model_path = _import("strata_desk.demo", "demo_model_path", "the demo model")
+def _demo_model(name: str) -> Path:
+    demo_model_path = _import("strata_desk.demo", DEMO_MODELS[name], f"the {name} demo model")
     try:
         return Path(demo_model_path())
     except (RuntimeError, OSError, ValueError) as exc:  # DemoModelMissing, a bad assembly
@@ -109,8 +110,8 @@ def _chosen_model(args: argparse.Namespace) -> Path | None:
     chosen = [name for name in ("demo", "model", "config") if getattr(args, name, None)]
     if len(chosen) > 1:
         raise CliError("choose one of " + ", ".join(f"--{c}" for c in chosen))
-    if getattr(args, "demo", False):
-        return _demo_model()
+    if getattr(args, "demo", None):
+        return _demo_model(args.demo)
     if getattr(args, "model", None):
         return _model_path(args.model)
     return None
@@ -401,7 +402,9 @@ def cmd_install_service(args: argparse.Namespace) -> int:
 
 
 def _model_args(parser: argparse.ArgumentParser, config: bool) -> None:
-    parser.add_argument("--demo", action="store_true", help="the demo model (Gemma 3 270M)")
+    parser.add_argument("--demo", nargs="?", const="gemma", choices=list(DEMO_MODELS), metavar="gemma|chat|moe",
+                        help="a demo model: gemma (the default: Gemma 3 270M, a base model), chat (SmolLM2 135M "
+                        "Instruct, downloaded once) or moe (a generated MoE model: its text is meaningless)")
     parser.add_argument("--model", metavar="X.gguf", help="make or reuse the config for this model")
     if config:
         parser.add_argument("--config", metavar="FILE", help="a run config strata-<model>.json")
