@@ -22,6 +22,10 @@ from strata_desk import paths
 PROG = "strata-desk"
 PASSTHROUGH = {"bench-engine": "engine.bench", "check": "engine.check"}
 DEMO_MODELS = {"gemma": "demo_model_path", "chat": "chat_model_path", "moe": "moe_model_path"}  # in strata_desk.demo
+# A demo's sampling defaults, written into its config when it is made. SmolLM2 135M at Q4_1 loops on
+# greedy replies ("Say hello in English." -> a row of stars; transformers does the same on that file):
+# llama.cpp's former default repeat penalty breaks the loop.
+DEMO_SAMPLING: dict[str, dict[str, float]] = {"chat": {"repeat_penalty": 1.1}}
 
 
 class CliError(Exception):
@@ -88,8 +92,10 @@ def update_config(config_path: Path, *, model: Path | None = None, parallel: int
         say(f"updated {config_path}: " + ", ".join(f"{k} = {v}" for k, v in changes.items()))
 
 
-def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False) -> Path:
-    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup."""
+def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False,
+                  sampling: dict[str, float] | None = None) -> Path:
+    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup
+    (with `sampling` as its sampling defaults)."""
     from strata_desk.setup import build_config, write_config
 
     say: Callable[[str], Any] = (lambda _text: None) if quiet else print
@@ -99,6 +105,9 @@ def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False)
         paths.remember_last_config(target)
         return target
     config, messages = build_config(model, parallel=parallel)
+    if sampling:
+        config = validate_config({**config.model_dump(mode="json", exclude_defaults=True), "sampling": sampling},
+                                 str(target))
     for line in messages:
         say(f"  {line}")
     path = write_config(config)
@@ -133,10 +142,10 @@ def _target_config(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     return path, None
 
 
-def _apply_config(target: Path, model: Path | None, parallel: int | None) -> Path:
+def _apply_config(target: Path, model: Path | None, parallel: int | None, demo: str | None = None) -> Path:
     """Make or update (--parallel) the config, once every check has passed."""
     if model is not None:
-        return ensure_config(model, parallel)
+        return ensure_config(model, parallel, sampling=DEMO_SAMPLING.get(demo or ""))
     update_config(target, parallel=parallel)
     return target
 
@@ -177,7 +186,7 @@ def _run_dashboard(config: Path | None, **kwargs: Any) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     target, model = _target_config(args)
-    config = _apply_config(target, model, args.parallel) if target is not None else None
+    config = _apply_config(target, model, args.parallel, args.demo) if target is not None else None
     if config is not None:  # None -> the dashboard shows its first-run screen
         paths.remember_last_config(config)
     return _run_dashboard(config, host=args.host, port=args.port)
@@ -213,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("no config: give --model X.gguf, --config FILE or --demo (or run strata-desk setup)")
     if target.is_file():
         _check_can_serve(target, load_config(target), args)
-    config_path = _apply_config(target, model, args.parallel)
+    config_path = _apply_config(target, model, args.parallel, args.demo)
     config = load_config(config_path)
     _check_can_serve(config_path, config, args)  # a config made just now has not been checked yet
     argv = server_args(config_path, args.host, args.port, args.api_key)

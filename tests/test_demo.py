@@ -151,3 +151,16 @@ def test_an_unknown_demo_is_refused_and_writes_nothing(tmp_path, monkeypatch, ca
     assert main(["serve", "--demo", "mixtral"]) == 2
     assert "invalid choice: 'mixtral' (choose from 'gemma', 'chat', 'moe')" in capsys.readouterr().err
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("name, sampling", [("chat", {"repeat_penalty": 1.1}), ("moe", {})])
+def test_a_demo_config_gets_the_demo_sampling_defaults(tmp_path, monkeypatch, tiny_model, name, sampling):
+    from server.config import load_config
+    from strata_desk import cli, paths
+
+    monkeypatch.setenv("STRATA_DESK_HOME", str(tmp_path))
+    monkeypatch.setattr(demo, f"{name}_model_path", lambda: tiny_model)
+    monkeypatch.setattr(cli, "_run_dashboard", lambda config, **_kwargs: 0)
+    assert main(["--demo", name]) == 0
+    config = load_config(paths.config_path_for(tiny_model))
+    assert config.sampling.model_dump(exclude_none=True) == sampling
