@@ -22,10 +22,11 @@ from strata_desk import paths
 PROG = "strata-desk"
 PASSTHROUGH = {"bench-engine": "engine.bench", "check": "engine.check"}
 DEMO_MODELS = {"gemma": "demo_model_path", "chat": "chat_model_path", "moe": "moe_model_path"}  # in strata_desk.demo
-# A demo's sampling defaults, written into its config when it is made. SmolLM2 135M at Q4_1 loops on
-# greedy replies ("Say hello in English." -> a row of stars; transformers does the same on that file):
-# llama.cpp's former default repeat penalty breaks the loop.
-DEMO_SAMPLING: dict[str, dict[str, float]] = {"chat": {"repeat_penalty": 1.1}}
+# What a demo's config gets when it is made. SmolLM2 135M at Q4_1 loops on greedy replies ("Say hello
+# in English." -> a row of stars; transformers does the same on that file): llama.cpp's former default
+# repeat penalty breaks the loop. The MoE demo is there to show slots at work, also where setup would
+# pick one request at a time (a CPU).
+DEMO_CONFIG: dict[str, dict[str, Any]] = {"chat": {"sampling": {"repeat_penalty": 1.1}}, "moe": {"parallel": 4}}
 
 
 class CliError(Exception):
@@ -93,9 +94,9 @@ def update_config(config_path: Path, *, model: Path | None = None, parallel: int
 
 
 def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False,
-                  sampling: dict[str, float] | None = None) -> Path:
-    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup
-    (with `sampling` as its sampling defaults)."""
+                  defaults: dict[str, Any] | None = None) -> Path:
+    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup,
+    with `defaults` (config keys) where the user did not choose."""
     from strata_desk.setup import build_config, write_config
 
     say: Callable[[str], Any] = (lambda _text: None) if quiet else print
@@ -104,10 +105,10 @@ def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False,
         update_config(target, model=model, parallel=parallel, say=say)
         paths.remember_last_config(target)
         return target
-    config, messages = build_config(model, parallel=parallel)
-    if sampling:
-        config = validate_config({**config.model_dump(mode="json", exclude_defaults=True), "sampling": sampling},
-                                 str(target))
+    defaults = dict(defaults or {})
+    config, messages = build_config(model, parallel=parallel or defaults.pop("parallel", None))
+    if defaults:
+        config = validate_config({**defaults, **config.model_dump(mode="json", exclude_defaults=True)}, str(target))
     for line in messages:
         say(f"  {line}")
     path = write_config(config)
@@ -145,7 +146,7 @@ def _target_config(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
 def _apply_config(target: Path, model: Path | None, parallel: int | None, demo: str | None = None) -> Path:
     """Make or update (--parallel) the config, once every check has passed."""
     if model is not None:
-        return ensure_config(model, parallel, sampling=DEMO_SAMPLING.get(demo or ""))
+        return ensure_config(model, parallel, defaults=DEMO_CONFIG.get(demo or ""))
     update_config(target, parallel=parallel)
     return target
 

@@ -95,11 +95,23 @@ def moe_model_path() -> Path:
     """Path of the generated MoE demo model, written into the cache on first use (a few seconds)."""
     from strata_desk.testmodel import write_test_model
 
-    target = demo_cache_dir() / f"strata-moe-demo-{MOE_PRESET}-skew{MOE_ROUTER_SKEW:g}-{MOE_DTYPE}.gguf"
-    if not target.is_file():
+    target = demo_cache_dir() / f"strata-moe-demo-{MOE_DTYPE}.gguf"
+    if not _is_moe_demo(target):
         write_whole(target, lambda part: write_test_model(part, preset=MOE_PRESET, dtype=MOE_DTYPE,
                                                           router_skew=MOE_ROUTER_SKEW), check_gguf)
     return target
+
+
+def _is_moe_demo(path: Path) -> bool:
+    """The file is there and was written with today's preset and skew (else it is written again)."""
+    from engine.gguf_file import GGUFError, GGUFFile
+
+    try:
+        meta = GGUFFile(path).metadata
+    except (GGUFError, OSError):
+        return False
+    return (meta.get("general.name") == f"strata-desk test model ({MOE_PRESET})"
+            and meta.get("strata.test_model.router_skew") == MOE_ROUTER_SKEW)
 
 
 # -- the pieces ---------------------------------------------------------------------------------

@@ -115,7 +115,11 @@ def test_offline_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
 def test_moe_demo_is_written_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_DESK_HOME", str(tmp_path))
     monkeypatch.setattr(demo, "MOE_PRESET", "tiny")  # the same path, on the tiny preset (fast)
+    stale = demo.demo_cache_dir() / "strata-moe-demo-q8_0.gguf"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older or broken file")
     path = demo.moe_model_path()
+    assert path == stale
     assert path.parent == tmp_path / "cache" / "demo" and listing(path.parent) == [path.name]
     g = GGUFFile(path)
     assert g.architecture == "qwen3moe" and g.get("strata.test_model.router_skew") == demo.MOE_ROUTER_SKEW > 0
@@ -153,8 +157,8 @@ def test_an_unknown_demo_is_refused_and_writes_nothing(tmp_path, monkeypatch, ca
     assert listing(tmp_path) == []
 
 
-@pytest.mark.parametrize("name, sampling", [("chat", {"repeat_penalty": 1.1}), ("moe", {})])
-def test_a_demo_config_gets_the_demo_sampling_defaults(tmp_path, monkeypatch, tiny_model, name, sampling):
+@pytest.mark.parametrize("name, sampling, parallel", [("chat", {"repeat_penalty": 1.1}, None), ("moe", {}, 4)])
+def test_a_new_demo_config_gets_the_demo_defaults(tmp_path, monkeypatch, tiny_model, name, sampling, parallel):
     from server.config import load_config
     from strata_desk import cli, paths
 
@@ -164,3 +168,7 @@ def test_a_demo_config_gets_the_demo_sampling_defaults(tmp_path, monkeypatch, ti
     assert main(["--demo", name]) == 0
     config = load_config(paths.config_path_for(tiny_model))
     assert config.sampling.model_dump(exclude_none=True) == sampling
+    if parallel is not None:  # else setup's choice for this machine
+        assert config.parallel == parallel
+    assert main(["--demo", name, "--parallel", "2"]) == 0  # the user's choice wins
+    assert load_config(paths.config_path_for(tiny_model)).parallel == 2
