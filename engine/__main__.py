@@ -23,6 +23,8 @@ from engine.models.base import Model
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 
+# Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
+GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident).
 UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "adapt_every", "adapt_swaps", "adapt_decay",
                "adapt_min_gain", "pcie_frac")
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
         "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",
         "unsupported": ",".join(UNSUPPORTED),
+        "generated": int(GENERATED_KEY in g.metadata),
     }
     if args.batch:
         info.update(batch_slots=slots, slot_cache=1, batch_groups=1)

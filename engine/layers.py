@@ -30,25 +30,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """NEOX-style rotary embedding (rotate halves), tables precomputed for the whole context."""
+    """Rotary embedding, tables precomputed for the whole context. `neox`: rotate halves, pairs
+    (i, i + D/2); else llama.cpp's normal rope, adjacent pairs (2i, 2i + 1), as GGUF llama files
+    expect (the converter permutes their q/k rows for it)."""
 
-    def __init__(self, head_dim: int, base: float, context: int, device: torch.device):
+    def __init__(self, head_dim: int, base: float, context: int, device: torch.device, neox: bool = True):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         angles = torch.arange(context, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.cos = angles.cos().float().to(device)
         self.sin = angles.sin().float().to(device)
+        self.neox = neox
         self._positions: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N]."""
         if cpu_ops.usable(x):
-            return cpu_ops.rope_neox(x, positions, self.cos, self.sin)
+            return cpu_ops.rope(x, positions, self.cos, self.sin, self.neox)
         if positions is not self._positions:  # every layer of a forward rotates the same positions
             self._positions = positions
             self._cos, self._sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         cos, sin = self._cos, self._sin
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if self.neox:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
 def attend(

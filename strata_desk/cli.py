@@ -21,6 +21,12 @@ from strata_desk import paths
 
 PROG = "strata-desk"
 PASSTHROUGH = {"bench-engine": "engine.bench", "check": "engine.check"}
+DEMO_MODELS = {"gemma": "demo_model_path", "chat": "chat_model_path", "moe": "moe_model_path"}  # in strata_desk.demo
+# What a demo's config gets when it is made. SmolLM2 135M at Q4_1 loops on greedy replies ("Say hello
+# in English." -> a row of stars; transformers does the same on that file): llama.cpp's former default
+# repeat penalty breaks the loop. The MoE demo is there to show slots at work, also where setup would
+# pick one request at a time (a CPU).
+DEMO_CONFIG: dict[str, dict[str, Any]] = {"chat": {"sampling": {"repeat_penalty": 1.1}}, "moe": {"parallel": 4}}
 
 
 class CliError(Exception):
@@ -61,8 +67,8 @@ def _gguf_model(text: str) -> Path:
     return model
 
 
-def _demo_model() -> Path:
-    demo_model_path = _import("strata_desk.demo", "demo_model_path", "the demo model")
+def _demo_model(name: str) -> Path:
+    demo_model_path = _import("strata_desk.demo", DEMO_MODELS[name], f"the {name} demo model")
     try:
         return Path(demo_model_path())
     except (RuntimeError, OSError, ValueError) as exc:  # DemoModelMissing, a bad assembly
@@ -87,8 +93,10 @@ def update_config(config_path: Path, *, model: Path | None = None, parallel: int
         say(f"updated {config_path}: " + ", ".join(f"{k} = {v}" for k, v in changes.items()))
 
 
-def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False) -> Path:
-    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup."""
+def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False,
+                  defaults: dict[str, Any] | None = None) -> Path:
+    """The config for `model`: reused when it exists (with `parallel` applied), else made by setup,
+    with `defaults` (config keys) where the user did not choose."""
     from strata_desk.setup import build_config, write_config
 
     say: Callable[[str], Any] = (lambda _text: None) if quiet else print
@@ -97,7 +105,10 @@ def ensure_config(model: Path, parallel: int | None = None, quiet: bool = False)
         update_config(target, model=model, parallel=parallel, say=say)
         paths.remember_last_config(target)
         return target
-    config, messages = build_config(model, parallel=parallel)
+    defaults = dict(defaults or {})
+    config, messages = build_config(model, parallel=parallel or defaults.pop("parallel", None))
+    if defaults:
+        config = validate_config({**defaults, **config.model_dump(mode="json", exclude_defaults=True)}, str(target))
     for line in messages:
         say(f"  {line}")
     path = write_config(config)
@@ -109,8 +120,8 @@ def _chosen_model(args: argparse.Namespace) -> Path | None:
     chosen = [name for name in ("demo", "model", "config") if getattr(args, name, None)]
     if len(chosen) > 1:
         raise CliError("choose one of " + ", ".join(f"--{c}" for c in chosen))
-    if getattr(args, "demo", False):
-        return _demo_model()
+    if getattr(args, "demo", None):
+        return _demo_model(args.demo)
     if getattr(args, "model", None):
         return _model_path(args.model)
     return None
@@ -132,10 +143,10 @@ def _target_config(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     return path, None
 
 
-def _apply_config(target: Path, model: Path | None, parallel: int | None) -> Path:
+def _apply_config(target: Path, model: Path | None, parallel: int | None, demo: str | None = None) -> Path:
     """Make or update (--parallel) the config, once every check has passed."""
     if model is not None:
-        return ensure_config(model, parallel)
+        return ensure_config(model, parallel, defaults=DEMO_CONFIG.get(demo or ""))
     update_config(target, parallel=parallel)
     return target
 
@@ -176,7 +187,7 @@ def _run_dashboard(config: Path | None, **kwargs: Any) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     target, model = _target_config(args)
-    config = _apply_config(target, model, args.parallel) if target is not None else None
+    config = _apply_config(target, model, args.parallel, args.demo) if target is not None else None
     if config is not None:  # None -> the dashboard shows its first-run screen
         paths.remember_last_config(config)
     return _run_dashboard(config, host=args.host, port=args.port)
@@ -212,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("no config: give --model X.gguf, --config FILE or --demo (or run strata-desk setup)")
     if target.is_file():
         _check_can_serve(target, load_config(target), args)
-    config_path = _apply_config(target, model, args.parallel)
+    config_path = _apply_config(target, model, args.parallel, args.demo)
     config = load_config(config_path)
     _check_can_serve(config_path, config, args)  # a config made just now has not been checked yet
     argv = server_args(config_path, args.host, args.port, args.api_key)
@@ -401,7 +412,9 @@ def cmd_install_service(args: argparse.Namespace) -> int:
 
 
 def _model_args(parser: argparse.ArgumentParser, config: bool) -> None:
-    parser.add_argument("--demo", action="store_true", help="the demo model (Gemma 3 270M)")
+    parser.add_argument("--demo", nargs="?", const="gemma", choices=list(DEMO_MODELS), metavar="gemma|chat|moe",
+                        help="a demo model: gemma (the default: Gemma 3 270M, a base model), chat (SmolLM2 135M "
+                        "Instruct, downloaded once) or moe (a generated MoE model: its text is meaningless)")
     parser.add_argument("--model", metavar="X.gguf", help="make or reuse the config for this model")
     if config:
         parser.add_argument("--config", metavar="FILE", help="a run config strata-<model>.json")

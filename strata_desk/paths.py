@@ -1,7 +1,7 @@
 """Where strata-desk keeps its files (platformdirs), and the name of a model's config.
 
-Every directory can be moved at once with `STRATA_DESK_HOME` (then `config/`, `logs/`, `data/`
-and `state/` live under it): tests and portable installs use that. Otherwise the XDG variables
+Every directory can be moved at once with `STRATA_DESK_HOME` (then `config/`, `logs/`, `data/`,
+`cache/` and `state/` live under it): tests and portable installs use that. Otherwise the XDG variables
 (`XDG_CONFIG_HOME`, `XDG_STATE_HOME`, ...) apply on Linux, as platformdirs reads them.
 """
 
@@ -40,6 +40,13 @@ def data_dir() -> Path:
     """Benchmark results and other data worth keeping."""
     home = _home()
     return home / "data" if home else platformdirs.user_data_path(APP)
+
+
+def cache_dir() -> Path:
+    """Files that can be fetched or made again: the demo models (and, engine/kernels/cpu.py, the
+    compiled kernels)."""
+    home = _home()
+    return home / "cache" if home else platformdirs.user_cache_path(APP)
 
 
 def state_dir() -> Path:

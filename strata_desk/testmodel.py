@@ -55,6 +55,10 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(layers=4, hidden=64, experts=8, experts_used=2, expert_ff=32, dense_ff=128, heads=4,
                    kv_heads=2, head_dim=16, context=4096, vocab=None),
+    # `strata-desk --demo moe`: enough experts for an expert tier to hold a part of them, a few
+    # tok/s or better on a 2-core CPU
+    "demo-moe": Preset(layers=8, hidden=256, experts=64, experts_used=4, expert_ff=128, dense_ff=512, heads=4,
+                       kv_heads=2, head_dim=64, context=4096, vocab=None),
     "qwen3-30b-a3b": Preset(layers=48, hidden=2048, experts=128, experts_used=8, expert_ff=768,
                             dense_ff=6144, heads=32, kv_heads=4, head_dim=128, context=40960, vocab=151936),
 }

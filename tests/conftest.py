@@ -35,3 +35,15 @@ def demo_model() -> Path:
         return demo_model_path()
     except DemoModelMissing as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def chat_model() -> Path:
+    """SmolLM2-135M-Instruct (the `--demo chat` model) through the demo's own fetch: downloaded once
+    into the cache dir, reused by every later test and run; skips when it cannot be downloaded."""
+    from strata_desk.demo import DemoModelMissing, chat_model_path
+
+    try:
+        return chat_model_path()
+    except DemoModelMissing as exc:
+        pytest.skip(str(exc))

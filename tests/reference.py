@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,14 +26,31 @@ def _model_kwargs(path: Path) -> dict[str, Any]:
     return {}
 
 
+@contextmanager
+def _gguf_py_reused() -> Iterator[None]:
+    """While transformers loads a GGUF: one gguf-py reader per file (it reads the header twice, ~8 s
+    each for a 49K-token vocabulary on the 2-core test machine) and one tensor name map per
+    architecture and depth (it builds one per module, ~400 for SmolLM2). Both are read-only there."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = lru_cache(maxsize=2)(reader)
+    gguf.get_tensor_name_map = lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 @lru_cache(maxsize=4)
 def reference_model(path: str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **_model_kwargs(path)
-    )
+    with _gguf_py_reused():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **_model_kwargs(path)
+        )
     return model.eval()
 
 

@@ -26,16 +26,45 @@ def test_rms_norm_matches_torch():
                                rtol=1e-6, atol=1e-6)
 
 
-def test_rope_matches_the_rotate_halves_formula():
-    n, heads, dim, context = 3, 4, 64, 100
+def rope_tables(dim: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     angles = torch.arange(context, dtype=torch.float64)[:, None] * inv[None, :]
-    cos, sin = angles.cos().float(), angles.sin().float()
+    return angles.cos().float(), angles.sin().float()
+
+
+def test_rope_matches_the_rotate_halves_formula():
+    n, heads, dim = 3, 4, 64
+    cos, sin = rope_tables(dim, 100)
     x, pos = torch.randn(n, heads, dim, generator=gen(4)), torch.tensor([0, 17, 99])
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]
     expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    assert torch.equal(ops.rope_neox(x, pos, cos, sin), expected)
+    assert torch.equal(ops.rope(x, pos, cos, sin, neox=True), expected)
+
+
+def test_normal_rope_rotates_adjacent_pairs_as_complex_numbers():
+    """llama.cpp's normal rope: pair (2i, 2i + 1) is the complex number x[2i] + i x[2i + 1] times
+    e^(i * pos * theta_i), computed here in float64 complex arithmetic."""
+    n, heads, dim = 3, 4, 64
+    cos, sin = rope_tables(dim, 100)
+    x, pos = torch.randn(n, heads, dim, generator=gen(11)), torch.tensor([0, 5, 98])
+    turn = torch.polar(torch.ones_like(cos[pos], dtype=torch.float64), torch.atan2(sin[pos], cos[pos]).double())
+    expected = torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (-1, 2))) * turn[:, None, :])
+    torch.testing.assert_close(ops.rope(x, pos, cos, sin, neox=False), expected.flatten(-2).float(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_rope_fallback_in_torch_matches_the_kernel(monkeypatch):
+    """layers.Rope's torch path (CUDA, other dtypes) and the C kernel rotate alike, both variants."""
+    from engine.layers import Rope
+
+    x, pos = torch.randn(5, 3, 64, generator=gen(12)), torch.tensor([0, 1, 2, 40, 63])
+    for neox in (True, False):
+        rope = Rope(64, 10000.0, 64, torch.device("cpu"), neox=neox)
+        fast = rope(x, pos)
+        monkeypatch.setattr(ops, "usable", lambda _x: False)
+        torch.testing.assert_close(rope(x, pos), fast, rtol=1e-6, atol=1e-6)
+        monkeypatch.undo()
 
 
 def reference_attention(q, keys, values, positions, scale):

@@ -28,7 +28,7 @@ from tui.screens.help import HelpScreen
 from tui.screens.logs import LogsScreen
 from tui.screens.quit import QuitScreen
 from tui.screens.restart import Diff, RestartScreen
-from tui.view import History, dash_state
+from tui.view import History, dash_state, model_note
 from tui.widgets.header_bar import HeaderInfo
 
 Phase = Literal["setup", "idle", "starting", "running", "draining", "restarting", "stopping", "failed", "attached"]
@@ -388,7 +388,8 @@ class StrataDeskApp(App[int]):
             keys = "the server starts it again for the next request   " + (
                 "r restart now   l full log" if self.can_manage else "l full log")
             return "error", "The engine stopped" + (f": {first}" if first else ""), detail.strip(), keys
-        return None, "", "", ""
+        note = model_note(snap)
+        return ("info", note, "", "") if note else (None, "", "", "")
 
     def refresh_view(self) -> None:
         dash = getattr(self, "dashboard", None)

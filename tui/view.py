@@ -41,6 +41,18 @@ def is_dense(snapshot: MetricsSnapshot) -> bool:
     return experts is not None and int(experts) == 0
 
 
+GENERATED_NOTE = ("A generated test model: its weights are random, so its text is meaningless; it is here to show "
+                  "the MoE machinery (slots, experts)")
+
+
+def model_note(snapshot: MetricsSnapshot | None) -> str | None:
+    """What the banner says about the model when nothing else needs saying: a generated model's
+    text is meaningless (the engine's INFO `generated=1`)."""
+    if snapshot is not None and snapshot.engine.info.get("generated") == 1:
+        return GENERATED_NOTE
+    return None
+
+
 def has_tier_data(snapshot: MetricsSnapshot) -> bool:
     tier = snapshot.tier
     if tier is None:

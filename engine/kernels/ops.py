@@ -1,4 +1,4 @@
-"""The float32 operations of a CPU decode step in C (ops_cpu.c): RMSNorm, NEOX rope, one query row's
+"""The float32 operations of a CPU decode step in C (ops_cpu.c): RMSNorm, rope (NEOX or normal), one query row's
 attention, argmax. engine/layers.py and engine/sampling.py call them for CPU float32 tensors when the kernels are available
 (`usable`); each matches its torch formulation to float32 rounding and computes every row on its own.
 """
@@ -25,13 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def rope_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, dim] rotated at positions [N] (int64), tables cos/sin [context, dim / 2]."""
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x [N, heads, dim] rotated at positions [N] (int64), tables cos/sin [context, dim / 2]; pairs
+    (i, i + dim/2) when `neox`, else adjacent pairs (2i, 2i + 1), llama.cpp's normal rope."""
     x = x.contiguous()
     out = torch.empty_like(x)
     n, heads, dim = x.shape
-    cpu.library().sd_rope_neox(x.data_ptr(), out.data_ptr(), positions.data_ptr(), n, heads, dim,
-                               cos.data_ptr(), sin.data_ptr())
+    cpu.library().sd_rope(x.data_ptr(), out.data_ptr(), positions.data_ptr(), n, heads, dim,
+                          cos.data_ptr(), sin.data_ptr(), int(neox))
     return out
 
 

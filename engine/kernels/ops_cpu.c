@@ -1,5 +1,5 @@
-/* The small float32 operations of a CPU decode step (engine/kernels/ops.py): RMSNorm, NEOX rotary
- * embedding, and one query row's attention over its session's cache.
+/* The small float32 operations of a CPU decode step (engine/kernels/ops.py): RMSNorm, rotary
+ * embedding (NEOX and llama.cpp's normal), and one query row's attention over its session's cache.
  *
  * Why in C: each is a handful of torch calls of a few microseconds of dispatch each (an RMSNorm of
  * 640 values: 43 us through torch on the 2-core test machine, ~1 us here), and a decode step makes
@@ -30,20 +30,21 @@ void sd_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
     }
 }
 
-/* NEOX rotation of x [rows, heads, dim] at pos[r] into out (which may be x), with tables cos/sin
- * [positions, dim/2]. */
-void sd_rope_neox(const float *x, float *out, const int64_t *pos, int64_t rows, int64_t heads, int64_t dim,
-                  const float *cos_t, const float *sin_t) {
-    int64_t half = dim / 2;
+/* Rotary embedding of x [rows, heads, dim] at pos[r] into out (which may be x), with tables cos/sin
+ * [positions, dim/2]. Pair i is (i, i + dim/2) when neox (rotate halves), else (2i, 2i + 1): llama.cpp's
+ * "normal" rope, which GGUF llama files expect (their q/k rows are permuted for it). */
+void sd_rope(const float *x, float *out, const int64_t *pos, int64_t rows, int64_t heads, int64_t dim,
+             const float *cos_t, const float *sin_t, int neox) {
+    int64_t half = dim / 2, step = neox ? 1 : 2, other = neox ? half : 1;
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
         for (int64_t h = 0; h < heads; h++) {
-            const float *a = x + (r * heads + h) * dim, *b = a + half;
-            float *oa = out + (r * heads + h) * dim, *ob = oa + half;
+            const float *a = x + (r * heads + h) * dim;
+            float *o = out + (r * heads + h) * dim;
             for (int64_t i = 0; i < half; i++) {
-                float x1 = a[i], x2 = b[i];
-                oa[i] = x1 * c[i] - x2 * s[i];
-                ob[i] = x2 * c[i] + x1 * s[i];
+                float x1 = a[i * step], x2 = a[i * step + other];
+                o[i * step] = x1 * c[i] - x2 * s[i];
+                o[i * step + other] = x2 * c[i] + x1 * s[i];
             }
         }
     }

@@ -8,10 +8,13 @@ from engine.gguf_file import GGUFError, GGUFFile
 from engine.models.base import Model
 from engine.models.gemma3 import Gemma3
 from engine.models.hashlm import HashLM
+from engine.models.llama import Llama
 from engine.models.qwen3moe import Qwen3Moe
 from engine.quants import check_supported
 
-ARCHITECTURES: dict[str, type[Model]] = {"qwen3moe": Qwen3Moe, "gemma3": Gemma3, "hashlm": HashLM}
+ARCHITECTURES: dict[str, type[Model]] = {
+    "qwen3moe": Qwen3Moe, "gemma3": Gemma3, "llama": Llama, "hashlm": HashLM,
+}
 
 
 def architecture_of(g: GGUFFile) -> type[Model]:

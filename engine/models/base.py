@@ -45,13 +45,15 @@ class Model:
 
     def attention(self, i: int, a: torch.Tensor, rows: Batch, rope: Rope, scale: float,
                   window: int | None = None) -> torch.Tensor:
-        """q/k/v projections, per-head q/k RMSNorm, rope, attention over the sessions: [N, Hq * D]."""
+        """q/k/v projections, per-head q/k RMSNorm (when the layer has one), rope, attention over the
+        sessions: [N, Hq * D]."""
         b, h = self.blk[i], self.hyper
         q = b.attn_q(a).view(-1, h.heads, h.head_dim)
         k = b.attn_k(a).view(-1, h.kv_heads, h.head_dim)
         v = b.attn_v(a).view(-1, h.kv_heads, h.head_dim)
-        q = rope(rms_norm(q, b.attn_q_norm, h.eps), rows.positions)
-        k = rope(rms_norm(k, b.attn_k_norm, h.eps), rows.positions)
+        if hasattr(b, "attn_q_norm"):
+            q, k = rms_norm(q, b.attn_q_norm, h.eps), rms_norm(k, b.attn_k_norm, h.eps)
+        q, k = rope(q, rows.positions), rope(k, rows.positions)
         return attend(q, k, v, self.kv.k[i], self.kv.v[i], rows, scale, window)
 
     def forward(self, batch: Batch) -> torch.Tensor:
