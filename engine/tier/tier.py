@@ -1,0 +1,141 @@
+"""`Tier`: the model's expert cache (one `LayerSlots` per layer), its seeding, its adaptation rounds
+and its figures; `install_tier` puts it in place of a model's resident experts.
+
+Slots: `--expert-cache N` is the total over all layers, spread evenly (N // layers each, one more
+for the first N % layers). Seeding: a routing profile's most routed experts per layer; without one
+the slots start empty and the first round fills them from the counts of the first windows (after
+`SEED_WINDOWS` windows when adaptation is off). Rounds run every `policy.every` decode windows
+(`window_done`, called by the loop after each window), never while only a prompt is being read.
+A round is blocking here: the copies finish before the next window (the simulated tier has no
+stream to overlap them with); `LayerSlots`' evict/fill/publish steps are what an asynchronous
+driver would split between the main thread and a copy thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.experts import ExpertStats, ResidentExperts
+from engine.models.base import Model
+from engine.tier.experts import TieredExperts
+from engine.tier.policy import AdaptPolicy, Swap, plan_round
+from engine.tier.profile import RoutingProfile
+from engine.tier.slots import LayerSlots
+
+SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
+WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
+
+
+class TierError(ValueError):
+    pass
+
+
+class Tier:
+    mode = "simulated"  # cache slots in host RAM, cached experts and misses both on the CPU
+
+    def __init__(self, layers: list[TieredExperts], policy: AdaptPolicy):
+        self.layers = layers
+        self.policy = policy
+        self.windows = 0
+        self.rounds = 0
+        self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
+        self.adapt_wait_s = 0.0  # time windows waited for rounds
+        self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per window
+        self._last = self._served()
+
+    @property
+    def slots(self) -> int:
+        return sum(layer.slots.size for layer in self.layers)
+
+    @property
+    def experts_total(self) -> int:
+        return sum(layer.slots.experts for layer in self.layers)
+
+    def cached(self) -> int:
+        return sum(layer.slots.cached() for layer in self.layers)
+
+    def _served(self) -> ExpertStats:
+        return sum((layer.stats() for layer in self.layers), ExpertStats())
+
+    def seed(self, profile: RoutingProfile) -> None:
+        """Each layer's slots hold its most routed experts by `profile` (experts never routed stay out)."""
+        profile.check_shape(len(self.layers), self.layers[0].slots.experts)
+        for layer, counts in zip(self.layers, profile.counts, strict=True):
+            hot = sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e))
+            for slot, expert in enumerate(hot[: layer.slots.size]):
+                layer.slots.load(slot, expert)
+
+    def profile(self, model_name: str) -> RoutingProfile:
+        """The routing counts so far (never decayed), to save."""
+        return RoutingProfile(model_name, [layer.routed.tolist() for layer in self.layers])
+
+    def window_done(self) -> None:
+        """After a decode window: log its entries, then run a round when one is due."""
+        self.windows += 1
+        served = self._served()
+        self.window_log.append(served - self._last)
+        self._last = served
+        if self.policy.due(self.windows):
+            self._round(empty_only=False)
+        elif self.windows == SEED_WINDOWS and not self.policy.adapts and self.cached() < self.slots:
+            self._round(empty_only=True)
+
+    def _round(self, empty_only: bool) -> None:
+        t0 = time.perf_counter()
+        plan = plan_round([layer.counts for layer in self.layers],
+                          [layer.slots.expert_at for layer in self.layers], self.policy, empty_only)
+        self._apply(plan)
+        for layer in self.layers:
+            layer.counts.mul_(self.policy.decay)
+        self.rounds += 1
+        self.swaps += len(plan)
+        self.adapt_wait_s += time.perf_counter() - t0
+
+    def _apply(self, plan: list[Swap]) -> None:
+        for swap in plan:
+            self.layers[swap.layer].slots.load(swap.slot, swap.expert)
+
+    def figures(self) -> dict[str, int | float | str]:
+        """The tier's own STATS fields (the entries' counts come from the loop)."""
+        return {"mode": self.mode, "swaps": self.swaps, "adapt_rounds": self.rounds,
+                "adapt_wait_ms": round(self.adapt_wait_s * 1000, 3), "experts_cached": self.cached(),
+                "experts_total": self.experts_total, "slots": self.slots}
+
+
+def split_slots(total: int, layers: int, experts: int) -> list[int]:
+    """`total` slots spread over `layers` (the first `total % layers` get one more), at most `experts` each."""
+    if total < 0:
+        raise TierError(f"--expert-cache must be 'auto' or a number of slots >= 0, got {total}")
+    base, extra = divmod(total, layers)
+    return [min(experts, base + (i < extra)) for i in range(layers)]
+
+
+def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: RoutingProfile | None = None) -> Tier:
+    """Replace the model's per-layer experts by `TieredExperts` over a cache of `slots` slots in all
+    (see `split_slots`), seeded from `profile` when given; sets and returns `model.tier`."""
+    h = model.hyper
+    if not h.experts:
+        raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
+    if model.device.type != "cpu":
+        raise TierError("--expert-cache: the tier's GPU part (VRAM slots, CPU misses beside the GPU) is not "
+                        "built yet; --device cpu runs the simulated tier")
+    stacks = []
+    for i, b in enumerate(model.blk):
+        ex = getattr(b, "experts", None)
+        if isinstance(ex, TieredExperts):
+            stacks.append(ex.slots.host)
+        elif isinstance(ex, ResidentExperts):
+            stacks.append((ex.gate, ex.up, ex.down))
+        else:
+            raise TierError(f"--expert-cache: layer {i} of this {model.arch} model has no SwiGLU expert stacks "
+                            "the tier can cache")
+    per_layer = split_slots(slots, len(stacks), h.experts)
+    layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
+    for b, layer in zip(model.blk, layers, strict=True):
+        b.experts = layer
+    tier = Tier(layers, policy)
+    if profile is not None:
+        tier.seed(profile)
+    model.tier = tier
+    return tier
