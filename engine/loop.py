@@ -261,7 +261,7 @@ class EngineLoop:
         tokens = self.runner.decode([Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs])
         window = self.model.expert_stats() - before
         if self.model.tier is not None:
-            self.model.tier.window_done()
+            self.model.tier.window_done(window)
         served = window.share(len(jobs))
         for job, token in zip(jobs, tokens, strict=True):
             job.experts += served

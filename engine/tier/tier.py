@@ -3,7 +3,7 @@ and its figures; `install_tier` puts it in place of a model's resident experts.
 
 Slots: `--expert-cache N` is the total over all layers, spread evenly (N // layers each, one more
 for the first N % layers). Seeding: a routing profile's most routed experts per layer; without one
-the slots start empty and the first round fills them from the counts of the first windows (after
+the slots start empty (but where they hold every expert) and the first round fills them from the counts of the first windows (after
 `SEED_WINDOWS` windows when adaptation is off). Rounds run every `policy.every` decode windows
 (`window_done`, called by the loop after each window), never while only a prompt is being read.
 A round is blocking here: the copies finish before the next window (the simulated tier has no
@@ -41,8 +41,7 @@ class Tier:
         self.rounds = 0
         self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
         self.adapt_wait_s = 0.0  # time windows waited for rounds
-        self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per window
-        self._last = self._served()
+        self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per decode window
 
     @property
     def slots(self) -> int:
@@ -55,14 +54,16 @@ class Tier:
     def cached(self) -> int:
         return sum(layer.slots.cached() for layer in self.layers)
 
-    def _served(self) -> ExpertStats:
-        return sum((layer.stats() for layer in self.layers), ExpertStats())
-
-    def seed(self, profile: RoutingProfile) -> None:
-        """Each layer's slots hold its most routed experts by `profile` (experts never routed stay out)."""
-        profile.check_shape(len(self.layers), self.layers[0].slots.experts)
-        for layer, counts in zip(self.layers, profile.counts, strict=True):
-            hot = sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e))
+    def seed(self, profile: RoutingProfile | None) -> None:
+        """Each layer's slots hold its most routed experts by `profile`; without one only the layers
+        whose slots hold every expert are filled (nothing to rank), the others start empty."""
+        if profile is not None:
+            profile.check_shape(len(self.layers), self.layers[0].slots.experts)
+        for i, layer in enumerate(self.layers):
+            if profile is None and layer.slots.size < layer.slots.experts:
+                continue
+            counts = profile.counts[i] if profile is not None else [0] * layer.slots.experts
+            hot = sorted(range(layer.slots.experts), key=lambda e: (-counts[e], e))
             for slot, expert in enumerate(hot[: layer.slots.size]):
                 layer.slots.load(slot, expert)
 
@@ -70,12 +71,10 @@ class Tier:
         """The routing counts so far (never decayed), to save."""
         return RoutingProfile(model_name, [layer.routed.tolist() for layer in self.layers])
 
-    def window_done(self) -> None:
-        """After a decode window: log its entries, then run a round when one is due."""
+    def window_done(self, served: ExpertStats) -> None:
+        """After a decode window that served `served`: log it, then run a round when one is due."""
         self.windows += 1
-        served = self._served()
-        self.window_log.append(served - self._last)
-        self._last = served
+        self.window_log.append(served)
         if self.policy.due(self.windows):
             self._round(empty_only=False)
         elif self.windows == SEED_WINDOWS and not self.policy.adapts and self.cached() < self.slots:
@@ -135,7 +134,6 @@ def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: Routing
     for b, layer in zip(model.blk, layers, strict=True):
         b.experts = layer
     tier = Tier(layers, policy)
-    if profile is not None:
-        tier.seed(profile)
+    tier.seed(profile)
     model.tier = tier
     return tier
