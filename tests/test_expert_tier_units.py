@@ -144,3 +144,23 @@ def test_engine_process_runs_the_tier_and_saves_its_profile(tiny_model, tmp_path
     assert "decode expert cache hit rate" in out.stderr and f"routing profile written to {saved}" in out.stderr
     profile = RoutingProfile.load(saved)
     assert profile.layers == 4 and profile.experts == 8 and sum(map(sum, profile.counts)) > 0
+
+
+def test_run_config_tier_options():
+    from pydantic import ValidationError
+
+    from server.config import RunConfig
+
+    base = RunConfig(model="m.gguf")
+    assert "--expert-cache" not in base.engine_args() and base.adapt_swaps == 96 and base.adapt_decay == 0.7
+    args = RunConfig(model="m.gguf", expert_cache=64, expert_profile="p.json", expert_profile_save="q.json",
+                     pcie_frac=-1).engine_args()
+    assert args[args.index("--expert-cache") + 1] == "64" and args[args.index("--expert-profile") + 1] == "p.json"
+    assert args[args.index("--expert-profile-save") + 1] == "q.json" and args[args.index("--pcie-frac") + 1] == "-1"
+    assert RunConfig(model="m.gguf", expert_cache="auto").engine_args()[-2:] == ["--expert-cache", "auto"]
+    # what the config writes, the engine's parser takes
+    parsed = build_parser().parse_args(args)
+    assert parsed.expert_cache == "64" and parsed.pcie_frac == -1
+    for bad in ({"expert_cache": -1}, {"expert_cache": "lots"}, {"expert_cache": True}, {"pcie_frac": -0.5}):
+        with pytest.raises(ValidationError):
+            RunConfig(model="m.gguf", **bad)
