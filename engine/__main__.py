@@ -88,7 +88,7 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
         log("--adapt-async 1: the simulated tier has no copy stream; rounds run blocking before the next window")
     mode = "static" if policy.every == 0 else "fixed" if not policy.adapts else f"every {policy.every} windows"
     log(f"expert tier (simulated: slots in host RAM, cached experts and misses on the CPU): {tier.slots} slots "
-        f"for {tier.experts_total} experts ({tier.slots / tier.experts_total:.0%}), "
+        f"for {tier.experts_total} experts ({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
         f"seeded {'from ' + args.expert_profile if profile else 'from the first windows'}, adaptation {mode}")
     return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": 0, "adapt_every": policy.every,
             "adapt_async": 0, "expert_profile": os.path.basename(args.expert_profile or "") or "-"}

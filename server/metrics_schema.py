@@ -45,6 +45,7 @@ class StatsTier(BaseModel):
     experts_cached: int | None = None  # experts held in the VRAM cache now
     experts_total: int | None = None  # routed experts in the model
     slots: int | None = None  # cache slots (all layers)
+    cache_mib: float | None = None  # the slots' bytes
     offloaded: int = 0  # decode entries served over PCIe (DONE's offloaded, summed)
     cpu_ms: float = 0.0  # time spent computing the CPU's entries (total)
 
@@ -226,6 +227,7 @@ class TierView(_Model):
     experts_total: int | None = None
     mode: str | None = None  # "resident": every expert in the model's memory, no cache; "simulated": the CPU's tier
     slots: int | None = None  # cache slots over all layers
+    cache_mib: float | None = None  # the slots' bytes
     cpu_ms: float = 0.0  # CPU expert time (total)
 
 

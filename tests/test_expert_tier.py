@@ -16,6 +16,8 @@ from engine.experts import ResidentExperts, route
 from engine.loading import open_model
 from engine.tier import FIXED, AdaptPolicy, RoutingProfile, install_tier
 from engine.tier.slot_linear import storage_of
+from server.config import RunConfig
+from server.metrics import Metrics
 from strata_desk.testmodel import write_test_model
 
 WINDOWS = 200  # the adaptation test's horizon
@@ -164,10 +166,19 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
     lines = window_driver.run([bgen(i, p, 12) for i, p in enumerate(sample_prompts(model.hyper.vocab, 4, seed=5))])
     assert collect(lines).slots.keys() == {0, 1, 2, 3}
     stats = window_driver.server.stats
-    snap = stats.snapshot(model, window_driver.slots)["tier"]
+    line = stats.snapshot(model, window_driver.slots)
+    snap = line["tier"]
     assert snap["mode"] == "simulated" and snap["swaps"] == tier.swaps > 0 and snap["adapt_rounds"] == tier.rounds > 0
     assert snap["experts_cached"] == 8 and snap["experts_total"] == 32 and snap["slots"] == 8
+    assert snap["cache_mib"] == round(8 * 3 * 32 * 64 * 4 / 2**20, 1)  # 8 slots x 3 f32 matrices of 32 x 64
     assert snap["hits"] == stats.experts.vram and snap["lookups"] == stats.experts.lookups > 0 and snap["offloaded"] == 0
     assert snap["vram"] + snap["cpu"] == pytest.approx(1) and snap["pcie"] == 0
     # the decode windows' entries are exactly the per-window counts the tier logged
     assert sum(s.lookups for s in tier.window_log) == stats.experts.lookups
+    # and the server reads them as /metrics' tier
+    metrics = Metrics(RunConfig(model="x.gguf"), None)
+    metrics.on_stats(line)
+    view = metrics._tier()
+    assert view.mode == "simulated" and view.slots == 8 and view.experts_cached == 8 and view.swaps == tier.swaps
+    assert view.hit_rate == round(snap["hits"] / snap["lookups"], 4) and view.vram_share + view.cpu_share == pytest.approx(1)
+    assert view.cache_mib == snap["cache_mib"] and view.cpu_ms == snap["cpu_ms"] > 0

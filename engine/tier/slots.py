@@ -36,6 +36,10 @@ class LayerSlots:
     def size(self) -> int:
         return len(self.expert_at)
 
+    def nbytes(self) -> int:
+        """Bytes the slots' buffers take."""
+        return sum(b.numel() * b.element_size() for bufs in self.buffers for b in bufs)
+
     def cached(self) -> int:
         return sum(e >= 0 for e in self.expert_at)
 

@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 from engine.experts import ExpertStats, ResidentExperts
+from engine.memory import MIB
 from engine.models.base import Model
 from engine.tier.experts import TieredExperts
 from engine.tier.policy import AdaptPolicy, Swap, plan_round
@@ -53,6 +54,9 @@ class Tier:
 
     def cached(self) -> int:
         return sum(layer.slots.cached() for layer in self.layers)
+
+    def cache_bytes(self) -> int:
+        return sum(layer.slots.nbytes() for layer in self.layers)
 
     def seed(self, profile: RoutingProfile | None) -> None:
         """Each layer's slots hold its most routed experts by `profile`; without one only the layers
@@ -99,7 +103,8 @@ class Tier:
         """The tier's own STATS fields (the entries' counts come from the loop)."""
         return {"mode": self.mode, "swaps": self.swaps, "adapt_rounds": self.rounds,
                 "adapt_wait_ms": round(self.adapt_wait_s * 1000, 3), "experts_cached": self.cached(),
-                "experts_total": self.experts_total, "slots": self.slots}
+                "experts_total": self.experts_total, "slots": self.slots,
+                "cache_mib": round(self.cache_bytes() / MIB, 1)}
 
 
 def split_slots(total: int, layers: int, experts: int) -> list[int]:
