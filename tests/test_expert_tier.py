@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.check import Driver, bgen, collect, compare, sample_prompts
+from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
 from engine.experts import ResidentExperts, route
 from engine.loading import open_model
 from engine.tier import FIXED, AdaptPolicy, RoutingProfile, install_tier
@@ -182,3 +182,13 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
     assert view.mode == "simulated" and view.slots == 8 and view.experts_cached == 8 and view.swaps == tier.swaps
     assert view.hit_rate == round(snap["hits"] / snap["lookups"], 4) and view.vram_share + view.cpu_share == pytest.approx(1)
     assert view.cache_mib == snap["cache_mib"] and view.cpu_ms == snap["cpu_ms"] > 0
+
+
+def test_a_prompt_read_counts_for_the_profile_not_for_adaptation(window_driver):
+    model = window_driver.model
+    tier = install_tier(model, 8, AdaptPolicy(every=1))
+    window_driver.reset()
+    window_driver.run([gen(sample_prompts(model.hyper.vocab, 1, seed=8, lo=60, hi=60)[0], 1)])
+    assert tier.windows == 0 and tier.rounds == 0 and tier.cached() == 0
+    assert all(float(c.sum()) == 0 for c in tier.counts)
+    assert sum(map(sum, tier.profile("m").counts)) == 60 * model.hyper.layers * model.hyper.experts_used

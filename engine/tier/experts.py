@@ -20,8 +20,7 @@ from engine.tier.slots import LayerSlots
 class TieredExperts(Experts):
     def __init__(self, slots: LayerSlots):
         self.slots = slots
-        self.counts = torch.zeros(slots.experts, dtype=torch.float64)  # decayed each adaptation round
-        self.routed = torch.zeros(slots.experts, dtype=torch.int64)  # never decayed (the saved profile)
+        self.routed = torch.zeros(slots.experts, dtype=torch.int64)  # entries per expert, every call (the profile)
         self._stats = ExpertStats()
 
     def stats(self) -> ExpertStats:
@@ -33,7 +32,6 @@ class TieredExperts(Experts):
         order = torch.argsort(flat, stable=True)
         xs = x[order // k]
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        self.counts.index_add_(0, experts, counts.double())
         self.routed.index_add_(0, experts, counts)
         y = torch.empty_like(xs)
         slot_of = self.slots.slot_of.tolist()

@@ -54,20 +54,17 @@ class Swap:
 def layer_swaps(layer: int, counts: torch.Tensor, expert_at: list[int], min_gain: float,
                 empty_only: bool = False) -> list[Swap]:
     """One layer's candidate swaps (see the module docstring); `empty_only`: fill empty slots only."""
+    n = counts.tolist()
     cached = {e for e in expert_at if e >= 0}
-    hot = sorted((e for e in range(len(counts)) if e not in cached), key=lambda e: (-float(counts[e]), e))
-    # empty slots first, then cached experts from the least routed
-    cold = sorted(range(len(expert_at)), key=lambda s: (expert_at[s] >= 0, float(counts[expert_at[s]]) if expert_at[s] >= 0 else 0.0, s))
+    hot = sorted((e for e in range(len(n)) if e not in cached), key=lambda e: (-n[e], e))
+    held = [n[e] if e >= 0 else None for e in expert_at]  # None: an empty slot
+    cold = sorted(range(len(expert_at)), key=lambda s: (held[s] is not None, held[s] or 0.0, s))  # empty first
     swaps = []
     for expert, slot in zip(hot, cold, strict=False):
-        h = float(counts[expert])
-        occupant = expert_at[slot]
-        if occupant >= 0 and empty_only:
+        h, c = n[expert], held[slot]
+        if h <= 0 or (c is not None and (empty_only or h < min_gain * c)):
             break
-        c = float(counts[occupant]) if occupant >= 0 else 0.0
-        if h <= 0 or (occupant >= 0 and h < min_gain * c):
-            break
-        swaps.append(Swap(layer, slot, expert, h - c))
+        swaps.append(Swap(layer, slot, expert, h - (c or 0.0)))
     return swaps
 
 

@@ -3,9 +3,11 @@ and its figures; `install_tier` puts it in place of a model's resident experts.
 
 Slots: `--expert-cache N` is the total over all layers, spread evenly (N // layers each, one more
 for the first N % layers). Seeding: a routing profile's most routed experts per layer; without one
-the slots start empty (but where they hold every expert) and the first round fills them from the counts of the first windows (after
-`SEED_WINDOWS` windows when adaptation is off). Rounds run every `policy.every` decode windows
-(`window_done`, called by the loop after each window), never while only a prompt is being read.
+the slots start empty (but where they hold every expert) and the first round fills them from the
+counts of the first windows (after `SEED_WINDOWS` windows when adaptation is off). Rounds run every `policy.every` decode windows
+(`window_done`, called by the loop after each window), never while only a prompt is being read;
+the adaptation counts are the decode windows' routing (`window_start` to `window_done`), so a long
+prompt read between windows does not re-rank the cache (the saved profile counts every call).
 A round is blocking here: the copies finish before the next window (the simulated tier has no
 stream to overlap them with); `LayerSlots`' evict/fill/publish steps are what an asynchronous
 driver would split between the main thread and a copy thread.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
+import torch
 
 from engine.experts import ExpertStats, ResidentExperts
 from engine.memory import MIB
@@ -43,6 +47,8 @@ class Tier:
         self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
         self.adapt_wait_s = 0.0  # time windows waited for rounds
         self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per decode window
+        self.counts = [torch.zeros(layer.slots.experts, dtype=torch.float64) for layer in layers]  # decayed
+        self._routed_at_start: list[torch.Tensor] | None = None
 
     @property
     def slots(self) -> int:
@@ -75,8 +81,16 @@ class Tier:
         """The routing counts so far (never decayed), to save."""
         return RoutingProfile(model_name, [layer.routed.tolist() for layer in self.layers])
 
+    def window_start(self) -> None:
+        self._routed_at_start = [layer.routed.clone() for layer in self.layers]
+
     def window_done(self, served: ExpertStats) -> None:
-        """After a decode window that served `served`: log it, then run a round when one is due."""
+        """After a decode window that served `served`: count its routing, then run a round when one is due."""
+        if self._routed_at_start is None:
+            raise RuntimeError("Tier.window_done without window_start")
+        for counts, layer, before in zip(self.counts, self.layers, self._routed_at_start, strict=True):
+            counts += layer.routed - before
+        self._routed_at_start = None
         self.windows += 1
         self.window_log.append(served)
         if self.policy.due(self.windows):
@@ -86,11 +100,11 @@ class Tier:
 
     def _round(self, empty_only: bool) -> None:
         t0 = time.perf_counter()
-        plan = plan_round([layer.counts for layer in self.layers],
+        plan = plan_round(self.counts,
                           [layer.slots.expert_at for layer in self.layers], self.policy, empty_only)
         self._apply(plan)
-        for layer in self.layers:
-            layer.counts.mul_(self.policy.decay)
+        for counts in self.counts:
+            counts.mul_(self.policy.decay)
         self.rounds += 1
         self.swaps += len(plan)
         self.adapt_wait_s += time.perf_counter() - t0
