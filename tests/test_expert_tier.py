@@ -169,6 +169,7 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
     line = stats.snapshot(model, window_driver.slots)
     snap = line["tier"]
     assert snap["mode"] == "simulated" and snap["swaps"] == tier.swaps > 0 and snap["adapt_rounds"] == tier.rounds > 0
+    assert snap["adapt_wait_ms"] == round(tier.adapt_wait_s * 1000 / tier.windows, 4) > 0
     assert snap["experts_cached"] == 8 and snap["experts_total"] == 32 and snap["slots"] == 8
     assert snap["cache_mib"] == round(8 * 3 * 32 * 64 * 4 / 2**20, 1)  # 8 slots x 3 f32 matrices of 32 x 64
     assert snap["hits"] == stats.experts.vram and snap["lookups"] == stats.experts.lookups > 0 and snap["offloaded"] == 0

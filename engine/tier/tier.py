@@ -116,7 +116,7 @@ class Tier:
     def figures(self) -> dict[str, int | float | str]:
         """The tier's own STATS fields (the entries' counts come from the loop)."""
         return {"mode": self.mode, "swaps": self.swaps, "adapt_rounds": self.rounds,
-                "adapt_wait_ms": round(self.adapt_wait_s * 1000, 3), "experts_cached": self.cached(),
+                "adapt_wait_ms": round(self.adapt_wait_s * 1000 / max(self.windows, 1), 4), "experts_cached": self.cached(),
                 "experts_total": self.experts_total, "slots": self.slots,
                 "cache_mib": round(self.cache_bytes() / MIB, 1)}
 
