@@ -22,7 +22,7 @@ from engine.models import architecture_of, load_model
 from engine.models.base import Model
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
-from engine.tier import FIXED, AdaptPolicy, RoutingProfile, TierError, install_tier, parse_expert_cache
+from engine.tier.flags import add_tier_flags, finish_tier, setup_tier
 
 # Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking and
 # pcie_frac is 0 on the simulated tier; the adapt options only tune a tier (--expert-cache).
@@ -47,51 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "values (faster) or float32 (the reference's arithmetic)")
     p.add_argument("--batch-groups", default="auto")
     p.add_argument("--batch-mtp", action="store_true")
-    p.add_argument("--expert-cache", help="expert tier: 'auto' or N cache slots in all (spread over the layers); "
-                                          "without it every expert is resident")
-    p.add_argument("--expert-profile", help="routing profile (JSON) that seeds the expert cache")
-    p.add_argument("--expert-profile-save", help="write the routing counts to this file when the engine quits")
-    p.add_argument("--adapt-every", type=int, default=4, help=f"windows between re-ranks; 0 = static, {FIXED} = fixed")
-    p.add_argument("--adapt-swaps", type=int, default=96, help="most experts swapped in per re-rank")
-    p.add_argument("--adapt-decay", type=float, default=0.7, help="routing counts multiplied by this after a re-rank")
-    p.add_argument("--adapt-min-gain", type=float, default=1.5, help="count ratio a swap must clear")
-    p.add_argument("--adapt-async", type=int, default=0, choices=(0, 1))
-    p.add_argument("--pcie-frac", type=float, default=-1.0, help="share of misses read over PCIe (-1: engine's choice)")
+    add_tier_flags(p)
     return p
-
-
-def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float | str]:
-    """Install the expert tier `--expert-cache` asks for; its INFO keys ({} when every expert stays resident)."""
-    policy = AdaptPolicy(args.adapt_every, args.adapt_swaps, args.adapt_decay, args.adapt_min_gain)
-    if not (0 <= args.pcie_frac <= 1 or args.pcie_frac == -1):
-        raise TierError(f"--pcie-frac must be -1 or in [0, 1], got {args.pcie_frac}")
-    cache = parse_expert_cache(args.expert_cache) if args.expert_cache is not None else None
-    if cache is None or not model.hyper.experts:
-        if args.expert_profile or args.expert_profile_save:
-            raise TierError("--expert-profile/--expert-profile-save need an expert tier (--expert-cache on a MoE model)")
-        return {}
-    if cache == "auto":
-        log("--expert-cache auto: no VRAM to size a cache from on the CPU; every expert stays resident "
-            "(--expert-cache N runs the simulated tier)")
-        return {}
-    save_dir = os.path.dirname(args.expert_profile_save or "") or "."
-    if args.expert_profile_save and not os.path.isdir(save_dir):
-        raise TierError(f"--expert-profile-save {args.expert_profile_save}: no directory {save_dir}")
-    h = model.hyper
-    if cache > h.layers * h.experts:
-        log(f"--expert-cache {cache}: the model has {h.layers * h.experts} routed experts; caching all of them")
-    profile = RoutingProfile.load(args.expert_profile) if args.expert_profile else None
-    tier = install_tier(model, min(cache, h.layers * h.experts), policy, profile)
-    if args.pcie_frac > 0:
-        log(f"--pcie-frac {args.pcie_frac:g}: the simulated tier has no PCIe link; misses run on the CPU (pcie_frac=0)")
-    if args.adapt_async:
-        log("--adapt-async 1: the simulated tier has no copy stream; rounds run blocking before the next window")
-    mode = "static" if policy.every == 0 else "fixed" if not policy.adapts else f"every {policy.every} windows"
-    log(f"expert tier (simulated: slots in host RAM, cached experts and misses on the CPU): {tier.slots} slots "
-        f"for {tier.experts_total} experts ({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
-        f"seeded {'from ' + args.expert_profile if profile else 'from the first windows'}, adaptation {mode}")
-    return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": 0, "adapt_every": policy.every,
-            "adapt_async": 0, "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
 
 
 def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool], Runner] = Runner,
@@ -144,13 +101,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
     loop.emit(P.Ready(context, stop=True))
     loop.start_reader(sys.stdin)
     loop.run()
-    if model.tier is not None:
-        served = loop.stats.experts
-        log(f"decode expert cache hit rate: {served.vram / max(served.lookups, 1):.1%} ({served.vram} hits / "
-            f"{served.lookups} lookups); {model.tier.swaps} swaps in {model.tier.rounds} rounds")
-        if args.expert_profile_save:
-            model.tier.profile(os.path.basename(args.model)).save(args.expert_profile_save)
-            log(f"routing profile written to {args.expert_profile_save}")
+    finish_tier(args, model, loop.stats.experts)
     log("quit")
     return 0
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from engine import protocol as P
-from engine.__main__ import build_parser, setup_tier
+from engine.__main__ import build_parser
 from engine.loading import open_model
 from engine.tier import AdaptPolicy, ProfileError, RoutingProfile, TierError, parse_expert_cache, split_slots
+from engine.tier.flags import setup_tier
 from engine.tier.policy import plan_round
 
 

@@ -7,6 +7,7 @@ holding copies of the hottest ones, re-ranked while the engine serves.
 - `policy.py`: `AdaptPolicy` and the swaps of a round (`plan_round`)
 - `profile.py`: `RoutingProfile`, the routing counts file (`--expert-profile`, `--expert-profile-save`)
 - `tier.py`: `Tier` (seeding, rounds, figures) and `install_tier`
+- `flags.py`: the engine flags, `setup_tier` (flags -> tier, INFO keys) and `finish_tier` (at quit)
 
 Without a GPU this is the simulated tier: the slots are host buffers and both cached experts and
 misses run on the CPU, so placement, adaptation and accounting run (and are tested) anywhere.
