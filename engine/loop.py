@@ -298,8 +298,8 @@ class EngineLoop:
     def done(self, job: Job, finish: str) -> None:
         decode_ms = (time.perf_counter() - job.decode_started) * 1000 if job.decode_started else 0.0
         self.emit(P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
-                         reused=job.reused, hits=job.experts.vram, lookups=job.experts.lookups,
-                         prompt_read=job.prompt_read, offloaded=job.experts.pcie))
+                         reused=job.reused, hits=job.experts.vram, lookups=job.experts.lookups - job.experts.pcie,
+                         prompt_read=job.prompt_read, offloaded=job.experts.pcie))  # upstream: lookups exclude PCIe
 
     # -- main loop ----------------------------------------------------------------------------
 
