@@ -9,6 +9,7 @@ profile-seeded cache within 200 windows, counted per window, and a static one se
 from __future__ import annotations
 
 import pytest
+import test_engine_batch as batch_cases
 import torch
 
 from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
@@ -193,3 +194,19 @@ def test_a_prompt_read_counts_for_the_profile_not_for_adaptation(window_driver):
     assert tier.windows == 0 and tier.rounds == 0 and tier.cached() == 0
     assert all(float(c.sum()) == 0 for c in tier.counts)
     assert sum(map(sum, tier.profile("m").counts)) == 60 * model.hyper.layers * model.hyper.experts_used
+
+
+@pytest.mark.parametrize("case", [
+    "test_long_prompt_read_while_two_slots_decode",
+    "test_read_that_gives_way_goes_on_from_its_slot",
+    "test_solo_read_yields_into_a_free_slot",
+    "test_next_turn_continues_from_its_slot",
+    "test_stopped_in_slot_then_continued_on_the_solo_path",
+])
+def test_interleave_cases_with_a_fixed_partial_cache(exact_driver, profile, case):
+    """The engine-batch interleave cases, run as they are, over a quarter of the experts cached."""
+    tier = install_tier(exact_driver.model, 8, AdaptPolicy(every=FIXED), profile)
+    check = getattr(batch_cases, case)
+    check(exact_driver, "") if case.startswith("test_stopped") else check(exact_driver)
+    served = exact_driver.model.expert_stats()
+    assert served.vram > 0 and served.cpu > 0 and tier.swaps == 0
