@@ -22,12 +22,14 @@ from engine.models import architecture_of, load_model
 from engine.models.base import Model
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
+from engine.tier.flags import add_tier_flags, finish_tier, setup_tier
 
 # Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
 GENERATED_KEY = "strata.test_model.seed"
-# Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident).
-UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "adapt_every", "adapt_swaps", "adapt_decay",
-               "adapt_min_gain", "pcie_frac")
+# Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking and
+# pcie_frac is 0 on the simulated tier; the adapt options only tune a tier (--expert-cache).
+UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "pcie_frac")
+TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "values (faster) or float32 (the reference's arithmetic)")
     p.add_argument("--batch-groups", default="auto")
     p.add_argument("--batch-mtp", action="store_true")
-    p.add_argument("--adapt-every", type=int, default=4)
-    p.add_argument("--adapt-swaps", type=int, default=8)
-    p.add_argument("--adapt-decay", type=float, default=0.9)
-    p.add_argument("--adapt-min-gain", type=float, default=1.5)
-    p.add_argument("--adapt-async", type=int, default=0)
-    p.add_argument("--pcie-frac", type=float, default=0.0)
+    add_tier_flags(p)
     return p
 
 
@@ -75,6 +72,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
         slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype)
         model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill,
                            kv_dtype=kv_dtype)
+        tier_info = setup_tier(args, model)
     except (GGUFError, ValueError, RuntimeError, OSError) as exc:
         log(f"cannot load {args.model}: {exc}")
         print(P.format_reply(P.Err(f"cannot load model: {exc}")), flush=True)
@@ -85,16 +83,17 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
         f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB ({model.w.describe()}), "
         f"{slots} batch slots, context {context}")
-    if h.experts:
-        log("expert tier: every expert resident in device memory; the adapt options have no effect yet")
+    if h.experts and not tier_info:
+        log("expert tier: every expert resident in device memory; the adapt options have no effect")
     info: dict[str, int | float | str] = {
         "engine": __version__, "model": os.path.basename(args.model), "arch": g.architecture,
         "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "kv": str(kv_dtype).removeprefix("torch."), "cpu_activations": args.cpu_activations,
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
         "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
-        "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",
-        "unsupported": ",".join(UNSUPPORTED),
+        "prefill": args.prefill, "exact": int(args.exact),
+        "tier": (model.tier.mode if model.tier else "resident") if h.experts else "dense",
+        "unsupported": ",".join(UNSUPPORTED + (() if model.tier else TIER_ONLY)), **tier_info,
         "generated": int(GENERATED_KEY in g.metadata),
     }
     if args.batch:
@@ -105,6 +104,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
     loop.emit(P.Ready(context, stop=True))
     loop.start_reader(sys.stdin)
     loop.run()
+    finish_tier(args, model, loop.stats.experts)
     log("quit")
     return 0
 

@@ -13,23 +13,26 @@ other rows of the call were routed or scheduled.
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from engine.weights import LinearStack
+from engine.weights import Linear, LinearStack
 
 
 @dataclass
 class ExpertStats:
-    """Routed (row, expert) entries served, counted per call: from device memory, over PCIe, by the CPU."""
+    """Routed (row, expert) entries served, counted per call: from device memory, over PCIe, by the CPU;
+    `cpu_us`: time spent computing the CPU's entries (measured where the CPU computes them)."""
 
     lookups: int = 0
     vram: int = 0
     pcie: int = 0
     cpu: int = 0
+    cpu_us: int = 0
 
     def _values(self) -> tuple[int, ...]:
         # the fields in order; not dataclasses.astuple, which deep-copies (~60 us, several a decode step)
@@ -85,19 +88,21 @@ class ResidentExperts(Experts):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // k
+        t0 = time.perf_counter()
         if self.grouped:
             y = self._grouped(x[rows], flat, order)
         else:
             y = self._per_expert(x[rows], flat[order])
-        self._count(n * k)
+        self._count(n * k, time.perf_counter() - t0)
         return combine(y, order, weights)
 
-    def _count(self, entries: int) -> None:
+    def _count(self, entries: int, seconds: float) -> None:
         self._stats.lookups += entries
         if self.on_gpu:
             self._stats.vram += entries
         else:
             self._stats.cpu += entries
+            self._stats.cpu_us += round(seconds * 1e6)
 
     def _grouped(self, xs: torch.Tensor, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """One grouped GEMM per projection (torch._grouped_mm): every routed expert read once, no
@@ -116,11 +121,15 @@ class ResidentExperts(Experts):
         experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         start = 0
         for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-            part = xs[start : start + count]
-            h = F.silu(self.gate.experts[expert](part)) * self.up.experts[expert](part)
-            y[start : start + count] = self.down.experts[expert](h)
+            y[start : start + count] = swiglu(self.gate.experts[expert], self.up.experts[expert],
+                                              self.down.experts[expert], xs[start : start + count])
             start += count
         return y
+
+
+def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:
+    """One expert over its rows: down(silu(gate(x)) * up(x))."""
+    return down(F.silu(gate(x)) * up(x))
 
 
 def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

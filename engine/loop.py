@@ -51,6 +51,7 @@ class Job:
     stop: bool = False
     yield_to: int | None = None
     experts: ExpertStats = field(default_factory=ExpertStats)  # routed entries of its decode steps
+    prompt_read: int = 0  # prompt tokens actually read (fewer than the prompt after a cancel or a yield)
 
     @property
     def read_pos(self) -> int:
@@ -193,6 +194,7 @@ class EngineLoop:
         chunk = job.prompt[job.read_pos : job.read_pos + self.prefill]
         logits = self.runner.read(job.session, chunk)
         dt = time.perf_counter() - t0
+        job.prompt_read += len(chunk)
         self.stats.prefill(len(chunk), dt)
         self.emit(P.Progress(job.read_pos, len(job.prompt), dt * 1000, len(chunk) / max(dt, 1e-9)))
         if job.read_pos == len(job.prompt):
@@ -256,8 +258,13 @@ class EngineLoop:
         jobs = sorted(self.decoding.values(), key=lambda j: j.session.index)
         t0 = time.perf_counter()
         before = self.model.expert_stats()
+        if self.model.tier is not None:
+            self.model.tier.window_start()
         tokens = self.runner.decode([Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs])
-        served = (self.model.expert_stats() - before).share(len(jobs))
+        window = self.model.expert_stats() - before
+        if self.model.tier is not None:
+            self.model.tier.window_done(window)
+        served = window.share(len(jobs))
         for job, token in zip(jobs, tokens, strict=True):
             job.experts += served
             job.generated += 1
@@ -271,7 +278,7 @@ class EngineLoop:
             if finish:
                 del self.decoding[job.session.index]
                 self.finish_decoding(job, finish)
-        self.stats.step(len(jobs), time.perf_counter() - t0, jobs)
+        self.stats.step(len(jobs), time.perf_counter() - t0, jobs, window)
 
     def decode_steps_for(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
@@ -291,7 +298,8 @@ class EngineLoop:
     def done(self, job: Job, finish: str) -> None:
         decode_ms = (time.perf_counter() - job.decode_started) * 1000 if job.decode_started else 0.0
         self.emit(P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
-                         reused=job.reused, hits=job.experts.vram, lookups=job.experts.lookups))
+                         reused=job.reused, hits=job.experts.vram, lookups=job.experts.lookups - job.experts.pcie,
+                         prompt_read=job.prompt_read, offloaded=job.experts.pcie))  # upstream: lookups exclude PCIe
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -325,6 +333,7 @@ class _StatsCounter:
         self.slot_tokens: dict[str, int] = {}
         self.interval_windows = self.interval_rows = 0
         self.interval_s = 0.0
+        self.experts = ExpertStats()  # routed entries of decode windows (total)
         self.dirty = False
 
     def prefill(self, n: int, seconds: float) -> None:
@@ -332,8 +341,9 @@ class _StatsCounter:
         self.prefill_s += seconds
         self.dirty = True
 
-    def step(self, rows: int, seconds: float, jobs: list[Job]) -> None:
+    def step(self, rows: int, seconds: float, jobs: list[Job], experts: ExpertStats) -> None:
         self.windows += 1
+        self.experts += experts
         self.tokens += rows
         self.interval_windows += 1
         self.interval_rows += rows
@@ -354,7 +364,7 @@ class _StatsCounter:
             "slot_tokens": dict(self.slot_tokens),
             "prefill_tokens": self.prefill_tokens,
             "prefill_ms": round(self.prefill_s * 1000, 1),
-            "tier": _tier(model),
+            "tier": _tier(model, self.experts),
             "memory": memory_split(model, n_slots),
         }
         self.interval_windows = self.interval_rows = 0
@@ -363,11 +373,14 @@ class _StatsCounter:
         return snap
 
 
-def _tier(model: Model) -> dict | None:
-    """The tier fields of STATS from the experts' counted entries (every expert is resident)."""
+def _tier(model: Model, served: ExpertStats) -> dict | None:
+    """The tier fields of STATS: the decode windows' counted entries, and the tier's own figures
+    (swaps, rounds, wait, cache size) when one is installed, else every expert is resident."""
     if not model.hyper.experts:
         return None
-    served = model.expert_stats()
     n = max(served.lookups, 1)
-    return {"mode": "resident", "vram": served.vram / n, "pcie": served.pcie / n, "cpu": served.cpu / n,
-            "hits": served.vram, "lookups": served.lookups, "swaps": 0, "adapt_rounds": 0, "adapt_wait_ms": 0.0}
+    tier = {"mode": "resident", "swaps": 0, "adapt_rounds": 0, "adapt_wait_ms": 0.0}
+    if model.tier is not None:
+        tier = model.tier.figures()
+    return {**tier, "vram": served.vram / n, "pcie": served.pcie / n, "cpu": served.cpu / n, "hits": served.vram,
+            "lookups": served.lookups, "offloaded": served.pcie, "cpu_ms": round(served.cpu_us / 1000, 3)}

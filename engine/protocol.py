@@ -274,6 +274,11 @@ class Done:
     reused: int = 0
     hits: int = 0
     lookups: int = 0
+    ram_blobs: int = 0  # upstream's RAM/file expert tiers: always 0 here (every expert is in host RAM)
+    file_blobs: int = 0
+    file_mb: int = 0
+    prompt_read: int = 0
+    offloaded: int = 0  # routed entries served over PCIe
 
 
 @dataclass(frozen=True)
@@ -314,7 +319,8 @@ class Stats:
 
 Reply = Info | Ready | Resume | Progress | Token | Done | BAdm | BToken | BDone | Yielded | Err | Stats
 
-_DONE_OPTIONAL = ("drafts_accepted", "drafts_offered", "reused", "hits", "lookups")
+_DONE_OPTIONAL = ("drafts_accepted", "drafts_offered", "reused", "hits", "lookups", "ram_blobs", "file_blobs",
+                  "file_mb", "prompt_read", "offloaded")
 
 
 def _info_value(text: str) -> int | float | str:

@@ -65,12 +65,17 @@ class RunConfig(BaseModel):
     parallel: int = Field(1, ge=1, le=MAX_SLOTS, description="batch slots; 1 = one request at a time")
     batch_groups: int | Literal["auto"] = Field("auto", description="pipeline groups; must divide parallel")
     batch_mtp: bool = False
+    expert_cache: int | Literal["auto"] | None = Field(
+        None, description="expert tier: cache slots over all layers, or 'auto'; none = every expert resident"
+    )
+    expert_profile: str | None = Field(None, description="routing profile (JSON) seeding the expert cache")
+    expert_profile_save: str | None = Field(None, description="the engine writes its routing counts here on exit")
     adapt_every: int = Field(4, ge=0, description="re-rank the expert tier every N windows (0 = off)")
-    adapt_swaps: int = Field(8, ge=0)
-    adapt_decay: float = Field(0.9, gt=0, le=1)
+    adapt_swaps: int = Field(96, ge=0)
+    adapt_decay: float = Field(0.7, gt=0, le=1)
     adapt_async: bool = False
     adapt_min_gain: float = Field(1.5, ge=1)
-    pcie_frac: float = Field(0.0, ge=0, le=1)
+    pcie_frac: float = Field(0.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
     exact: bool = Field(False, description="row-invariant arithmetic: batch tokens equal solo tokens")
     cpu_activations: Literal["int16", "float"] = Field(
         "int16", description="CPU decode products: int16 activations (faster) or float32 (the reference's)"
@@ -97,6 +102,20 @@ class RunConfig(BaseModel):
             return value
         raise ValueError("must be 'auto' or an integer >= 1")
 
+    @field_validator("expert_cache", mode="before")
+    @classmethod
+    def _cache(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("must be 'auto' or a number of slots >= 0")
+
+    @field_validator("pcie_frac")
+    @classmethod
+    def _pcie(cls, value: float) -> float:
+        if value != -1 and not 0 <= value <= 1:
+            raise ValueError("must be -1 (the engine chooses) or in [0, 1]")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         if isinstance(self.batch_groups, int) and self.parallel % self.batch_groups:
@@ -121,6 +140,11 @@ class RunConfig(BaseModel):
         out += ["--adapt-every", str(self.adapt_every), "--adapt-swaps", str(self.adapt_swaps)]
         out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}"]
         out += ["--pcie-frac", f"{self.pcie_frac:g}"]
+        if self.expert_cache is not None:
+            out += ["--expert-cache", str(self.expert_cache)]
+        for flag, path in (("--expert-profile", self.expert_profile), ("--expert-profile-save", self.expert_profile_save)):
+            if path:
+                out += [flag, path]
         if self.adapt_async:
             out += ["--adapt-async", "1"]
         if self.batch_mtp:

@@ -33,7 +33,7 @@ class StatsTier(BaseModel):
     routed experts served each way; the server normalizes them to shares."""
 
     model_config = ConfigDict(extra="allow")
-    mode: str | None = None  # e.g. "resident"
+    mode: str | None = None  # "resident" (every expert in device memory) or "simulated" (the CPU's cache tier)
     vram: float = 0.0  # served from the VRAM expert cache
     pcie: float = 0.0  # read over PCIe and computed on the GPU
     cpu: float = 0.0  # computed on the CPU
@@ -44,6 +44,10 @@ class StatsTier(BaseModel):
     adapt_wait_ms: float = 0.0  # main-thread time waiting for the tier, per window (recent)
     experts_cached: int | None = None  # experts held in the VRAM cache now
     experts_total: int | None = None  # routed experts in the model
+    slots: int | None = None  # cache slots (all layers)
+    cache_mib: float | None = None  # the slots' bytes
+    offloaded: int = 0  # decode entries served over PCIe (DONE's offloaded, summed)
+    cpu_ms: float = 0.0  # time spent computing the CPU's entries (total)
 
 
 class StatsDevice(BaseModel):
@@ -221,6 +225,10 @@ class TierView(_Model):
     adapt_wait_ms: float = 0.0
     experts_cached: int | None = None
     experts_total: int | None = None
+    mode: str | None = None  # "resident": every expert in the model's memory, no cache; "simulated": the CPU's tier
+    slots: int | None = None  # cache slots over all layers
+    cache_mib: float | None = None  # the slots' bytes
+    cpu_ms: float = 0.0  # CPU expert time (total)
 
 
 class StatsView(_Model):

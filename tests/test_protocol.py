@@ -21,7 +21,7 @@ REPLIES = [
     "RESUME 12",
     "PP 512 2048 120.5 4249.0",
     "T 42",
-    "DONE 16 6 203.0 1641.1 length 0 0 5 0 0",
+    "DONE 16 6 203.0 1641.1 length 0 0 5 40 48 0 0 0 6 8",
     "BADM 2 1",
     "BT 2 17",
     "BDONE 2 31 stop 812.4",
@@ -44,6 +44,12 @@ def test_reply_round_trip(line):
 def test_done_with_fewer_optional_fields_parses():
     done = P.parse_reply("DONE 3 4 1.0 2.0 stop")
     assert done.reused == 0 and done.finish == "stop"
+
+
+def test_done_fields_at_upstream_positions():
+    done = P.parse_reply("DONE 16 6 203.0 1641.1 length 0 0 5 40 48 0 0 0 6 8")
+    assert (done.reused, done.hits, done.lookups, done.prompt_read, done.offloaded) == (5, 40, 48, 6, 8)
+    assert P.parse_reply("DONE 3 4 1.0 2.0 stop 0 0 2 7 9").offloaded == 0  # an engine that stops at lookups
 
 
 @pytest.mark.parametrize(

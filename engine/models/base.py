@@ -3,6 +3,8 @@ the embedding -> blocks -> norm -> head pipeline, and the sessions' KV caches.""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.batch import Batch
@@ -13,6 +15,9 @@ from engine.kv import KVCache
 from engine.layers import Rope, attend, rms_norm
 from engine.weights import WeightStore
 
+if TYPE_CHECKING:
+    from engine.tier import Tier
+
 
 class Model:
     """Base class: subclasses set `hyper`, implement `block()` and may override `embed()`.
@@ -22,6 +27,7 @@ class Model:
     """
 
     arch = ""
+    tier: Tier | None = None  # the expert tier, when `engine.tier.install_tier` put one in place
 
     def __init__(self, g: GGUFFile, hyper: Hyper, device: torch.device, dtype: torch.dtype, sessions: int,
                  context: int, max_chunk: int, kv_dtype: torch.dtype):

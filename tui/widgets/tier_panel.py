@@ -1,5 +1,6 @@
-"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU, hit rate,
-swaps and adapt rounds, adapt wait; clear states for a dense model and for no data yet."""
+"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU, hit rate (or
+"every expert resident" when there is no cache), swaps and adapt rounds, adapt wait; clear states
+for a dense model and for no data yet."""
 
 from __future__ import annotations
 
@@ -64,11 +65,17 @@ class TierPanel(Panel):
             legend.append(f"{label} {pct(value, 1)}  ")
         update_text(self.query_one("#tier-legend", Static), legend)
         lines = Text()
-        lines.append("hit rate ", style="dim")
-        lines.append(pct(tier.hit_rate, 1), style="bold")
-        if tier.experts_cached is not None and tier.experts_total:
-            lines.append("  cached ", style="dim")
-            lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
+        if tier.mode == "resident":  # no cache: a hit rate would only say where the experts live
+            lines.append("every expert resident", style="bold")
+            lines.append(" (no cache)", style="dim")
+        else:
+            lines.append("hit rate ", style="dim")
+            lines.append(pct(tier.hit_rate, 1), style="bold")
+            if tier.experts_cached is not None and tier.experts_total:
+                lines.append("  cached ", style="dim")
+                lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
+            if tier.mode == "simulated":
+                lines.append("  simulated (no GPU)", style="dim")
         lines.append("\nswaps ", style="dim")
         lines.append(count(tier.swaps))
         lines.append("  adapt rounds ", style="dim")

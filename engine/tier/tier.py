@@ -1,0 +1,158 @@
+"""`Tier`: the model's expert cache (one `LayerSlots` per layer), its seeding, its adaptation rounds
+and its figures; `install_tier` puts it in place of a model's resident experts.
+
+Slots: `--expert-cache N` is the total over all layers, spread evenly (N // layers each, one more
+for the first N % layers). Seeding: a routing profile's most routed experts per layer; without one
+the slots start empty (but where they hold every expert) and the first round fills them from the
+counts of the first windows (after `SEED_WINDOWS` windows when adaptation is off). Rounds run every `policy.every` decode windows
+(`window_done`, called by the loop after each window), never while only a prompt is being read;
+the adaptation counts are the decode windows' routing (`window_start` to `window_done`), so a long
+prompt read between windows does not re-rank the cache (the saved profile counts every call).
+A round is blocking here: the copies finish before the next window (the simulated tier has no
+stream to overlap them with); `LayerSlots`' evict/fill/publish steps are what an asynchronous
+driver would split between the main thread and a copy thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from engine.experts import ExpertStats, ResidentExperts
+from engine.memory import MIB
+from engine.models.base import Model
+from engine.tier.experts import TieredExperts
+from engine.tier.policy import AdaptPolicy, Swap, plan_round
+from engine.tier.profile import RoutingProfile
+from engine.tier.slots import LayerSlots
+
+SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
+WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
+
+
+class TierError(ValueError):
+    pass
+
+
+class Tier:
+    mode = "simulated"  # cache slots in host RAM, cached experts and misses both on the CPU
+
+    def __init__(self, layers: list[TieredExperts], policy: AdaptPolicy):
+        self.layers = layers
+        self.policy = policy
+        self.windows = 0
+        self.rounds = 0
+        self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
+        self.adapt_wait_s = 0.0  # time windows waited for rounds
+        self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per decode window
+        self.counts = [torch.zeros(layer.slots.experts, dtype=torch.float64) for layer in layers]  # decayed
+        self._routed_at_start: list[torch.Tensor] | None = None
+
+    @property
+    def slots(self) -> int:
+        return sum(layer.slots.size for layer in self.layers)
+
+    @property
+    def experts_total(self) -> int:
+        return sum(layer.slots.experts for layer in self.layers)
+
+    def cached(self) -> int:
+        return sum(layer.slots.cached() for layer in self.layers)
+
+    def cache_bytes(self) -> int:
+        return sum(layer.slots.nbytes() for layer in self.layers)
+
+    def seed(self, profile: RoutingProfile | None) -> None:
+        """Each layer's slots hold its most routed experts by `profile`; without one only the layers
+        whose slots hold every expert are filled (nothing to rank), the others start empty."""
+        if profile is not None:
+            profile.check_shape(len(self.layers), self.layers[0].slots.experts)
+        for i, layer in enumerate(self.layers):
+            if profile is None and layer.slots.size < layer.slots.experts:
+                continue
+            counts = profile.counts[i] if profile is not None else [0] * layer.slots.experts
+            hot = sorted(range(layer.slots.experts), key=lambda e: (-counts[e], e))
+            for slot, expert in enumerate(hot[: layer.slots.size]):
+                layer.slots.load(slot, expert)
+
+    def profile(self, model_name: str) -> RoutingProfile:
+        """The routing counts so far (never decayed), to save."""
+        return RoutingProfile(model_name, [layer.routed.tolist() for layer in self.layers])
+
+    def window_start(self) -> None:
+        self._routed_at_start = [layer.routed.clone() for layer in self.layers]
+
+    def window_done(self, served: ExpertStats) -> None:
+        """After a decode window that served `served`: count its routing, then run a round when one is due."""
+        if self._routed_at_start is None:
+            raise RuntimeError("Tier.window_done without window_start")
+        for counts, layer, before in zip(self.counts, self.layers, self._routed_at_start, strict=True):
+            counts += layer.routed - before
+        self._routed_at_start = None
+        self.windows += 1
+        self.window_log.append(served)
+        if self.policy.due(self.windows):
+            self._round(empty_only=False)
+        elif self.windows == SEED_WINDOWS and not self.policy.adapts and self.cached() < self.slots:
+            self._round(empty_only=True)
+
+    def _round(self, empty_only: bool) -> None:
+        t0 = time.perf_counter()
+        plan = plan_round(self.counts,
+                          [layer.slots.expert_at for layer in self.layers], self.policy, empty_only)
+        self._apply(plan)
+        for counts in self.counts:
+            counts.mul_(self.policy.decay)
+        self.rounds += 1
+        self.swaps += len(plan)
+        self.adapt_wait_s += time.perf_counter() - t0
+
+    def _apply(self, plan: list[Swap]) -> None:
+        for swap in plan:
+            self.layers[swap.layer].slots.load(swap.slot, swap.expert)
+
+    def figures(self) -> dict[str, int | float | str]:
+        """The tier's own STATS fields (the entries' counts come from the loop)."""
+        return {"mode": self.mode, "swaps": self.swaps, "adapt_rounds": self.rounds,
+                "adapt_wait_ms": round(self.adapt_wait_s * 1000 / max(self.windows, 1), 4), "experts_cached": self.cached(),
+                "experts_total": self.experts_total, "slots": self.slots,
+                "cache_mib": round(self.cache_bytes() / MIB, 1)}
+
+
+def split_slots(total: int, layers: int, experts: int) -> list[int]:
+    """`total` slots spread over `layers` (the first `total % layers` get one more), at most `experts` each."""
+    if total < 0:
+        raise TierError(f"--expert-cache must be 'auto' or a number of slots >= 0, got {total}")
+    base, extra = divmod(total, layers)
+    return [min(experts, base + (i < extra)) for i in range(layers)]
+
+
+def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: RoutingProfile | None = None) -> Tier:
+    """Replace the model's per-layer experts by `TieredExperts` over a cache of `slots` slots in all
+    (see `split_slots`), seeded from `profile` when given; sets and returns `model.tier`."""
+    h = model.hyper
+    if not h.experts:
+        raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
+    if model.device.type != "cpu":
+        raise TierError("--expert-cache: the tier's GPU part (VRAM slots, CPU misses beside the GPU) is not "
+                        "built yet; --device cpu runs the simulated tier")
+    stacks = []
+    for i, b in enumerate(model.blk):
+        ex = getattr(b, "experts", None)
+        if isinstance(ex, TieredExperts):
+            stacks.append(ex.slots.host)
+        elif isinstance(ex, ResidentExperts):
+            stacks.append((ex.gate, ex.up, ex.down))
+        else:
+            raise TierError(f"--expert-cache: layer {i} of this {model.arch} model has no SwiGLU expert stacks "
+                            "the tier can cache")
+    per_layer = split_slots(slots, len(stacks), h.experts)
+    layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
+    for b, layer in zip(model.blk, layers, strict=True):
+        b.experts = layer
+    tier = Tier(layers, policy)
+    tier.seed(profile)
+    model.tier = tier
+    return tier

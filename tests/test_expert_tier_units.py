@@ -1,0 +1,167 @@
+"""The expert tier's parts on their own: the adaptation policy's rounds, routing profiles, the slot
+split and the engine flags that set the tier up (`setup_tier`), with every bad input refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import protocol as P
+from engine.__main__ import build_parser
+from engine.loading import open_model
+from engine.tier import AdaptPolicy, ProfileError, RoutingProfile, TierError, parse_expert_cache, split_slots
+from engine.tier.flags import setup_tier
+from engine.tier.policy import plan_round
+
+
+def t(*counts: float) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.float64)
+
+
+def test_round_swaps_only_when_the_gain_clears():
+    counts = [t(10, 0, 14, 30)]  # slots hold experts 0 and 1; 3 is hot, 2 is warm
+    plan = plan_round(counts, [[0, 1]], AdaptPolicy(min_gain=1.5))
+    # 30 replaces 1 (count 0); 14 vs 10 is below 1.5x: expert 0 stays
+    assert [(s.slot, s.expert) for s in plan] == [(1, 3)]
+    plan = plan_round(counts, [[0, 1]], AdaptPolicy(min_gain=1.4))
+    assert [(s.slot, s.expert) for s in plan] == [(1, 3), (0, 2)]
+
+
+def test_round_takes_the_largest_gains_across_layers_up_to_the_cap():
+    counts = [t(1, 50, 2, 0), t(0, 1, 9, 100)]
+    plan = plan_round(counts, [[0, 2], [0, 1]], AdaptPolicy(swaps=2, min_gain=1.5))
+    # candidates: layer 0: 50 over 1 (gain 49); layer 1: 100 over 0 (100), 9 over 1 (8)
+    assert [(s.layer, s.expert, s.gain) for s in plan] == [(1, 3, 100.0), (0, 1, 49.0)]
+    assert plan_round(counts, [[0, 2], [0, 1]], AdaptPolicy(swaps=0)) == []
+
+
+def test_empty_slots_fill_first_whatever_the_cap_and_unrouted_experts_never_move_in():
+    plan = plan_round([t(0, 5, 3, 0)], [[-1, -1, -1]], AdaptPolicy(swaps=0))
+    assert [(s.slot, s.expert) for s in plan] == [(0, 1), (1, 2)]  # expert 0 and 3 were never routed
+    plan = plan_round([t(4, 0, 9, 1)], [[0, -1]], AdaptPolicy(), empty_only=True)
+    assert [(s.slot, s.expert) for s in plan] == [(1, 2)]  # expert 0 is not evicted by a fill round
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"every": -1}, "--adapt-every must be >= 0"),
+    ({"swaps": -2}, "--adapt-swaps must be >= 0"),
+    ({"decay": 0.0}, "--adapt-decay must be in (0, 1]"),
+    ({"decay": 1.5}, "--adapt-decay must be in (0, 1]"),
+    ({"min_gain": 0.5}, "--adapt-min-gain must be >= 1"),
+])
+def test_bad_policy_values(kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        AdaptPolicy(**kw)
+
+
+def test_policy_modes():
+    assert not AdaptPolicy(every=0).adapts and not AdaptPolicy(every=1_000_000).adapts
+    assert AdaptPolicy(every=4).due(8) and not AdaptPolicy(every=4).due(6)
+
+
+def test_slots_spread_over_layers():
+    assert split_slots(10, 4, 8) == [3, 3, 2, 2]
+    assert split_slots(100, 4, 8) == [8, 8, 8, 8]
+    with pytest.raises(TierError, match="slots >= 0"):
+        split_slots(-1, 4, 8)
+
+
+@pytest.mark.parametrize(("text", "message"), [("x", "got 'x'"), ("-3", "got -3"), ("1.5", "got '1.5'")])
+def test_bad_expert_cache(text, message):
+    with pytest.raises(TierError, match=message):
+        parse_expert_cache(text)
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    path = tmp_path / "p.json"
+    RoutingProfile("m.gguf", [[1, 2], [3, 0]]).save(path)
+    back = RoutingProfile.load(path)
+    assert back.counts == [[1, 2], [3, 0]] and back.model == "m.gguf"
+    with pytest.raises(ProfileError, match="does not fit this model's 4 x 8"):
+        back.check_shape(4, 8, path)
+    cases = {"missing.json": "cannot read routing profile", "junk.json": "invalid JSON",
+             "other.json": "not a routing profile", "ragged.json": "equal-length lists"}
+    (tmp_path / "junk.json").write_text("{")
+    (tmp_path / "other.json").write_text(json.dumps({"counts": [[1]]}))
+    (tmp_path / "ragged.json").write_text(json.dumps({"format": "strata-expert-profile", "version": 1,
+                                                      "counts": [[1, 2], [3]]}))
+    for name, message in cases.items():
+        with pytest.raises(ProfileError, match=message):
+            RoutingProfile.load(tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return open_model(str(tiny_model), "cpu")[1]
+
+
+def _setup(model, *flags: str) -> dict:
+    model.tier = None
+    return setup_tier(build_parser().parse_args(["--model", "x.gguf", *flags]), model)
+
+
+def test_setup_tier_from_flags(model, tmp_path):
+    info = _setup(model, "--expert-cache", "12", "--adapt-every", "1000000", "--pcie-frac", "0.3", "--adapt-async", "1")
+    assert model.tier is not None and model.tier.slots == 12 and model.tier.policy.every == 1_000_000
+    assert info == {"expert_slots": 12, "experts_cached": 0, "pcie_frac": 0, "adapt_every": 1_000_000,
+                    "adapt_async": 0, "expert_profile": "-"}
+    path = tmp_path / "p.json"
+    RoutingProfile("tiny", [[8, 7, 6, 5, 4, 3, 2, 1]] * 4).save(path)
+    info = _setup(model, "--expert-cache", "8", "--expert-profile", str(path))
+    assert info["experts_cached"] == 8 and info["expert_profile"] == "p.json"
+    assert all(layer.slots.expert_at == [0, 1] for layer in model.tier.layers)
+    assert _setup(model) == {} and model.tier is None  # no flag: every expert resident
+    assert _setup(model, "--expert-cache", "auto") == {} and model.tier is None  # no VRAM to size from
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--expert-cache", "-1"), "slots >= 0"),
+    (("--expert-profile", "p.json"), "need an expert tier"),
+    (("--expert-cache", "4", "--pcie-frac", "2"), "--pcie-frac must be -1 or in"),
+    (("--expert-cache", "4", "--adapt-decay", "0"), "--adapt-decay"),
+    (("--expert-cache", "4", "--expert-profile-save", "/no/such/dir/p.json"), "no directory /no/such/dir"),
+    (("--expert-cache", "4", "--expert-profile", "/no/such.json"), "cannot read routing profile"),
+])
+def test_setup_tier_refuses(model, flags, message):
+    with pytest.raises(ValueError, match=message):
+        _setup(model, *flags)
+
+
+def test_engine_process_runs_the_tier_and_saves_its_profile(tiny_model, tmp_path):
+    saved = tmp_path / "profile.json"
+    out = subprocess.run([sys.executable, "-m", "engine", "--serve", "--threads", "1", "--model", str(tiny_model),
+                          "--expert-cache", "8", "--adapt-every", "2", "--expert-profile-save", str(saved)],
+                         input="GEN 12 1,2,3\nQUIT\n", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = [P.parse_reply(line) for line in out.stdout.splitlines()]
+    info = r[0].values
+    assert info["tier"] == "simulated" and info["expert_slots"] == 8 and "adapt_every" not in info["unsupported"]
+    done = next(x for x in r if isinstance(x, P.Done))
+    assert done.lookups == (done.generated - 1) * 4 * 2 and 0 <= done.hits <= done.lookups and done.offloaded == 0
+    assert "decode expert cache hit rate" in out.stderr and f"routing profile written to {saved}" in out.stderr
+    profile = RoutingProfile.load(saved)
+    assert profile.layers == 4 and profile.experts == 8 and sum(map(sum, profile.counts)) > 0
+
+
+def test_run_config_tier_options():
+    from pydantic import ValidationError
+
+    from server.config import RunConfig
+
+    base = RunConfig(model="m.gguf")
+    assert "--expert-cache" not in base.engine_args() and base.adapt_swaps == 96 and base.adapt_decay == 0.7
+    args = RunConfig(model="m.gguf", expert_cache=64, expert_profile="p.json", expert_profile_save="q.json",
+                     pcie_frac=-1).engine_args()
+    assert args[args.index("--expert-cache") + 1] == "64" and args[args.index("--expert-profile") + 1] == "p.json"
+    assert args[args.index("--expert-profile-save") + 1] == "q.json" and args[args.index("--pcie-frac") + 1] == "-1"
+    assert RunConfig(model="m.gguf", expert_cache="auto").engine_args()[-2:] == ["--expert-cache", "auto"]
+    # what the config writes, the engine's parser takes
+    parsed = build_parser().parse_args(args)
+    assert parsed.expert_cache == "64" and parsed.pcie_frac == -1
+    for bad in ({"expert_cache": -1}, {"expert_cache": "lots"}, {"expert_cache": True}, {"pcie_frac": -0.5}):
+        with pytest.raises(ValidationError):
+            RunConfig(model="m.gguf", **bad)
