@@ -20,12 +20,24 @@ from engine.loop import EngineLoop
 from engine.memory import MIB
 from engine.models import architecture_of, load_model
 from engine.models.base import Model
+from engine.parking import ParkingStore
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 
-# Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident).
+# Accepted for upstream compatibility; the tier is not adaptive yet (every expert is resident), and
+# one device runs every layer (no layer split yet).
 UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "adapt_every", "adapt_swaps", "adapt_decay",
-               "adapt_min_gain", "pcie_frac")
+               "adapt_min_gain", "pcie_frac", "layer_split")
+# Parked conversations (engine/parking.py); server/config.py has the same defaults, docs/config.md why.
+CONVERSATION_CACHE_MIB = 2048
+CONVERSATION_CACHE_SLOTS = 8
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapt-min-gain", type=float, default=1.5)
     p.add_argument("--adapt-async", type=int, default=0)
     p.add_argument("--pcie-frac", type=float, default=0.0)
+    p.add_argument("--layer-split", default="")
+    p.add_argument("--conversation-cache-mib", type=_non_negative, default=CONVERSATION_CACHE_MIB,
+                   help="host RAM for parked conversations, MiB (0 = off)")
+    p.add_argument("--conversation-cache-slots", type=_non_negative, default=CONVERSATION_CACHE_SLOTS,
+                   help="most conversations parked (0 = off)")
     return p
 
 
@@ -83,6 +100,8 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
         f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB ({model.w.describe()}), "
         f"{slots} batch slots, context {context}")
+    if args.layer_split:
+        log(f"layer split {args.layer_split}: not supported yet, every layer runs on {device}")
     if h.experts:
         log("expert tier: every expert resident in device memory; the adapt options have no effect yet")
     info: dict[str, int | float | str] = {
@@ -93,11 +112,14 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
         "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact), "tier": "resident" if h.experts else "dense",
         "unsupported": ",".join(UNSUPPORTED),
+        "conversation_cache_mib": args.conversation_cache_mib, "conversation_cache_slots": args.conversation_cache_slots,
     }
     if args.batch:
         info.update(batch_slots=slots, slot_cache=1, batch_groups=1)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
-    loop = make_loop(make_runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
+    parking = ParkingStore(args.conversation_cache_mib * MIB, args.conversation_cache_slots, pin=device.type == "cuda")
+    loop = make_loop(make_runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share,
+                     parking=parking if parking.enabled else None)
     loop.emit(P.Info(info))
     loop.emit(P.Ready(context, stop=True))
     loop.start_reader(sys.stdin)
