@@ -28,9 +28,7 @@ from engine.stop_tokens import stop_token_ids
 # one device runs every layer (no layer split yet).
 UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "adapt_every", "adapt_swaps", "adapt_decay",
                "adapt_min_gain", "pcie_frac", "layer_split")
-# Parked conversations (engine/parking.py); server/config.py has the same defaults, docs/config.md why.
-CONVERSATION_CACHE_MIB = 2048
-CONVERSATION_CACHE_SLOTS = 8
+
 
 
 def _non_negative(text: str) -> int:
@@ -64,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapt-async", type=int, default=0)
     p.add_argument("--pcie-frac", type=float, default=0.0)
     p.add_argument("--layer-split", default="")
-    p.add_argument("--conversation-cache-mib", type=_non_negative, default=CONVERSATION_CACHE_MIB,
+    p.add_argument("--conversation-cache-mib", type=_non_negative, default=P.CONVERSATION_CACHE_MIB,
                    help="host RAM for parked conversations, MiB (0 = off)")
-    p.add_argument("--conversation-cache-slots", type=_non_negative, default=CONVERSATION_CACHE_SLOTS,
+    p.add_argument("--conversation-cache-slots", type=_non_negative, default=P.CONVERSATION_CACHE_SLOTS,
                    help="most conversations parked (0 = off)")
     return p
 

@@ -141,7 +141,7 @@ class ParkingStore:
 
     def stats(self) -> dict:
         """The `parking` object of STATS (docs/protocol.md)."""
-        return {"parked": len(self.entries), "mib": round(self.bytes / MIB, 1), "parks": self.parks,
+        return {"parked": len(self.entries), "bytes": self.bytes, "parks": self.parks,
                 "evictions": self.evictions, "skipped": self.skipped, "lookups": self.lookups,
                 "restores": self.restores, "restore_ms": round(self.restore_ms_last, 2),
                 "restore_ms_mean": round(self.restore_ms_total / self.restores, 2) if self.restores else 0.0}

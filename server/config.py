@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.protocol import MAX_SLOTS
+from engine.protocol import CONVERSATION_CACHE_MIB, CONVERSATION_CACHE_SLOTS, MAX_SLOTS
 
 
 class ConfigError(ValueError):
@@ -71,6 +71,10 @@ class RunConfig(BaseModel):
     adapt_async: bool = False
     adapt_min_gain: float = Field(1.5, ge=1)
     pcie_frac: float = Field(0.0, ge=0, le=1)
+    conversation_cache_mib: int = Field(
+        CONVERSATION_CACHE_MIB, ge=0, le=1 << 20, description="host RAM for conversations parked when their slot is taken, MiB (0 = off)"
+    )
+    conversation_cache_slots: int = Field(CONVERSATION_CACHE_SLOTS, ge=0, le=256, description="most conversations parked (0 = off)")
     exact: bool = Field(False, description="row-invariant arithmetic: batch tokens equal solo tokens")
     cpu_activations: Literal["int16", "float"] = Field(
         "int16", description="CPU decode products: int16 activations (faster) or float32 (the reference's)"
@@ -125,6 +129,10 @@ class RunConfig(BaseModel):
             out += ["--adapt-async", "1"]
         if self.batch_mtp:
             out.append("--batch-mtp")
+        if self.layer_split:
+            out += ["--layer-split", self.layer_split]
+        out += ["--conversation-cache-mib", str(self.conversation_cache_mib),
+                "--conversation-cache-slots", str(self.conversation_cache_slots)]
         return out + list(self.args)
 
     def engine_command_line(self) -> list[str]:

@@ -202,8 +202,6 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(n)]
         g = engine.info.get("batch_groups", 1)
         self.groups = g if isinstance(g, int) and g >= 1 and n and n % g == 0 else 1
-        if engine.info.get("prompt_cache") == 0:
-            self.solo_enabled = False
         self.control_job = None
 
     def _engine_died(self, engine: EngineProcess) -> None:
