@@ -16,6 +16,8 @@ Rules (the seed's "batch slots" page):
   the slot holding its part read, after everyone waiting at that moment.
 - Slot choice: the free slot whose held tokens are the longest prefix of the prompt, else an empty
   one, else the least recently used; empty slots are taken across pipeline groups in turn.
+  The engine parks the conversation of a slot it gives to another one in host memory and finds
+  parked conversations itself (docs/protocol.md, Conversation parking), so parking needs nothing here.
 - A request whose client is gone gets `STOP` (solo, admission) or `BSTOP` (slot); its lines are
   still read to the end, so nothing of it reaches the next request.
 

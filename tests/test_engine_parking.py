@@ -155,3 +155,14 @@ def test_limits_and_bad_sizes(driver, talk):
     driver.run([bgen(0, a1, 4)])
     tiny.park(driver.model.kv, 0, driver.server.runner.slot(0).tokens, len(a1))
     assert tiny.entries == [] and tiny.skipped == 1
+
+
+def test_engine_flags(capsys):
+    from engine.__main__ import build_parser
+
+    args = build_parser().parse_args(["--model", "m.gguf"])
+    assert (args.conversation_cache_mib, args.conversation_cache_slots) == (P.CONVERSATION_CACHE_MIB,
+                                                                            P.CONVERSATION_CACHE_SLOTS)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m.gguf", "--conversation-cache-slots", "-1"])
+    assert "must be >= 0 (got -1)" in capsys.readouterr().err

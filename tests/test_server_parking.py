@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from test_server_harness import LiveServer, chat_ids, user
 
 from engine.hashlm import Rule
@@ -61,3 +62,24 @@ def test_alternating_conversations_reuse_their_history(tmp_path):
         assert p is not None and p.restores == 3 and p.parked >= 2 and p.parked_mib > 0
         assert p.limit_mib == 2048 and p.limit_slots == 8 and p.hit_rate is not None and p.restore_ms_last >= 0
         busy.join(10)
+
+
+def test_metrics_view_and_config_flags():
+    from server.config import RunConfig
+    from server.metrics import Metrics
+
+    m = Metrics(RunConfig(model="m.gguf"), None)
+    on = {"conversation_cache_mib": 2048, "conversation_cache_slots": 8}
+    assert m._parking({"conversation_cache_mib": 0, "conversation_cache_slots": 8}) is None  # off
+    assert m._parking(on).parked == 0 and m._parking(on).hit_rate is None  # on, no STATS yet
+    m.on_stats({"parking": {"parked": 2, "bytes": 3 << 20, "parks": 5, "lookups": 4, "restores": 3,
+                            "restore_ms": 1.5, "restore_ms_mean": 2.0}})
+    p = m._parking(on)
+    assert (p.parked, p.parked_mib, p.parks, p.restores, p.hit_rate) == (2, 3.0, 5, 3, 0.75)
+    assert (p.restore_ms_last, p.restore_ms_mean, p.limit_mib, p.limit_slots) == (1.5, 2.0, 2048, 8)
+    args = RunConfig(model="m.gguf", conversation_cache_mib=0, layer_split="24").engine_args()
+    assert args[args.index("--conversation-cache-mib") + 1] == "0"
+    assert args[args.index("--conversation-cache-slots") + 1] == "8"
+    assert args[args.index("--layer-split") + 1] == "24"
+    with pytest.raises(ValueError, match="conversation_cache_slots"):
+        RunConfig(model="m.gguf", conversation_cache_slots=-1)
