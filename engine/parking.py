@@ -98,37 +98,40 @@ class ParkingStore:
             return
         if any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.entries):
             return  # already parked, whole
-        t0 = time.perf_counter()
-        ks, vs = kv.save(session, len(tokens), self.pin) if self._room_for(kv, len(tokens)) else ([], [])
-        if not ks:
+        if not self._room_for(kv, len(tokens)):
             self.skipped += 1
             log(f"parking: skipped {len(tokens)} tokens (over {self.max_bytes // MIB} MiB, or host RAM low)")
             return
-        entry = Parked(list(tokens), turn, ks, vs)
+        t0 = time.perf_counter()
+        entry = Parked(list(tokens), turn, *kv.save(session, len(tokens), self.pin))
         superseded = [e for e in self.entries if common_prefix(e.tokens, tokens) == len(e.tokens)]
         for e in superseded:
             self.entries.remove(e)
-        while self.entries and (len(self.entries) >= self.max_entries or self.bytes + entry.bytes > self.max_bytes):
-            self.entries.pop(0)
-            self.evictions += 1
-        self.entries.append(entry)
+        self.put(entry)
         self.parks += 1
         log(f"parking: parked {len(tokens)} tokens in {(time.perf_counter() - t0) * 1000:.1f} ms; "
             f"parked={len(self.entries)} bytes={self.bytes} evictions={self.evictions}"
             + (f" superseded={len(superseded)}" if superseded else ""))
 
+    def put(self, entry: Parked) -> None:
+        """Add `entry` as the most recently used, dropping the least recently used until it fits."""
+        while self.entries and (len(self.entries) >= self.max_entries or self.bytes + entry.bytes > self.max_bytes):
+            self.entries.pop(0)
+            self.evictions += 1
+        self.entries.append(entry)
+
     def _room_for(self, kv: KVCache, n: int) -> bool:
-        per_position = [k[0, :, :1].numel() * k.element_size() * 2 for k in kv.k]
-        need = sum(p * kv.extent(i, n) for i, p in enumerate(per_position))
+        need = sum(t[0, :, :1].numel() * t.element_size() * kv.extent(i % len(kv.k), n)
+                   for i, t in enumerate(kv.k + kv.v))
         return need <= self.max_bytes and free_bytes(torch.device("cpu"))[0] - need >= MIN_FREE_BYTES
 
-    def restore(self, entry: Parked, kv: KVCache, session: int, n: int, keep: bool) -> None:
-        """Write `entry`'s first `n` positions into session `session`. The entry leaves the store
-        unless `keep` (the read only shares a prefix with it: the rest stays parked, most recent)."""
-        t0 = time.perf_counter()
+    def take(self, entry: Parked) -> None:
+        """Take `entry` out before a read restores it (so parking the read's session cannot drop it)."""
         self.entries.remove(entry)
-        if keep:
-            self.entries.append(entry)
+
+    def restore(self, entry: Parked, kv: KVCache, session: int, n: int) -> None:
+        """Write the first `n` positions of a `take`n entry into session `session`."""
+        t0 = time.perf_counter()
         kv.load(session, entry.k, entry.v, n)
         if kv.k[0].device.type == "cuda":
             torch.cuda.synchronize(kv.k[0].device)  # the time reported is the copy's, not its launch

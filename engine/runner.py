@@ -73,11 +73,15 @@ class Runner:
             if n > best_n:
                 best, best_n = s, n
         entry, entry_n = parking.best(lambda held: self.usable_tokens(held, prompt)) if parking else (None, 0)
+        restoring = entry is not None and entry_n > best_n
+        if restoring:
+            parking.take(entry)
         if parking is not None and self._parks(target, prompt):
             parking.park(self.model.kv, target.index, target.tokens, target.turn)
-        if entry is not None and entry_n > best_n:
-            parking.restore(entry, self.model.kv, target.index, entry_n,
-                            keep=not continues(entry.tokens, entry.turn, prompt))
+        if restoring:
+            parking.restore(entry, self.model.kv, target.index, entry_n)
+            if not continues(entry.tokens, entry.turn, prompt):
+                parking.put(entry)  # only a prefix was used (a shared system prompt): it stays parked
             n = entry_n
         else:
             n = best_n

@@ -107,6 +107,11 @@ def test_evicted_conversation_is_read_again_with_the_same_tokens(tiny_model, tal
     assert tokens_of(lines) == live
     assert resumed(lines) == 0 and one.parking.restores == 0
     assert one.parking.evictions == 1 and [e.tokens[: len(x)] for e in one.parking.entries] == [x]
+    # a store of one, full: the slot's conversation is parked while the read restores the parked one
+    one.reset()
+    lines = steps(one, bgen(0, a1, 12), bgen(0, x, 8), bgen(0, a2, 16))[-1]
+    assert tokens_of(lines) == live and resumed(lines) > len(a1)
+    assert one.parking.restores == 1 and [e.tokens[: len(x)] for e in one.parking.entries] == [x]
 
 
 def test_a_shared_prefix_is_copied_and_the_conversation_stays_parked(driver, talk):
