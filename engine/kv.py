@@ -62,11 +62,12 @@ class KVCache:
             v[dst, :, :m] = v[src, :, :m]
 
     def save(self, session: int, n: int, pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A host copy of session `session`'s first `n` positions (rings whole), per layer `[kv_heads,
-        m, head_dim]`; in pinned memory when `pin` (a CUDA cache), so `load` copies back at full speed."""
+        """A host copy of session `session`, which holds `n` positions: per layer `[kv_heads, m,
+        head_dim]`, the first `n` positions (a ring that has wrapped: all of it); in pinned memory when
+        `pin` (a CUDA cache), so `load` copies back at full speed."""
         ks, vs = [], []
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            m = self.extent(i, n)
+            m = min(self.extent(i, n), n)
             for src, out in ((k, ks), (v, vs)):
                 host = torch.empty(src.shape[1:2] + (m,) + src.shape[3:], dtype=src.dtype, pin_memory=pin)
                 host.copy_(src[session, :, :m])

@@ -8,7 +8,7 @@ back into its own session (`restore`) and reads only its new tokens, as if it ha
 
 The store keeps conversations least-recently-used within `max_bytes` and `max_entries`
 (`--conversation-cache-mib`, `--conversation-cache-slots`). A parked ring (sliding-window layers)
-is kept whole, so what it can continue is what it could have continued live (`KVCache.usable_prefix`).
+is kept as it was, so what it can continue is what it could have continued live (`KVCache.usable_prefix`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class ParkingStore:
         self.entries.append(entry)
 
     def _room_for(self, kv: KVCache, n: int) -> bool:
-        need = sum(t[0, :, :1].numel() * t.element_size() * kv.extent(i % len(kv.k), n)
+        need = sum(t[0, :, :1].numel() * t.element_size() * min(kv.extent(i % len(kv.k), n), n)
                    for i, t in enumerate(kv.k + kv.v))
         return need <= self.max_bytes and free_bytes(torch.device("cpu"))[0] - need >= MIN_FREE_BYTES
 

@@ -148,6 +148,13 @@ def test_a_parked_ring_is_restored_as_it_was():
     assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])  # the ring, whole
     assert torch.equal(after[1][:, :held], before[1][:, :held])  # the full layer, its positions
     assert ks[0].shape[1] == kv.lengths[0] and ks[1].shape[1] == held
+    short = 5  # a ring not yet wrapped keeps only what it holds
+    ks, vs = kv.save(1, short, pin=False)
+    assert [t.shape[1] for t in ks] == [short, short]
+    for t in kv.k + kv.v:
+        t[0].zero_()
+    kv.load(0, ks, vs, short)
+    assert all(torch.equal(t[0, :, :short], t[1, :, :short]) for t in kv.k + kv.v)
 
 
 def test_limits_and_bad_sizes(driver, talk):
