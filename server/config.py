@@ -58,7 +58,9 @@ class RunConfig(BaseModel):
     allowed_hosts: list[str] = Field(default_factory=list, description="extra Host names accepted")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the engine, e.g. '0,1'")
-    layer_split: str | None = Field(None, description="layer split across GPUs, e.g. '24'")
+    layer_split: str | None = Field(
+        None, description="layer split across GPUs, e.g. '24' (not supported yet: the engine runs every layer on one device)"
+    )
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
     prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
     kv: Literal["auto", "f32", "f16", "bf16"] = Field("auto", description="KV cache storage (auto: f16 on CPU, bf16 on GPU)")

@@ -24,7 +24,7 @@ class ParkingDriver(Driver):
         super().__init__(*args, **kw)
 
     def _fresh(self) -> EngineLoop:
-        self.parking = ParkingStore(64 * MIB, self.entries, pin=False)
+        self.parking = ParkingStore(64 * MIB, self.entries, pin=self.model.device.type == "cuda")
         return EngineLoop(Runner(self.model, self.slots, self.exact), self.stop_ids, self.prefill,
                           self.decode_share, out=self, parking=self.parking)
 
@@ -178,3 +178,19 @@ def test_engine_flags(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "m.gguf", "--conversation-cache-slots", "-1"])
     assert "must be >= 0 (got -1)" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_follow_up_equals_live_after_parking_on_cuda(tiny_model):
+    """On CUDA the store keeps pinned host copies: a restored follow-up decodes its live tokens."""
+    cuda = ParkingDriver.load(str(tiny_model), slots=2, device="cuda", dtype="f32", exact=True, prefill=16)
+    a1, x, new = sample_prompts(cuda.model.hyper.vocab, 3, seed=72, lo=30, hi=40)
+    answer = tokens_of(cuda.run([bgen(0, a1, 12)]))
+    a2 = a1 + answer + new[:8]
+    cuda.reset()
+    live = steps(cuda, bgen(0, a1, 12), bgen(0, a2, 16))[-1]
+    cuda.reset()
+    parked = steps(cuda, bgen(0, a1, 12), bgen(0, x, 8), bgen(1, a2, 16))[-1]
+    assert tokens_of(parked) == tokens_of(live) and resumed(parked) == resumed(live)
+    assert cuda.parking.restores == 1 and cuda.parking.pin
