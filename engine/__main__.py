@@ -30,7 +30,6 @@ UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "adapt_every", "adapt
                "adapt_min_gain", "pcie_frac", "layer_split")
 
 
-
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:

@@ -75,7 +75,7 @@ class KVCache:
         return ks, vs
 
     def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:
-        """Write the first `n` positions of a `save`d copy (rings whole) back into session `session`."""
+        """Write the first `n` positions of a `save`d copy (a ring: all it saved) back into session `session`."""
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             m = min(self.extent(i, n), ks[i].shape[1])
             k[session, :, :m].copy_(ks[i][:, :m])
