@@ -20,6 +20,7 @@ from engine.loop import EngineLoop
 from engine.memory import MIB
 from engine.models import architecture_of, load_model
 from engine.models.base import Model
+from engine.parking import ParkingStore
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 from engine.tier.flags import add_tier_flags, finish_tier, setup_tier
@@ -27,9 +28,17 @@ from engine.tier.flags import add_tier_flags, finish_tier, setup_tier
 # Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
 GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking and
-# pcie_frac is 0 on the simulated tier; the adapt options only tune a tier (--expert-cache).
-UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "pcie_frac")
+# pcie_frac is 0 on the simulated tier; the adapt options only tune a tier (--expert-cache); one
+# device runs every layer (no layer split yet).
+UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "pcie_frac", "layer_split")
 TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-groups", default="auto")
     p.add_argument("--batch-mtp", action="store_true")
     add_tier_flags(p)
+    p.add_argument("--layer-split", default="")
+    p.add_argument("--conversation-cache-mib", type=_non_negative, default=P.CONVERSATION_CACHE_MIB,
+                   help="host RAM for parked conversations, MiB (0 = off)")
+    p.add_argument("--conversation-cache-slots", type=_non_negative, default=P.CONVERSATION_CACHE_SLOTS,
+                   help="most conversations parked (0 = off)")
     return p
 
 
@@ -83,6 +97,8 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
         f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB ({model.w.describe()}), "
         f"{slots} batch slots, context {context}")
+    if args.layer_split:
+        log(f"layer split {args.layer_split}: not supported yet, every layer runs on {device}")
     if h.experts and not tier_info:
         log("expert tier: every expert resident in device memory; the adapt options have no effect")
     info: dict[str, int | float | str] = {
@@ -95,11 +111,14 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
         "tier": (model.tier.mode if model.tier else "resident") if h.experts else "dense",
         "unsupported": ",".join(UNSUPPORTED + (() if model.tier else TIER_ONLY)), **tier_info,
         "generated": int(GENERATED_KEY in g.metadata),
+        "conversation_cache_mib": args.conversation_cache_mib, "conversation_cache_slots": args.conversation_cache_slots,
     }
     if args.batch:
         info.update(batch_slots=slots, slot_cache=1, batch_groups=1)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
-    loop = make_loop(make_runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share)
+    parking = ParkingStore(args.conversation_cache_mib * MIB, args.conversation_cache_slots, pin=device.type == "cuda")
+    loop = make_loop(make_runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share,
+                     parking=parking if parking.enabled else None)
     loop.emit(P.Info(info))
     loop.emit(P.Ready(context, stop=True))
     loop.start_reader(sys.stdin)

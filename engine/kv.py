@@ -47,11 +47,36 @@ class KVCache:
         # the ring kept positions held - shortest .. held - 1; continuing at n reads back to n - window
         return n if n >= held - self.max_chunk else 0
 
+    def extent(self, layer: int, n: int) -> int:
+        """The positions of `layer` that hold a session's first `n` tokens (a ring: all of it)."""
+        length = self.lengths[layer]
+        return n if length == self.context else length
+
     def copy(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` positions of session `src` into session `dst` (a ring: all of it)."""
         if src == dst or n == 0:
             return
-        for k, v in zip(self.k, self.v, strict=True):
-            m = n if k.shape[2] == self.context else k.shape[2]
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            m = self.extent(i, n)
             k[dst, :, :m] = k[src, :, :m]
             v[dst, :, :m] = v[src, :, :m]
+
+    def save(self, session: int, n: int, pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A host copy of session `session`, which holds `n` positions: per layer `[kv_heads, m,
+        head_dim]`, the first `n` positions (a ring that has wrapped: all of it); in pinned memory when
+        `pin` (a CUDA cache), so `load` copies back at full speed."""
+        ks, vs = [], []
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            m = min(self.extent(i, n), n)
+            for src, out in ((k, ks), (v, vs)):
+                host = torch.empty(src.shape[1:2] + (m,) + src.shape[3:], dtype=src.dtype, pin_memory=pin)
+                host.copy_(src[session, :, :m])
+                out.append(host)
+        return ks, vs
+
+    def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:
+        """Write the first `n` positions of a `save`d copy (a ring: all it saved) back into session `session`."""
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            m = min(self.extent(i, n), ks[i].shape[1])
+            k[session, :, :m].copy_(ks[i][:, :m])
+            v[session, :, :m].copy_(vs[i][:, :m])

@@ -24,6 +24,7 @@ from engine import protocol as P
 from engine.experts import ExpertStats
 from engine.memory import memory_split
 from engine.models.base import Model
+from engine.parking import ParkingStore
 from engine.runner import Row, Runner, Session
 from engine.sampling import Draw
 
@@ -60,7 +61,7 @@ class Job:
 
 class EngineLoop:
     def __init__(self, runner: Runner, stop_ids: frozenset[int], prefill: int, decode_share: float,
-                 out: TextIO = sys.stdout, log: TextIO = sys.stderr):
+                 out: TextIO = sys.stdout, log: TextIO = sys.stderr, parking: ParkingStore | None = None):
         self.runner = runner
         self.model = runner.model
         self.stop_ids = stop_ids
@@ -68,6 +69,7 @@ class EngineLoop:
         self.decode_share = decode_share
         self.out = out
         self.log = log
+        self.parking = parking  # conversations parked in host memory (None: off)
         self.n_slots = len(runner.sessions) - 1
         self.commands: queue.Queue[str | None] = queue.Queue()
         self.pending: deque[Job] = deque()
@@ -173,7 +175,7 @@ class EngineLoop:
             return  # a GEN waits until the solo session's request is done
         self.pending.popleft()
         busy = set(self.decoding)
-        job.reused = self.runner.reuse(job.session, job.prompt, busy)
+        job.reused = self.runner.reuse(job.session, job.prompt, busy, self.parking)
         job.read_start = job.reused
         job.started = time.perf_counter()
         if job.reused:
@@ -235,7 +237,7 @@ class EngineLoop:
         """BYIELD at a chunk boundary: the part read waits in the yield slot; the server re-sends."""
         slot = self.runner.slot(job.yield_to)
         if slot is not job.session:
-            self.runner.copy(job.session, slot)
+            self.runner.copy(job.session, slot, self.parking)
         self.emit(P.Yielded(slot.index, len(slot.tokens)))
         self.end_read(job, "cancel")
 
@@ -320,7 +322,10 @@ class EngineLoop:
         now = time.perf_counter()
         idle = not self.busy()
         if self.stats.dirty and (idle or now - self.last_stats >= STATS_INTERVAL_S):
-            self.emit(P.Stats(self.stats.snapshot(self.model, self.n_slots)))
+            snap = self.stats.snapshot(self.model, self.n_slots)
+            if self.parking is not None:
+                snap["parking"] = self.parking.stats()
+            self.emit(P.Stats(snap))
             self.last_stats = now
 
 

@@ -17,6 +17,9 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penal
 MAX_SLOTS = 8  # batch slots the engine runs at most (a window holds 8 slot rows, as upstream's)
 TOP_K_MAX = 64  # the engine keeps at most this many candidates, as upstream does
 CONTEXT_SLACK = 8  # prompt + max_new + CONTEXT_SLACK must fit the context (upstream's rule)
+# parked conversations by default (--conversation-cache-mib/-slots; docs/config.md says why)
+CONVERSATION_CACHE_MIB = 2048
+CONVERSATION_CACHE_SLOTS = 8
 
 
 class ProtocolError(ValueError):

@@ -2,7 +2,8 @@
 
 Session `n_slots` is the solo session; sessions 0..n_slots-1 are the batch slots. A session holds
 tokens whose KV is in its cache rows; any prefix of them can be reused by a later read, in place or
-copied into another session.
+copied into another session. With a parking store (engine/parking.py) a conversation a read is about
+to overwrite is parked in host memory first, and a read can continue a parked one as a live one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.batch import BatchBuilder, Span
 from engine.kernels import cpu as cpu_kernels
 from engine.loading import log
 from engine.models.base import Model
+from engine.parking import ParkingStore, common_prefix, continues
 from engine.protocol import Sampling
 from engine.sampling import Draw, sample_rows
 from engine.weights import MATVEC_ROWS
@@ -27,6 +29,7 @@ from engine.weights import MATVEC_ROWS
 class Session:
     index: int
     tokens: list[int] = field(default_factory=list)
+    turn: int = 0  # the length of the prompt last read into it (its turn checkpoint)
 
 
 @dataclass(frozen=True)
@@ -37,14 +40,6 @@ class Row:
     token: int
     sampling: Sampling
     seed: int
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Runner:
@@ -62,8 +57,10 @@ class Runner:
     def slot(self, index: int) -> Session:
         return self.sessions[index]
 
-    def reuse(self, target: Session, prompt: list[int], busy: set[int]) -> int:
-        """Give `target` the longest held prefix of `prompt` found in any session not in `busy`.
+    def reuse(self, target: Session, prompt: list[int], busy: set[int], parking: ParkingStore | None = None) -> int:
+        """Give `target` the longest held prefix of `prompt` found in any session not in `busy`, or
+        parked in `parking`; first park the conversation `target` holds unless `prompt` continues it
+        or another session holds it too.
 
         The prompt's last token is always left to read (its logits choose the first new token).
         Returns the number of tokens reused.
@@ -75,25 +72,52 @@ class Runner:
             n = self.usable(s, prompt)
             if n > best_n:
                 best, best_n = s, n
-        n = best_n
-        if best is not target and n:
-            t0 = time.perf_counter()
-            self.model.kv.copy(best.index, target.index, n)
-            log(f"reuse: {n} tokens copied from {self.name(best)} to {self.name(target)} "
-                f"in {(time.perf_counter() - t0) * 1000:.1f} ms")
+        entry, entry_n = parking.best(lambda held: self.usable_tokens(held, prompt)) if parking else (None, 0)
+        restoring = entry is not None and entry_n > best_n
+        if restoring:
+            parking.take(entry)
+        if parking is not None and self._parks(target, prompt):
+            parking.park(self.model.kv, target.index, target.tokens, target.turn)
+        if restoring:
+            parking.restore(entry, self.model.kv, target.index, entry_n)
+            if not continues(entry.tokens, entry.turn, prompt):
+                parking.put(entry)  # only a prefix was used (a shared system prompt): it stays parked
+            n = entry_n
+        else:
+            n = best_n
+            if best is not target and n:
+                t0 = time.perf_counter()
+                self.model.kv.copy(best.index, target.index, n)
+                log(f"reuse: {n} tokens copied from {self.name(best)} to {self.name(target)} "
+                    f"in {(time.perf_counter() - t0) * 1000:.1f} ms")
         target.tokens = prompt[:n]
+        target.turn = len(prompt)
         return n
+
+    def _parks(self, target: Session, prompt: list[int]) -> bool:
+        """Whether `target`'s conversation is lost by this read and held nowhere else."""
+        held = target.tokens
+        if not held or continues(held, target.turn, prompt):
+            return False
+        return not any(s is not target and common_prefix(s.tokens, held) == len(held) for s in self.sessions)
 
     def usable(self, session: Session, prompt: list[int]) -> int:
         """How much of `prompt` a read can continue from `session`'s cache."""
-        return self.model.kv.usable_prefix(len(session.tokens), common_prefix(session.tokens, prompt[:-1]))
+        return self.usable_tokens(session.tokens, prompt)
+
+    def usable_tokens(self, held: list[int], prompt: list[int]) -> int:
+        """How much of `prompt` a read can continue from a cache that wrote `held` (live or parked)."""
+        return self.model.kv.usable_prefix(len(held), common_prefix(held, prompt[:-1]))
 
     def name(self, session: Session) -> str:
         return "the solo session" if session is self.solo else f"slot {session.index}"
 
-    def copy(self, src: Session, dst: Session) -> None:
+    def copy(self, src: Session, dst: Session, parking: ParkingStore | None = None) -> None:
+        """`src`'s conversation into `dst` (a read that gives way), parking `dst`'s as `reuse` would."""
+        if parking is not None and self._parks(dst, src.tokens):
+            parking.park(self.model.kv, dst.index, dst.tokens, dst.turn)
         self.model.kv.copy(src.index, dst.index, len(src.tokens))
-        dst.tokens = list(src.tokens)
+        dst.tokens, dst.turn = list(src.tokens), src.turn
 
     @torch.inference_mode()
     def forward(self, spans: list[Span], tokens: list[int]) -> torch.Tensor:

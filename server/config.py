@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.protocol import MAX_SLOTS
+from engine.protocol import CONVERSATION_CACHE_MIB, CONVERSATION_CACHE_SLOTS, MAX_SLOTS
 
 
 class ConfigError(ValueError):
@@ -58,7 +58,9 @@ class RunConfig(BaseModel):
     allowed_hosts: list[str] = Field(default_factory=list, description="extra Host names accepted")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the engine, e.g. '0,1'")
-    layer_split: str | None = Field(None, description="layer split across GPUs, e.g. '24'")
+    layer_split: str | None = Field(
+        None, description="layer split across GPUs, e.g. '24' (not supported yet: the engine runs every layer on one device)"
+    )
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
     prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
     kv: Literal["auto", "f32", "f16", "bf16"] = Field("auto", description="KV cache storage (auto: f16 on CPU, bf16 on GPU)")
@@ -76,6 +78,10 @@ class RunConfig(BaseModel):
     adapt_async: bool = False
     adapt_min_gain: float = Field(1.5, ge=1)
     pcie_frac: float = Field(0.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
+    conversation_cache_mib: int = Field(
+        CONVERSATION_CACHE_MIB, ge=0, le=1 << 20, description="host RAM for conversations parked when their slot is taken, MiB (0 = off)"
+    )
+    conversation_cache_slots: int = Field(CONVERSATION_CACHE_SLOTS, ge=0, le=256, description="most conversations parked (0 = off)")
     exact: bool = Field(False, description="row-invariant arithmetic: batch tokens equal solo tokens")
     cpu_activations: Literal["int16", "float"] = Field(
         "int16", description="CPU decode products: int16 activations (faster) or float32 (the reference's)"
@@ -149,6 +155,10 @@ class RunConfig(BaseModel):
             out += ["--adapt-async", "1"]
         if self.batch_mtp:
             out.append("--batch-mtp")
+        if self.layer_split:
+            out += ["--layer-split", self.layer_split]
+        out += ["--conversation-cache-mib", str(self.conversation_cache_mib),
+                "--conversation-cache-slots", str(self.conversation_cache_slots)]
         return out + list(self.args)
 
     def engine_command_line(self) -> list[str]:

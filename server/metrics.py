@@ -19,8 +19,10 @@ from server.metrics_schema import (
     LiveView,
     MemorySplit,
     MetricsSnapshot,
+    ParkingView,
     RequestRow,
     SlotView,
+    StatsParking,
     StatsView,
     TierView,
     Totals,
@@ -143,7 +145,8 @@ class Metrics:
         host = hardware.probe_host(eng.pid if eng else None)
         return MetricsSnapshot(time=now, uptime_s=round(now - self.started, 3), engine=engine, live=live,
                                requests=rows, totals=self.totals.model_copy(), devices=devices, host=host,
-                               config=self._config_view(), tier=self._tier(), stats=self._stats_view())
+                               config=self._config_view(), tier=self._tier(), stats=self._stats_view(),
+                               parking=self._parking(engine.info))
 
     def _live(self, sch: Scheduler, sup: EngineSupervisor, mono: float) -> LiveView:
         running = sorted(sch.running, key=lambda j: j.created)
@@ -208,6 +211,19 @@ class Metrics:
                         adapt_rounds=t.adapt_rounds, adapt_wait_ms=t.adapt_wait_ms,
                         experts_cached=t.experts_cached, experts_total=t.experts_total, mode=t.mode, slots=t.slots,
                         cache_mib=t.cache_mib, cpu_ms=t.cpu_ms)
+
+    def _parking(self, info: dict[str, int | float | str]) -> ParkingView | None:
+        p = self.stats.parking if self.stats else None
+        limits = (info.get("conversation_cache_mib"), info.get("conversation_cache_slots"))
+        if p is None and not all(isinstance(v, int) and v > 0 for v in limits):
+            return None  # parking off (or an engine that has none)
+        p = p or StatsParking()
+        return ParkingView(parked=p.parked, parked_mib=round(p.bytes / 2**20, 3),
+                           limit_mib=limits[0] if isinstance(limits[0], int) else None,
+                           limit_slots=limits[1] if isinstance(limits[1], int) else None,
+                           parks=p.parks, evictions=p.evictions, restores=p.restores,
+                           restore_ms_last=p.restore_ms, restore_ms_mean=p.restore_ms_mean,
+                           hit_rate=round(p.restores / p.lookups, 4) if p.lookups else None)
 
     def _stats_view(self) -> StatsView | None:
         s = self.stats
@@ -293,6 +309,14 @@ class _Collector:
             yield counter("strata_window_rows", "rows in decode windows", snap.stats.rows)
             if snap.stats.ms_per_window is not None:
                 yield gauge("strata_window_seconds", "recent time per window", snap.stats.ms_per_window / 1000)
+        if snap.parking is not None:
+            pk = snap.parking
+            yield gauge("strata_parked_conversations", "conversations parked in host memory", pk.parked)
+            yield gauge("strata_parked_bytes", "host memory of the parked conversations", pk.parked_mib * 2**20)
+            yield counter("strata_parking_restores", "reads that continued a parked conversation", pk.restores)
+            yield counter("strata_parking_evictions", "parked conversations dropped for room", pk.evictions)
+            yield gauge("strata_parking_restore_seconds", "time of the last restore", pk.restore_ms_last / 1000)
+            yield gauge("strata_parking_hit_ratio", "restores / reads while anything was parked", pk.hit_rate)
         mem = GaugeMetricFamily("strata_gpu_memory_bytes", "GPU memory", labels=["gpu", "kind"])
         for g in snap.devices:
             mem.add_metric([str(g.index), "total"], g.total_mib * 2**20)

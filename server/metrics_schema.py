@@ -70,6 +70,21 @@ class StatsDevice(BaseModel):
         return int(idx) if idx.isdigit() else 0
 
 
+class StatsParking(BaseModel):
+    """Parked conversations (docs/protocol.md, STATS `parking`): counts since start, `parked`/`bytes` now."""
+
+    model_config = ConfigDict(extra="allow")
+    parked: int = 0
+    bytes: int = 0  # host memory of the parked conversations
+    parks: int = 0
+    evictions: int = 0
+    skipped: int = 0
+    lookups: int = 0  # reads that started while anything was parked
+    restores: int = 0  # reads that continued a parked conversation
+    restore_ms: float = 0.0  # the last restore
+    restore_ms_mean: float = 0.0
+
+
 class EngineStats(BaseModel):
     """`STATS {json}` (docs/protocol.md): windows, tokens and tier counts are totals since start;
     rows and window_ms are means over the windows since the previous STATS line."""
@@ -84,6 +99,7 @@ class EngineStats(BaseModel):
     prefill_ms: float = 0.0
     tier: StatsTier | None = None  # None for a dense model
     memory: list[StatsDevice] = Field(default_factory=list)
+    parking: StatsParking | None = None  # None when parking is off
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +247,21 @@ class TierView(_Model):
     cpu_ms: float = 0.0  # CPU expert time (total)
 
 
+class ParkingView(_Model):
+    """Conversations parked in host memory when their slot was taken; null when parking is off."""
+
+    parked: int = 0  # conversations parked now
+    parked_mib: float = 0.0
+    limit_mib: int | None = None  # INFO conversation_cache_mib
+    limit_slots: int | None = None  # INFO conversation_cache_slots
+    parks: int = 0
+    evictions: int = 0
+    restores: int = 0
+    restore_ms_last: float = 0.0
+    restore_ms_mean: float = 0.0
+    hit_rate: float | None = None  # restores / reads that started while anything was parked
+
+
 class StatsView(_Model):
     """The engine's last STATS line, as the dashboard shows it."""
 
@@ -261,6 +292,8 @@ class ConfigView(_Model):
     adapt_async: bool = False
     adapt_min_gain: float = 0.0
     pcie_frac: float = 0.0
+    conversation_cache_mib: int = 0
+    conversation_cache_slots: int = 0
     context: int = 0
     queue_limit: int = 0
     api_key_set: bool = False
@@ -280,6 +313,7 @@ class MetricsSnapshot(_Model):
     config: ConfigView = Field(default_factory=ConfigView)
     tier: TierView | None = None
     stats: StatsView | None = None
+    parking: ParkingView | None = None
 
 
 # ---------------------------------------------------------------------------------------------

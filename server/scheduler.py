@@ -16,6 +16,8 @@ Rules (the seed's "batch slots" page):
   the slot holding its part read, after everyone waiting at that moment.
 - Slot choice: the free slot whose held tokens are the longest prefix of the prompt, else an empty
   one, else the least recently used; empty slots are taken across pipeline groups in turn.
+  The engine parks the conversation of a slot it gives to another one in host memory and finds
+  parked conversations itself (docs/protocol.md, Conversation parking), so parking needs nothing here.
 - A request whose client is gone gets `STOP` (solo, admission) or `BSTOP` (slot); its lines are
   still read to the end, so nothing of it reaches the next request.
 
@@ -202,8 +204,6 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(n)]
         g = engine.info.get("batch_groups", 1)
         self.groups = g if isinstance(g, int) and g >= 1 and n and n % g == 0 else 1
-        if engine.info.get("prompt_cache") == 0:
-            self.solo_enabled = False
         self.control_job = None
 
     def _engine_died(self, engine: EngineProcess) -> None:

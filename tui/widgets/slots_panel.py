@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable, Static
 
 from server.metrics_schema import LiveView, MetricsSnapshot
-from tui.format import count, duration, rate, spark
+from tui.format import count, duration, mib, rate, spark
 from tui.view import History, solo_active, solo_tok_s
 from tui.widgets.panel import Panel
 from tui.widgets.quiet import update_text
@@ -103,5 +103,8 @@ class SlotsPanel(Panel):
             note = "a request alone runs on the solo path" if solo_active(live) else ""
         if live.waiting_for_slot:
             note = (note + "  " if note else "") + f"{live.waiting_for_slot} waiting for a slot"
+        parking = snapshot.parking
+        if parking is not None and parking.parked:
+            note = (note + "  " if note else "") + f"{parking.parked} parked ({mib(parking.parked_mib)} host RAM)"
         update_text(self.query_one("#slots-note", Static), note)
         self.query_one("#slots-note", Static).display = bool(note)
