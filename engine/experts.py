@@ -2,7 +2,9 @@
 
 `route` picks each row's experts; an `Experts` object runs them. `ResidentExperts` holds every
 expert on the model's device and picks its path once, at load: grouped GEMMs on CUDA (Hopper and
-newer, bf16), else one product per routed expert over the rows routed to it. The expert tier (a
+newer, bf16), else one product per routed expert over the rows routed to it; `resident_experts` picks
+`BlockExperts` (engine/experts_blocks.py, the fused MoE kernel over the file's blocks) instead where
+the store kept a layer's stacks in their blocks on CUDA. The expert tier (a
 VRAM cache of experts with misses served elsewhere) is another `Experts` behind the same calls.
 
 Every path combines a row's k expert outputs in a fixed order, after un-sorting them by a scatter
@@ -121,6 +123,16 @@ class ResidentExperts(Experts):
             y[start : start + count] = self.down.experts[expert](h)
             start += count
         return y
+
+
+def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device) -> Experts:
+    """Every expert on `device`: stacks the store kept in their blocks on CUDA run through the fused MoE
+    kernel (`engine.experts_blocks.BlockExperts`), other stacks as `ResidentExperts`."""
+    if device.type == "cuda" and all(s.blocks is not None for s in (gate, up, down)):
+        from engine.experts_blocks import BlockExperts  # imports Triton, so only when it is used
+
+        return BlockExperts(gate, up, down, device)
+    return ResidentExperts(gate, up, down, device)
 
 
 def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
