@@ -13,7 +13,7 @@ the device, no host sync):
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot.
 
-Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' shapes only (`Tiles`), so
+Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' types and shapes only (`Tiles`), so
 a pair's result does not depend on how many rows the window has or on the other pairs: in the matvec a
 pair runs the same instructions whatever its place in its expert's run, in the GEMM it is the same dots
 over the same tiles whatever its place in the tile (as in `triton_blocks`). The two paths round
@@ -131,21 +131,23 @@ def _moe_gemm_kernel(w, w2, slot_of, tile_expert, padded, src, x, y, n, k, row_b
 
 @dataclass(frozen=True)
 class Tiles:
-    """The fused kernel's tile sizes (powers of two), from the projection's shape only, never from the
-    window: they fix every pair's reduction order."""
+    """The fused kernel's tile sizes (powers of two) and warps, from the projection's type and shape only,
+    never from the window: they fix every pair's reduction order."""
 
     matvec_rows: int  # weight rows per matvec program
     matvec_k: int  # values of each weight row per matvec step
     gemm_m: int  # pairs per GEMM tile (each expert's pairs are padded to whole tiles)
     gemm_n: int
     gemm_k: int
+    matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
+    gemm_warps: int = 4
 
     @classmethod
-    def for_shape(cls, n: int, k: int, gated: bool) -> Tiles:
-        # Decode: the window's pairs already give hundreds of programs; ~2048 weights per step and
-        # program (both matrices when gated). Prompt: ~32 pairs per expert in a 512-row chunk of top-8 of 128.
-        rows = 4 if gated else 8
-        return cls(rows, min(2048 // rows // (2 if gated else 1), triton.next_power_of_2(k)), 32, 64, 64)
+    def for_stack(cls, qtype: Q, k: int, gated: bool) -> Tiles:
+        # The fastest of a sweep on an H200 at qwen3-30b-a3b's expert shapes (decode windows of 1 and 8
+        # rows, 512-row chunks; rows 2-8, k steps 128-512, tiles 16-64 x 64-128 x 64-128, 4 or 8 warps).
+        wide = 256 if qtype == Q.Q6_K and not gated else 512
+        return cls(4 if gated else 8, min(wide, triton.next_power_of_2(k)), 64, 64, 64)
 
 
 class Stack:
@@ -167,7 +169,7 @@ class Stack:
         self._tiles = tiles  # None: from the shape
 
     def tiles(self, gated: bool) -> Tiles:
-        return self._tiles or Tiles.for_shape(self.n, self.k, gated)
+        return self._tiles or Tiles.for_stack(self.qtype, self.k, gated)
 
     @property
     def gemm_m(self) -> int:
@@ -256,7 +258,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
         _moe_matvec_kernel[grid](w.blocks, other.blocks, slot_of, routing.experts, src, x, y, pairs, w.n, w.k,
                                  *sizes, **w.type_args(), **other.type_args("2"), GATED=gated,
-                                 R=tiles.matvec_rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, **_FUSED)
+                                 R=tiles.matvec_rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS,
+                                 num_warps=tiles.matvec_warps, **_FUSED)
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
@@ -265,7 +268,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         args = {key: v for key, v in (w.type_args() | other.type_args("2")).items() if not key.startswith("HAS")}
         _moe_gemm_kernel[grid](w.blocks, other.blocks, slot_of, routing.tile_expert, routing.padded, src, x, y,
                                w.n, w.k, *sizes, **args, GATED=gated, BM=tiles.gemm_m, BN=tiles.gemm_n,
-                               BK=tiles.gemm_k, **_FUSED)
+                               BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED)
     return y
 
 
