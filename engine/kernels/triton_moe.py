@@ -184,7 +184,8 @@ class Stack:
 @dataclass(frozen=True)
 class Routing:
     """A window's (row, expert) pairs sorted by expert, made on the device from `ids` [m, top_k] without a
-    host sync. `order[p]` is the flat pair (row * top_k + choice) at sorted position p, `experts[p]` its
+    host sync. A row's ids must be distinct (as top-k gives them): a decode window's program computes
+    one expert's run of pairs, at most `MATVEC_ROWS` of them. `order[p]` is the flat pair (row * top_k + choice) at sorted position p, `experts[p]` its
     expert and `src[p]` its row of x. For prompt chunks (`gemm_m` set), each expert's pairs are padded
     to whole tiles: `padded[t * gemm_m + i]` is a sorted position or -1, `tile_expert[t]` the tile's
     expert or -1 for tiles past the last."""
