@@ -6,6 +6,7 @@ and batch = solo."""
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # before the kernels are imported: elsewhere they run interpreted
@@ -89,7 +90,9 @@ def test_prompt_pairs_do_not_depend_on_the_chunk(case):
 
 @pytest.mark.parametrize("m", [tb.MATVEC_ROWS, PROMPT])
 def test_slot_table_points_at_any_slots(m):
-    stacks, _ = case_q4_k()
+    gen = torch.Generator().manual_seed(9)
+    stacks = [tm.Stack(Q.Q4_K, tb.random_blocks(Q.Q4_K, EXPERTS * n, k, gen).cuda().view(EXPERTS, n, -1), k)
+              for n, k in SHAPES]
     x, ids = window(m, seed=4)
     routing, _, y = run(stacks, x, ids)
     perm = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(5)).cuda()
@@ -98,13 +101,6 @@ def test_slot_table_points_at_any_slots(m):
     moved = [tm.Stack(s.qtype, s.blocks[perm].contiguous(), s.k) for s in stacks]
     again, _, y_moved = run(moved, x, ids, slot_of.to(torch.int32))
     assert_same_bits(per_pair(again, y_moved), per_pair(routing, y))
-
-
-def case_q4_k() -> tuple[list[tm.Stack], list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(9)
-    stacks = [tm.Stack(tb.Q.Q4_K, tb.random_blocks(tb.Q.Q4_K, EXPERTS * n, k, gen).cuda().view(EXPERTS, n, -1), k)
-              for n, k in SHAPES]
-    return stacks, []
 
 
 @pytest.mark.parametrize("preset", ["small", "qwen3-30b-a3b"])
