@@ -75,8 +75,10 @@ class ResidentExperts(Experts):
     def __init__(self, gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device):
         self.gate, self.up, self.down = gate, up, down
         self.on_gpu = device.type == "cuda"
-        self.grouped = (self.on_gpu and gate.dense is not None and gate.dense.dtype == torch.bfloat16
-                        and hasattr(torch, "_grouped_mm"))
+        # every stack dense: on CUDA a layer can mix stacks kept in blocks with dense ones (types the
+        # kernels do not read), and those run one product per routed expert
+        self.grouped = (self.on_gpu and all(s.dense is not None and s.dense.dtype == torch.bfloat16
+                                            for s in (gate, up, down)) and hasattr(torch, "_grouped_mm"))
         self._stats = ExpertStats()
 
     def stats(self) -> ExpertStats:

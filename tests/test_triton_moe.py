@@ -163,6 +163,17 @@ def test_block_experts_match_resident_experts():
                       BlockExperts if DEVICE == "cuda" else ResidentExperts)
 
 
+def test_a_layer_of_blocks_and_dense_stacks_runs_per_expert():
+    """On CUDA a layer may keep some stacks in blocks and dequantize others (a type the kernels do not
+    read): it runs one product per routed expert, never the grouped GEMMs over a missing dense stack."""
+    (gate, gate_dense), (up, up_dense) = (block_stack(Q.Q8_0, seed, FF, H) for seed in (1, 2))
+    down, down_dense = block_stack(Q.Q8_0, 3, H, FF)
+    bf16 = [LinearStack.of_dense(s.dense.bfloat16()) for s in (gate_dense, up_dense)]
+    mixed = resident_experts(*bf16, down, torch.device("cuda"))  # nothing is allocated on the device
+    assert isinstance(mixed, ResidentExperts) and not mixed.grouped
+    assert ResidentExperts(*bf16, LinearStack.of_dense(down_dense.dense.bfloat16()), torch.device("cuda")).grouped
+
+
 def test_bad_input():
     stacks, _ = stacks_of(Q.Q8_0, 13)
     blocks = stacks[0].blocks

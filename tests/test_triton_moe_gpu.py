@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # before the kernels are imported: elsewhere 
 from triton_checks import assert_same_bits, check_moe, per_pair  # noqa: E402
 
 from engine.check import Driver, compare, sample_prompts  # noqa: E402
+from engine.experts import ResidentExperts  # noqa: E402
 from engine.experts_blocks import BlockExperts  # noqa: E402
 from engine.kernels import gpu  # noqa: E402
 from engine.kernels import triton_blocks as tb  # noqa: E402
@@ -103,14 +104,20 @@ def test_slot_table_points_at_any_slots(m):
     assert_same_bits(per_pair(again, y_moved), per_pair(routing, y))
 
 
-@pytest.mark.parametrize("preset", ["small", "qwen3-30b-a3b"])
-def test_q4_k_m_model_keeps_expert_blocks_and_batch_equals_solo(tmp_path_factory, preset):
+@pytest.mark.parametrize("preset", ["tiny", "small", "qwen3-30b-a3b"])
+def test_q4_k_m_model_batch_equals_solo(tmp_path_factory, preset):
+    """Experts kept in their blocks (small, qwen3-30b-a3b), or the tiny preset's mix of dense Q5_0 gates
+    and ups with Q8_0 blocks for some downs (one product per routed expert): batch = solo either way."""
     layers = 2 if preset == "qwen3-30b-a3b" else None
     path = write_test_model(tmp_path_factory.mktemp("models") / f"{preset}-q4_k_m.gguf", preset=preset,
                             layers=layers, dtype="q4_k_m", router_skew=1.0)
     driver = Driver.load(str(path), slots=8, device="cuda")
     described = driver.model.w.describe()
-    assert "Q4_K blocks" in described and "Q6_K blocks" in described, described
-    assert all(isinstance(b.experts, BlockExperts) for b in driver.model.blk)
+    if preset == "tiny":
+        assert "Q8_0 blocks" in described, described
+        assert all(isinstance(b.experts, ResidentExperts) and not b.experts.grouped for b in driver.model.blk)
+    else:
+        assert "Q4_K blocks" in described and "Q6_K blocks" in described, described
+        assert all(isinstance(b.experts, BlockExperts) for b in driver.model.blk)
     prompts = sample_prompts(driver.model.hyper.vocab, 8, seed=5)
     assert compare(driver, prompts, max_new=24) == []
