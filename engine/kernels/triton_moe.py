@@ -19,8 +19,8 @@ pair runs the same instructions whatever its place in its expert's run, in the G
 over the same tiles whatever its place in the tile (as in `triton_blocks`). The two paths round
 differently from each other.
 
-`python -m engine.kernels.triton_moe` prints the fused kernel's GB/s for decode windows and TFLOP/s for a
-prompt chunk beside torch's bf16 grouped GEMMs (CUDA, qwen3-30b-a3b's expert shapes).
+`python -m engine.kernels.triton_moe` prints the fused kernel's time, GB/s and TFLOP/s for decode windows
+and a prompt chunk beside torch's bf16 grouped GEMMs (CUDA, qwen3-30b-a3b's expert shapes).
 """
 
 from __future__ import annotations
@@ -289,9 +289,10 @@ def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor) 
 
 
 def _bench() -> None:
-    """qwen3-30b-a3b's experts (hidden 2048, expert FFN 768, 128 experts, top-8): the fused kernel's weight
-    GB/s (the routed experts' bytes over time) for decode windows of 1 and 8 rows and TFLOP/s for a
-    512-row prompt chunk, beside torch's bf16 grouped GEMMs (`torch._grouped_mm`, as `ResidentExperts`)."""
+    """qwen3-30b-a3b's experts (hidden 2048, expert FFN 768, 128 experts, top-8): the fused kernel's time,
+    weight GB/s (the routed experts' bytes over time) and TFLOP/s for decode windows of 1 and 8 rows and
+    a 512-row prompt chunk, beside torch's bf16 grouped GEMMs (`torch._grouped_mm`, as `ResidentExperts`,
+    the gather of x and the silu included); each the mean of triton.testing.do_bench, L2 flushed."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
@@ -337,13 +338,10 @@ def _bench() -> None:
                     return project(stacks[2], h, routing, slot_of)
                 seconds = do_bench(fused) * 1e-3
             name = "bf16 torch" if qtype is None else qtype.name
-            if m <= MATVEC_ROWS:
-                print(f"{name:10} decode m={m:<3} {routed:3} experts {routed * expert_bytes / seconds / 1e9:7.1f} GB/s"
-                      f"  {seconds * 1e6:8.1f} us")
-            else:
-                flops = 2 * m * top_k * 3 * ff * hidden
-                print(f"{name:10} prompt m={m:<3} {routed:3} experts {flops / seconds / 1e12:7.1f} TFLOP/s"
-                      f"  {seconds * 1e6:8.1f} us")
+            kind = "decode" if m <= MATVEC_ROWS else "prompt"
+            flops = 2 * m * top_k * 3 * ff * hidden
+            print(f"{name:10} {kind} m={m:<3} {routed:3} experts {seconds * 1e6:8.1f} us "
+                  f"{routed * expert_bytes / seconds / 1e9:7.1f} GB/s {flops / seconds / 1e12:6.1f} TFLOP/s")
 
 
 if __name__ == "__main__":
