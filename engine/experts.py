@@ -2,7 +2,9 @@
 
 `route` picks each row's experts; an `Experts` object runs them. `ResidentExperts` holds every
 expert on the model's device and picks its path once, at load: grouped GEMMs on CUDA (Hopper and
-newer, bf16), else one product per routed expert over the rows routed to it. The expert tier (a
+newer, bf16), else one product per routed expert over the rows routed to it; `resident_experts` picks
+`BlockExperts` (engine/experts_blocks.py, the fused MoE kernel over the file's blocks) instead where
+the store kept a layer's stacks in their blocks on CUDA. The expert tier (a
 VRAM cache of experts with misses served elsewhere) is another `Experts` behind the same calls.
 
 Every path combines a row's k expert outputs in a fixed order, after un-sorting them by a scatter
@@ -76,8 +78,10 @@ class ResidentExperts(Experts):
     def __init__(self, gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device):
         self.gate, self.up, self.down = gate, up, down
         self.on_gpu = device.type == "cuda"
-        self.grouped = (self.on_gpu and gate.dense is not None and gate.dense.dtype == torch.bfloat16
-                        and hasattr(torch, "_grouped_mm"))
+        # every stack dense: on CUDA a layer can mix stacks kept in blocks with dense ones (types the
+        # kernels do not read), and those run one product per routed expert
+        self.grouped = (self.on_gpu and all(s.dense is not None and s.dense.dtype == torch.bfloat16
+                                            for s in (gate, up, down)) and hasattr(torch, "_grouped_mm"))
         self._stats = ExpertStats()
 
     def stats(self) -> ExpertStats:
@@ -130,6 +134,16 @@ class ResidentExperts(Experts):
 def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:
     """One expert over its rows: down(silu(gate(x)) * up(x))."""
     return down(F.silu(gate(x)) * up(x))
+
+
+def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device) -> Experts:
+    """Every expert on `device`: stacks the store kept in their blocks on CUDA run through the fused MoE
+    kernel (`engine.experts_blocks.BlockExperts`), other stacks as `ResidentExperts`."""
+    if device.type == "cuda" and all(s.blocks is not None for s in (gate, up, down)):
+        from engine.experts_blocks import BlockExperts  # imports Triton, so only when it is used
+
+        return BlockExperts(gate, up, down, device)
+    return ResidentExperts(gate, up, down, device)
 
 
 def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

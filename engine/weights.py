@@ -9,9 +9,10 @@ tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_bl
   `--cpu-activations` chose; a dequantized slab and one GEMM for prompt chunks);
   F32 matrices are used as they are.
 - CUDA: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices keep the file's bytes and run through the Triton kernels
-  (`GpuBlockLinear`: a matvec for decode windows, a dequantize-in-tile GEMM for prompt chunks); other
-  types, and expert stacks until a fused MoE kernel reads blocks (the grouped GEMMs need dense
-  stacks), are dequantized once into the compute dtype.
+  (`GpuBlockLinear`: a matvec for decode windows, a dequantize-in-tile GEMM for prompt chunks), and so
+  do expert stacks of those types (`LinearStack.blocks`, run by the fused MoE kernel of
+  `engine.experts_blocks`); other types are dequantized once into the compute dtype (expert stacks
+  then run as bf16 grouped GEMMs).
 - Without a C compiler the CPU kernels are missing, without Triton the GPU ones: matrices are
   dequantized at load, and the log says why.
 
@@ -48,7 +49,7 @@ def is_vector(info: TensorInfo) -> bool:
 def keeps_blocks(info: TensorInfo, device: torch.device) -> bool:
     """The format policy: does this tensor stay in the file's format on `device`?"""
     if device.type == "cuda":
-        return (len(info.shape) == 2 and not is_vector(info) and info.qtype in gpu_kernels.SUPPORTED
+        return (len(info.shape) in (2, 3) and not is_vector(info) and info.qtype in gpu_kernels.SUPPORTED
                 and gpu_kernels.available())
     return (device.type == "cpu" and not is_vector(info) and info.qtype != Q.F32
             and cpu_kernels.available() and info.qtype in cpu_kernels.SUPPORTED)
@@ -133,6 +134,9 @@ class LinearStack:
     experts: list[Linear]
     dense: torch.Tensor | None  # the whole stack when held as one float tensor (the CUDA paths use it)
     nbytes: int
+    # the whole stack's blocks on CUDA, uint8 [experts, out, row_bytes] (the fused MoE kernel reads them)
+    blocks: torch.Tensor | None = None
+    qtype: Q | None = None
 
     @classmethod
     def of_dense(cls, t: torch.Tensor) -> LinearStack:
@@ -203,9 +207,16 @@ class WeightStore:
     def stack(self, name: str) -> LinearStack:
         info = self._info(name, dims=3)  # [experts, out, in]
         kept = keeps_blocks(info, self.device)
-        if kept:
+        if kept and self.device.type == "cuda":
+            from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
+
+            blocks = self._blocks(info).to(self.device)
+            experts: list[Linear] = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], self.device)
+                                     for e in range(info.shape[0])]
+            stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
+        elif kept:
             blocks = self._blocks(info)
-            experts: list[Linear] = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
+            experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel())
         else:
             stack = LinearStack.of_dense(self._dense(info, self.dtype))

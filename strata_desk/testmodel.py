@@ -8,6 +8,8 @@ time: the `qwen3-30b-a3b` preset has the real shapes and never holds more than o
 
     strata-desk make-test-model tiny.gguf
     strata-desk make-test-model big.gguf --preset qwen3-30b-a3b --layers 4 --dtype bf16
+
+`--dtype q4_k_m` is llama.cpp's Q4_K_M mix (`tensor_type`), quantized by `strata_desk.kquants`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from gguf.quants import quantize
 
 from engine.chat_template import QWEN3_CHAT_TEMPLATE
+from strata_desk.kquants import QK_K, QUANTIZERS
 
 QT = gguf.GGMLQuantizationType
 
@@ -59,15 +62,46 @@ PRESETS: dict[str, Preset] = {
     # tok/s or better on a 2-core CPU
     "demo-moe": Preset(layers=8, hidden=256, experts=64, experts_used=4, expert_ff=128, dense_ff=512, heads=4,
                        kv_heads=2, head_dim=64, context=4096, vocab=None),
+    # rows of 256 values: the smallest that K-quants (q4_k_m) store as such
+    "small": Preset(layers=4, hidden=256, experts=8, experts_used=2, expert_ff=256, dense_ff=512, heads=4,
+                    kv_heads=2, head_dim=64, context=4096, vocab=None),
     "qwen3-30b-a3b": Preset(layers=48, hidden=2048, experts=128, experts_used=8, expert_ff=768,
                             dense_ff=6144, heads=32, kv_heads=4, head_dim=128, context=40960, vocab=151936),
 }
 
 _SKEW_CHANNEL = 4.0  # value of embedding column 0 when --router-skew is set
 
-DTYPES: dict[str, QT] = {"f32": QT.F32, "bf16": QT.BF16, "q8_0": QT.Q8_0}
-_FILE_TYPE = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+_SINGLE: dict[str, QT] = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+DTYPES = (*_SINGLE, "q4_k_m")
+_FILE_TYPE = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}
+# llama.cpp's types for rows a K-quant cannot hold (not a multiple of 256 values)
+_FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q6_K: QT.Q8_0}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(dtype: str, name: str, shape: tuple[int, ...], layers: int) -> QT:
+    """The type of a large tensor (`name`, numpy `shape`) in a model of `dtype`. q4_k_m follows
+    llama.cpp's Q4_K_M mix for this architecture (src/llama-quant.cpp, more than 8 experts): Q6_K for
+    the head and for attn_v and ffn_down(_exps) in the layers `_more_bits` picks, Q4_K for the rest
+    (the embedding too: the head is not tied); rows that are not whole K-quant blocks fall back to
+    Q5_0 / Q8_0 as llama.cpp's do (the tiny preset's, all of them)."""
+    if dtype != "q4_k_m":
+        return _SINGLE[dtype]
+    qtype = QT.Q4_K
+    if name == "output.weight":
+        qtype = QT.Q6_K
+    elif ".attn_v." in name or ".ffn_down" in name:
+        if _more_bits(int(name.split(".")[1]), layers):
+            qtype = QT.Q6_K
+    if shape[-1] % QK_K:
+        qtype = _FALLBACK[qtype]
+    return qtype
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
@@ -196,6 +230,12 @@ def _row_blocks(shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
 def _encode(data: np.ndarray, qtype: QT, scratch: _Scratch) -> np.ndarray:
     if qtype == QT.F32:
         return data
+    if qtype == QT.F16:
+        out = scratch.get("f16", data.shape, np.float16)
+        out[...] = data
+        return out
+    if qtype in QUANTIZERS:
+        return QUANTIZERS[qtype](data)
     if qtype == QT.BF16:  # truncate: the file is random anyway, and this is 3x faster than rounding
         out = scratch.get("bf16", data.shape, np.uint16)
         np.right_shift(data.view(np.uint32), 16, out=out, casting="unsafe")
@@ -203,24 +243,24 @@ def _encode(data: np.ndarray, qtype: QT, scratch: _Scratch) -> np.ndarray:
     return quantize(data, qtype)
 
 
-def _plan(p: Preset, n_vocab: int, qtype: QT, seed: int, router_skew: float, scratch: _Scratch
+def _plan(p: Preset, n_vocab: int, dtype: str, seed: int, router_skew: float, scratch: _Scratch
           ) -> list[_Tensor]:
     h, hd = p.hidden, p.head_dim
     f32 = QT.F32
 
-    def dense(name: str, shape: tuple[int, ...], std: float, q: QT = qtype, mean: float = 0.0) -> _Tensor:
+    def dense(name: str, shape: tuple[int, ...], std: float, q: QT | None = None, mean: float = 0.0) -> _Tensor:
         def gen() -> Iterator[np.ndarray]:
             for part, rows in _row_blocks(shape):
                 data = _uniform(_rng(seed, name, part), (rows, *shape[1:]), std, scratch)
                 data += np.float32(mean)
                 yield data
-        return _Tensor(name, shape, q, gen)
+        return _Tensor(name, shape, tensor_type(dtype, name, shape, p.layers) if q is None else q, gen)
 
     def experts(name: str, shape: tuple[int, int], std: float) -> _Tensor:
         def gen() -> Iterator[np.ndarray]:
             for e in range(p.experts):
                 yield _uniform(_rng(seed, name, e + 1), shape, std, scratch)
-        return _Tensor(name, (p.experts, *shape), qtype, gen)
+        return _Tensor(name, (p.experts, *shape), tensor_type(dtype, name, shape, p.layers), gen)
 
     def embedding() -> _Tensor:
         name = "token_embd.weight"
@@ -231,7 +271,7 @@ def _plan(p: Preset, n_vocab: int, qtype: QT, seed: int, router_skew: float, scr
                 if router_skew:
                     data[:, 0] = _SKEW_CHANNEL  # a constant input the routers can be biased on
                 yield data
-        return _Tensor(name, (n_vocab, h), qtype, gen)
+        return _Tensor(name, (n_vocab, h), tensor_type(dtype, name, (n_vocab, h), p.layers), gen)
 
     def router(layer: int) -> _Tensor:
         name = f"blk.{layer}.ffn_gate_inp.weight"
@@ -294,7 +334,7 @@ def write_test_model(out: Path, preset: str = "tiny", layers: int | None = None,
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(f"strata-desk test model ({preset})")
     writer.add_file_type(int(_FILE_TYPE[dtype]))
-    if dtype == "q8_0":
+    if dtype in ("q8_0", "q4_k_m"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_context_length(p.context)
     writer.add_embedding_length(p.hidden)
@@ -314,7 +354,7 @@ def write_test_model(out: Path, preset: str = "tiny", layers: int | None = None,
     n_vocab = _tokenizer_metadata(writer, p.vocab)
 
     scratch = _Scratch()
-    plan = _plan(p, n_vocab, DTYPES[dtype], seed, router_skew, scratch)
+    plan = _plan(p, n_vocab, dtype, seed, router_skew, scratch)
     for t in plan:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     try:
@@ -343,10 +383,12 @@ def write_test_model(out: Path, preset: str = "tiny", layers: int | None = None,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, metavar="OUT.gguf", help="where to write the model")
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                        help="tiny: 4 layers, hidden 64, 8 experts (CI); qwen3-30b-a3b: the real shapes")
+                        help="tiny: 4 layers, hidden 64, 8 experts (CI); small: the same with hidden 256 (rows "
+                        "K-quants can hold); qwen3-30b-a3b: the real shapes")
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="f32",
-                        help="type of the large tensors; norms and routers stay f32")
+                        help="type of the large tensors (q4_k_m: llama.cpp's Q4_K_M mix of Q4_K and Q6_K); "
+                        "norms and routers stay f32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--router-skew", type=float, default=0.0, metavar="X",
                         help="make some experts hotter (0: uniform routing, 1: strongly skewed)")

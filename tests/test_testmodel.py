@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as gguf_type
 from reference import reference_greedy, reference_logits
 
 from engine.gguf_file import GGUFFile
@@ -114,3 +115,77 @@ def test_cli_arguments(tmp_path, capsys):
     assert f.metadata["qwen3moe.block_count"] == 1
     assert f.metadata["strata.test_model.seed"] == 3
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def small_q4_k_m(tmp_path_factory: pytest.TempPathFactory):
+    """The small preset (rows of 256 values) in llama.cpp's Q4_K_M mix, 4 layers."""
+    return testmodel.write_test_model(tmp_path_factory.mktemp("models") / "small-q4_k_m.gguf", preset="small",
+                                      dtype="q4_k_m")
+
+
+def test_q4_k_m_is_llama_cpp_mix(small_q4_k_m, tmp_path):
+    types = {name: info.qtype.name for name, info in GGUFFile(small_q4_k_m).tensors.items()}
+    # 4 layers: llama.cpp's use_more_bits picks layers 2 and 3 for attn_v and ffn_down
+    for i in range(4):
+        more = "Q6_K" if i >= 2 else "Q4_K"
+        assert types[f"blk.{i}.attn_v.weight"] == types[f"blk.{i}.ffn_down_exps.weight"] == more
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate_exps", "ffn_up_exps"):
+            assert types[f"blk.{i}.{name}.weight"] == "Q4_K"
+        assert types[f"blk.{i}.ffn_gate_inp.weight"] == types[f"blk.{i}.attn_norm.weight"] == "F32"
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert [testmodel._more_bits(i, 48) for i in (0, 5, 6, 7, 8, 9, 10, 41, 42, 47)] == [
+        True, True, False, False, True, False, False, True, True, True]
+    # rows that are not whole K-quant blocks fall back as llama.cpp's do; f16 is one type
+    tiny = testmodel.write_test_model(tmp_path / "tiny-q4_k_m.gguf", dtype="q4_k_m", layers=1)
+    tiny_types = {info.qtype.name for info in GGUFFile(tiny).tensors.values()}
+    assert tiny_types == {"Q5_0", "Q8_0", "F32"}
+    f16 = testmodel.write_test_model(tmp_path / "tiny-f16.gguf", dtype="f16", layers=1)
+    assert {info.qtype.name for info in GGUFFile(f16).tensors.values()} == {"F16", "F32"}
+
+
+@pytest.mark.parametrize("qtype", [gguf_type.Q4_K, gguf_type.Q6_K], ids=lambda t: t.name)
+def test_kquants_read_back_within_a_step(qtype):
+    import numpy as np
+    from gguf import quants
+
+    from strata_desk.kquants import QUANTIZERS
+
+    rng = np.random.default_rng(int(qtype))
+    x = rng.standard_normal((8, 512), dtype=np.float32) * np.float32(0.05)
+    x[0, :256] = 0  # a block of zeros reads back as zeros
+    x[1, 0] = 4.0  # one large value in a block (the router-skew channel of the embedding)
+    y = quants.dequantize(QUANTIZERS[qtype](x), qtype)
+    assert y.shape == x.shape and (y[0, :256] == 0).all() and abs(y[1, 0] - 4.0) < 4.0 / 63
+    if qtype == gguf_type.Q4_K:  # 16 levels over each group's range (0 included)
+        groups = x.reshape(-1, 32)
+        step = (groups.max(1, keepdims=True) - np.minimum(groups.min(1, keepdims=True), 0)) / 15
+    else:  # 64 levels, -32..31, scaled to each group's largest |x|
+        groups = x.reshape(-1, 16)
+        step = np.abs(groups).max(1, keepdims=True) / 31
+    # half a step from the rounding, a little more from the group scales rounded to 6 or 8 bits (rows
+    # without the large value: beside it the super-block's scale leaves the other groups coarser steps)
+    error = np.abs(y - x).reshape(groups.shape)
+    assert (error <= 0.6 * step).reshape(8, -1)[2:].all()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QUANTIZERS[qtype](x[:, :100])
+
+
+def test_q4_k_m_and_f16_run_in_the_engine(small_q4_k_m, tmp_path):
+    """Both load and run in the engine (CPU) as the model they quantize: their logits follow those of
+    the same model in f32 (loosely for Q4_K_M: its steps are ~7% of a weight's spread, and a random
+    model's routing amplifies them; a wrong byte layout would leave no likeness at all)."""
+    from engine.batch import Span
+    from engine.check import Driver
+
+    def logits(path, ids):
+        driver = Driver.load(str(path), slots=0, kv="f32")
+        return driver.server.runner.forward([Span(0, 0, len(ids))], ids)[0]
+
+    ids = Tokenizer.from_gguf(small_q4_k_m).encode("The clockmaker opened the shop")
+    for preset, path in (("small", small_q4_k_m),
+                         ("tiny", testmodel.write_test_model(tmp_path / "f16.gguf", dtype="f16"))):
+        f32 = logits(testmodel.write_test_model(tmp_path / f"{preset}.gguf", preset=preset), ids)
+        quantized = logits(path, ids)
+        assert torch.isfinite(quantized).all()
+        assert torch.nn.functional.cosine_similarity(quantized, f32, dim=0) > (0.4 if preset == "small" else 0.99)

@@ -134,7 +134,7 @@ def test_cuda_policy_keeps_the_blocks_the_kernels_read(monkeypatch):
     assert keeps_blocks(info("output.weight", (64, 256), Q.Q6_K), cuda)
     assert not keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.F16), cuda)  # dense bf16 needs no kernel
     assert not keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.Q5_0), cuda)
-    assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q4_K), cuda)  # grouped GEMMs
+    assert keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q4_K), cuda)  # the fused MoE kernel
     assert not keeps_blocks(info("blk.0.attn_norm.weight", (256,), Q.Q8_0), cuda)
     assert WeightStore(None, cuda, torch.bfloat16).describe() == ""
 

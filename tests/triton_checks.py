@@ -1,8 +1,10 @@
-"""What the Triton kernel tests (tests/test_triton_kernels.py in the interpreter, tests/test_triton_gpu.py
-on CUDA) check against: gguf-py's values, error bounds, bit equality."""
+"""What the Triton kernel tests (tests/test_triton_kernels.py and tests/test_triton_moe.py in the
+interpreter, tests/test_triton_gpu.py and tests/test_triton_moe_gpu.py on CUDA) check against: gguf-py's
+values, error bounds, bit equality."""
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 ACCUMULATION = 4e-5  # float32 sums over k, relative to sum |x w|
@@ -38,3 +40,55 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tolerance: f
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     bits = torch.int16 if a.element_size() == 2 else torch.int32
     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+
+SUBNORMAL = 2.0**-24  # float16's spacing below 2**-14 (the relative bounds do not cover it)
+
+
+def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, tolerance: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's row of `a` times its expert's matrix (`values` [E, n, k]) in float64, and `tolerance`
+    times sum |a w|; one product per routed expert."""
+    exact = torch.empty(a.shape[0], values.shape[1], dtype=torch.float64, device=a.device)
+    bound = torch.empty_like(exact)
+    for e in experts.unique().tolist():
+        at = (experts == e).nonzero()[:, 0]
+        rows, w = a[at].double(), values[e].double()
+        exact[at] = rows @ w.T
+        bound[at] = tolerance * (rows.abs() @ w.abs().T)
+    return exact, bound
+
+
+def assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    excess = (y.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"worst error {excess.max().item():.3g} over the bound"
+
+
+def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, y: torch.Tensor,
+              prompt: bool) -> None:
+    """The fused MoE kernel's h = silu(x W_gate) * (x W_up) and y = h W_down for every routed pair
+    (`routing`: an `engine.kernels.triton_moe.Routing`; `values`: the gate, up and down stacks'
+    values), within float32 sums (and, for prompt chunks, the GEMM's tiles of x's dtype) of the
+    float64 products, each rounded once to x's dtype."""
+    dtype = x.dtype
+    assert h.dtype == y.dtype == dtype
+    assert h.shape == (routing.experts.numel(), values[0].shape[1]) and y.shape[1] == values[2].shape[1]
+    sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
+    e = routing.experts.long()
+    xs = x[routing.src.long()]
+    gate, gate_bound = moe_products(xs, values[0], e, sums)
+    up, up_bound = moe_products(xs, values[1], e, sums)
+    silu = F.silu(gate)
+    exact = silu * up
+    # silu's slope is within [-0.1, 1.1]; then h's float32 sigmoid and products, and its one rounding
+    bound = 1.1 * gate_bound * (up.abs() + up_bound) + silu.abs() * up_bound
+    assert_within(h, exact, bound + (OUTPUT_ULP[dtype] + 2**-20) * (exact.abs() + bound) + SUBNORMAL)
+    exact, bound = moe_products(h, values[2], e, sums + OUTPUT_ULP[dtype])
+    assert_within(y, exact, bound + SUBNORMAL)
+
+
+def per_pair(routing, y: torch.Tensor) -> torch.Tensor:
+    """y's rows (in a routing's sorted order) as [rows, top_k, n]: by (row, choice), whatever the window."""
+    out = torch.empty_like(y)
+    out[routing.order] = y
+    return out.view(routing.rows, -1, y.shape[1])

@@ -116,6 +116,17 @@ def _group(w, row, g, i, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def _partial(q, scale, minimum, xj, HAS_MIN: tl.constexpr):
+    """[R]: the dot of each weight row's groups q [R, G, GROUP] (with their scales and mins) with x's values
+    xj [1, G, GROUP], in one order. One scale per group: multiplied into the group's dot, not into each
+    weight."""
+    part = scale * tl.sum(q * xj, axis=2)[:, :, None]
+    if HAS_MIN:
+        part -= minimum * tl.sum(xj, axis=2)[:, :, None]
+    return tl.sum(tl.sum(part, axis=2), axis=1)
+
+
+@triton.jit
 def _dequantize_kernel(w, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                        BK: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
@@ -143,12 +154,7 @@ def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.c
         for j in tl.static_range(ROWS):
             if j < m:
                 xj = tl.load(x + j * k + g * GROUP + i, mask=g < groups, other=0.0).to(tl.float32)
-                # one scale per group: multiplied into the group's dot, not into each weight
-                part = scale * tl.sum(q * xj, axis=2)[:, :, None]
-                if HAS_MIN:
-                    part -= minimum * tl.sum(xj, axis=2)[:, :, None]
-                part = tl.sum(tl.sum(part, axis=2), axis=1)
-                acc = tl.where(r == j, acc + part[None, :], acc)
+                acc = tl.where(r == j, acc + _partial(q, scale, minimum, xj, HAS_MIN)[None, :], acc)
     tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch
-from engine.experts import ResidentExperts, route
+from engine.experts import resident_experts, route
 from engine.gguf_file import GGUFFile
 from engine.hashlm import ALPHABET, ARCH, END, END_ODDS, STATE_BYTES, Rule, letter_draw, weight
 from engine.hyper import Hyper
@@ -42,7 +42,7 @@ class HashLM(Model):
         self.suffix_at = (n - k + j).clamp(max=max(n - 1, 0))
         self.suffix_used = j < k
         b = self.blk[0]
-        b.experts = ResidentExperts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
+        b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         h = self._write_state(rows)

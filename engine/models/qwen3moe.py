@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch
-from engine.experts import ResidentExperts, route
+from engine.experts import resident_experts, route
 from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
 from engine.layers import Rope, default_scale, rms_norm
@@ -23,7 +23,7 @@ class Qwen3Moe(Model):
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device)
         self.scale = default_scale(hyper.head_dim)
         for b in self.blk:
-            b.experts = ResidentExperts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
+            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper

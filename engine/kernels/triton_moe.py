@@ -1,0 +1,348 @@
+"""A fused MoE kernel over GGUF blocks: every (row, expert) pair of a window in one launch per projection,
+gate and up together (their SwiGLU applied in the same launch), each expert's weights read from its blocks.
+
+The experts of a layer are stacks of the file's blocks, uint8 `[slots, n, row_bytes]` (`Stack`); an expert
+id is looked up through a slot table (`slot_of[expert] -> slot`, int32 on the device), so a cache of slots
+can stand in for the whole expert tensor. A window's routed pairs are sorted by expert (`Routing`, on
+the device, no host sync):
+
+- decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
+  first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
+  the others return at once. So each routed expert's rows are read once for all its pairs.
+- prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
+  (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
+  with tl.dot.
+
+Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' types and shapes only (`Tiles`), so
+a pair's result does not depend on how many rows the window has or on the other pairs: in the matvec a
+pair runs the same instructions whatever its place in its expert's run, in the GEMM it is the same dots
+over the same tiles whatever its place in the tile (as in `triton_blocks`). The two paths round
+differently from each other.
+
+`python -m engine.kernels.triton_moe` prints the fused kernel's time, GB/s and TFLOP/s for decode windows
+and a prompt chunk beside torch's bf16 grouped GEMMs (CUDA, qwen3-30b-a3b's expert shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as Q
+
+from engine.kernels.gpu import SUPPORTED
+from engine.kernels.triton_blocks import _FUSED, GROUP, MATVEC_ROWS, X_DTYPES, _group, _partial, row_bytes
+
+HAS_MIN = (Q.Q4_K, Q.Q5_K)
+
+
+@triton.jit
+def _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+                HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+    """[ROWS, R] float32: weight rows `rows` of the expert at `w` times the x rows of pairs p..p+count-1."""
+    row = rows.to(tl.int64)[:, None, None] * row_bytes
+    g_step = tl.arange(0, BK // GROUP)[None, :, None]
+    i = tl.arange(0, GROUP)[None, None, :]
+    r = tl.arange(0, ROWS)[:, None]
+    groups = k // GROUP
+    acc = tl.zeros((ROWS, R), dtype=tl.float32)
+    for e0 in range(0, k, BK):
+        g = e0 // GROUP + g_step
+        q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
+        for j in tl.static_range(ROWS):
+            if j < count:
+                xrow = tl.load(src + p + j).to(tl.int64)
+                xj = tl.load(x + xrow * k + g * GROUP + i, mask=g < groups, other=0.0).to(tl.float32)
+                part = _partial(q, scale, minimum, xj, HAS_MIN)
+                acc = tl.where(r == j, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
+def _moe_matvec_kernel(w, w2, slot_of, experts, src, x, y, pairs, n, k, row_bytes, expert_bytes, row_bytes2,
+                       expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
+                       QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr, GATED: tl.constexpr,
+                       R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    p = tl.program_id(1)
+    e = tl.load(experts + p)
+    before = tl.load(experts + p - 1, mask=p > 0, other=-1)
+    if e != before:  # the first pair of its expert's run; the run's other pairs follow it
+        ahead = p + tl.arange(0, ROWS)
+        count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
+        slot = tl.load(slot_of + e).to(tl.int64)
+        acc = _matvec_run(w + slot * expert_bytes, x, src, p, count, rows, n, k, row_bytes, QTYPE, GROUP,
+                          HAS_MIN, R, BK, ROWS)
+        if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
+            up = _matvec_run(w2 + slot * expert_bytes2, x, src, p, count, rows, n, k, row_bytes2, QTYPE2, GROUP2,
+                             HAS_MIN2, R, BK, ROWS)
+            acc = acc * tl.sigmoid(acc) * up
+        r = tl.arange(0, ROWS)[:, None]
+        out = y + (p + r).to(tl.int64) * n + rows[None, :]
+        tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
+
+
+@triton.jit
+def _gemm_tile(w, xs_at, live, rows, n, k, row_bytes, acc, x_dtype: tl.constexpr, QTYPE: tl.constexpr,
+               GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += the x rows at `xs_at` [BM, 1] (pointers, `live` [BM, 1]) times weight rows `rows`."""
+    row = rows.to(tl.int64)[:, None, None] * row_bytes
+    g_step = tl.arange(0, BK // GROUP)[None, :, None]
+    i = tl.arange(0, GROUP)[None, None, :]
+    e_step = tl.arange(0, BK)[None, :]
+    groups = k // GROUP
+    for e0 in range(0, k, BK):
+        g = e0 // GROUP + g_step
+        q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
+        tile = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
+        e = e0 + e_step
+        xs = tl.load(xs_at + e, mask=live & (e < k), other=0.0)
+        acc = tl.dot(xs, tl.trans(tile), acc)
+    return acc
+
+
+@triton.jit
+def _moe_gemm_kernel(w, w2, slot_of, tile_expert, padded, src, x, y, n, k, row_bytes, expert_bytes, row_bytes2,
+                     expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, QTYPE2: tl.constexpr,
+                     GROUP2: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.load(tile_expert + t)
+    if e >= 0:  # tiles past the window's last one have no expert
+        ps = tl.load(padded + t * BM + tl.arange(0, BM))  # sorted pair positions, -1 where padded
+        live = (ps >= 0)[:, None]
+        xrow = tl.load(src + ps, mask=ps >= 0, other=0).to(tl.int64)
+        xs_at = x + xrow[:, None] * k
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        slot = tl.load(slot_of + e).to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = _gemm_tile(w + slot * expert_bytes, xs_at, live, rows, n, k, row_bytes, acc, x.dtype.element_ty,
+                         QTYPE, GROUP, BN, BK)
+        if GATED:
+            up = tl.zeros((BM, BN), dtype=tl.float32)
+            up = _gemm_tile(w2 + slot * expert_bytes2, xs_at, live, rows, n, k, row_bytes2, up,
+                            x.dtype.element_ty, QTYPE2, GROUP2, BN, BK)
+            acc = acc * tl.sigmoid(acc) * up
+        out = y + ps.to(tl.int64)[:, None] * n + rows[None, :]
+        tl.store(out, acc.to(y.dtype.element_ty), mask=live & (rows[None, :] < n))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The fused kernel's tile sizes (powers of two) and warps, from the projection's type and shape only,
+    never from the window: they fix every pair's reduction order."""
+
+    matvec_rows: int  # weight rows per matvec program
+    matvec_k: int  # values of each weight row per matvec step
+    gemm_m: int  # pairs per GEMM tile (each expert's pairs are padded to whole tiles)
+    gemm_n: int
+    gemm_k: int
+    matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
+    gemm_warps: int = 4
+
+    @classmethod
+    def for_stack(cls, qtype: Q, k: int, gated: bool) -> Tiles:
+        # The fastest of a sweep on an H200 at qwen3-30b-a3b's expert shapes (decode windows of 1 and 8
+        # rows, 512-row chunks; rows 2-8, k steps 128-512, tiles 16-64 x 64-128 x 64-128, 4 or 8 warps).
+        wide = 256 if qtype == Q.Q6_K and not gated else 512
+        return cls(4 if gated else 8, min(wide, triton.next_power_of_2(k)), 64, 64, 64)
+
+
+class Stack:
+    """One projection of a layer's experts: `qtype` blocks, uint8 `[slots, n, row_bytes(qtype, k)]` on the
+    kernels' device, checked once."""
+
+    def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, tiles: Tiles | None = None):
+        if qtype not in SUPPORTED:
+            names = ", ".join(t.name for t in SUPPORTED)
+            raise ValueError(f"{Q(qtype).name} has no Triton kernel (supported: {names})")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != row_bytes(qtype, k):
+            raise ValueError(f"blocks must be uint8 [slots, n, {row_bytes(qtype, k)}] for {qtype.name} with "
+                             f"k={k}, got {blocks.dtype} {tuple(blocks.shape)}")
+        if not blocks.is_contiguous():
+            raise ValueError("blocks must be contiguous")
+        self.qtype, self.blocks, self.k = qtype, blocks, k
+        self.slots, self.n, self.row_bytes = blocks.shape
+        self.expert_bytes = self.n * self.row_bytes
+        self._tiles = tiles  # None: from the shape
+
+    def tiles(self, gated: bool) -> Tiles:
+        return self._tiles or Tiles.for_stack(self.qtype, self.k, gated)
+
+    @property
+    def gemm_m(self) -> int:
+        """Pairs per GEMM tile (what `Routing.of` pads each expert's pairs to for this stack)."""
+        return self.tiles(gated=False).gemm_m
+
+    def type_args(self, suffix: str = "") -> dict[str, int | bool]:
+        return {"QTYPE" + suffix: int(self.qtype), "GROUP" + suffix: GROUP[self.qtype],
+                "HAS_MIN" + suffix: self.qtype in HAS_MIN}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A window's (row, expert) pairs sorted by expert, made on the device from `ids` [m, top_k] without a
+    host sync. A row's ids must be distinct (as top-k gives them): a decode window's program computes
+    one expert's run of pairs, at most `MATVEC_ROWS` of them. `order[p]` is the flat pair (row * top_k + choice) at sorted position p, `experts[p]` its
+    expert and `src[p]` its row of x. For prompt chunks (`gemm_m` set), each expert's pairs are padded
+    to whole tiles: `padded[t * gemm_m + i]` is a sorted position or -1, `tile_expert[t]` the tile's
+    expert or -1 for tiles past the last."""
+
+    rows: int
+    order: torch.Tensor
+    experts: torch.Tensor
+    src: torch.Tensor
+    tile_expert: torch.Tensor | None = None
+    padded: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, n_experts: int, gemm_m: int | None = None) -> Routing:
+        if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ids must be integer [rows, top_k], got {ids.dtype} {tuple(ids.shape)}")
+        rows, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts = flat[order].to(torch.int32)
+        src = (order // top_k).to(torch.int32)
+        if gemm_m is None:
+            return cls(rows, order, experts, src)
+        pairs = flat.numel()
+        # not bincount: on CUDA it reads the max back to size its output, a host sync
+        counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+        tiles = (counts + gemm_m - 1) // gemm_m
+        tile_end = torch.cumsum(tiles, 0)
+        tile_start = tile_end - tiles
+        pair_start = torch.cumsum(counts, 0) - counts
+        # at most one partial tile per expert routed to
+        bound = triton.cdiv(pairs, gemm_m) + min(n_experts, pairs)
+        t = torch.arange(bound, device=ids.device)
+        tile_expert = torch.searchsorted(tile_end, t, right=True)
+        tile_expert = torch.where(tile_expert < n_experts, tile_expert, -1).to(torch.int32)
+        padded = torch.full((bound * gemm_m,), -1, dtype=torch.int32, device=ids.device)
+        e = experts.long()
+        position = torch.arange(pairs, device=ids.device)
+        padded[tile_start[e] * gemm_m + position - pair_start[e]] = position.to(torch.int32)
+        return cls(rows, order, experts, src, tile_expert, padded)
+
+
+def _check(x: torch.Tensor, k: int, device: torch.device, slot_of: torch.Tensor, routing: Routing) -> torch.Tensor:
+    if x.dtype not in X_DTYPES or x.dim() != 2 or x.shape[1] != k or x.device != device or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous float32/bf16/f16 tensor [m, {k}] on {device}, "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if slot_of.dtype != torch.int32 or slot_of.dim() != 1 or slot_of.device != device:
+        raise ValueError(f"slot_of must be an int32 vector on {device}, got {slot_of.dtype} "
+                         f"{tuple(slot_of.shape)} on {slot_of.device}")
+    if routing.experts.device != device:
+        raise ValueError(f"the routing must be on {device}, got {routing.experts.device}")
+    # Triton compiles a kernel per alignment of its pointers: every call must run one kernel
+    return x.clone() if x.data_ptr() % 16 else x
+
+
+def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor,
+         src: torch.Tensor) -> torch.Tensor:
+    x = _check(x, w.k, w.blocks.device, slot_of, routing)
+    pairs = routing.experts.numel()
+    y = torch.empty(pairs, w.n, dtype=x.dtype, device=x.device)
+    if not pairs:
+        return y
+    gated = w2 is not None
+    other = w2 if gated else w
+    tiles = w.tiles(gated)
+    sizes = (w.row_bytes, w.expert_bytes, other.row_bytes, other.expert_bytes)
+    if routing.padded is None:
+        if routing.rows > MATVEC_ROWS:
+            raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
+                             f"chunks with gemm_m")
+        grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
+        _moe_matvec_kernel[grid](w.blocks, other.blocks, slot_of, routing.experts, src, x, y, pairs, w.n, w.k,
+                                 *sizes, **w.type_args(), **other.type_args("2"), GATED=gated,
+                                 R=tiles.matvec_rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS,
+                                 num_warps=tiles.matvec_warps, **_FUSED)
+    else:
+        if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
+            raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
+                             f"stack.gemm_m)")
+        grid = (routing.tile_expert.numel(), triton.cdiv(w.n, tiles.gemm_n))
+        args = {key: v for key, v in (w.type_args() | other.type_args("2")).items() if not key.startswith("HAS")}
+        _moe_gemm_kernel[grid](w.blocks, other.blocks, slot_of, routing.tile_expert, routing.padded, src, x, y,
+                               w.n, w.k, *sizes, **args, GATED=gated, BM=tiles.gemm_m, BN=tiles.gemm_n,
+                               BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED)
+    return y
+
+
+def swiglu(gate: Stack, up: Stack, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for every routed pair, in sorted order: [pairs, n] in x's dtype."""
+    if (gate.n, gate.k, gate.slots) != (up.n, up.k, up.slots):
+        raise ValueError(f"gate {gate.slots}x{gate.n}x{gate.k} and up {up.slots}x{up.n}x{up.k} differ in shape")
+    return _run(gate, up, x, routing, slot_of, routing.src)
+
+
+def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor) -> torch.Tensor:
+    """h [pairs, k] (one row per routed pair, in sorted order) @ its expert's W.T: [pairs, n] in h's dtype."""
+    if h.shape[0] != routing.experts.numel():
+        raise ValueError(f"h must have one row per routed pair ({routing.experts.numel()}), got {h.shape[0]}")
+    positions = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+    return _run(w, None, h, routing, slot_of, positions)
+
+
+def _bench() -> None:
+    """qwen3-30b-a3b's experts (hidden 2048, expert FFN 768, 128 experts, top-8): the fused kernel's time,
+    weight GB/s (the routed experts' bytes over time) and TFLOP/s for decode windows of 1 and 8 rows and
+    a 512-row prompt chunk, beside torch's bf16 grouped GEMMs (`torch._grouped_mm`, as `ResidentExperts`,
+    the gather of x and the silu included); each the mean of triton.testing.do_bench, L2 flushed."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from engine.kernels.triton_blocks import random_blocks
+
+    hidden, ff, experts, top_k = 2048, 768, 128, 8
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"experts {experts} x (gate, up {ff}x{hidden}; down {hidden}x{ff}), top-{top_k}")
+    gen = torch.Generator().manual_seed(0)
+    slot_of = torch.arange(experts, dtype=torch.int32, device="cuda")
+    dense = [torch.randn(experts, ff, hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
+             torch.randn(experts, ff, hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
+             torch.randn(experts, hidden, ff, device="cuda", dtype=torch.bfloat16) * 0.02]
+
+    def grouped(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        xs = x[routing.src.long()]
+        counts = torch.zeros(experts, dtype=torch.int64, device="cuda").scatter_add_(
+            0, routing.experts.long(), torch.ones_like(routing.experts, dtype=torch.int64))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        g = torch._grouped_mm(xs, dense[0].transpose(1, 2), offs=offs)
+        u = torch._grouped_mm(xs, dense[1].transpose(1, 2), offs=offs)
+        return torch._grouped_mm(F.silu(g) * u, dense[2].transpose(1, 2), offs=offs)
+
+    for qtype in (None, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        if qtype is not None:
+            stacks = [Stack(qtype, random_blocks(qtype, experts * n, k, gen).view(experts, n, -1).cuda(), k)
+                      for n, k in ((ff, hidden), (ff, hidden), (hidden, ff))]
+            expert_bytes = sum(s.expert_bytes for s in stacks)
+        else:
+            expert_bytes = 3 * ff * hidden * 2
+        for m in (1, 8, 512):
+            x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(m)]).cuda()
+            routed = ids.unique().numel()
+            if qtype is None:
+                routing = Routing.of(ids, experts)
+                seconds = do_bench(lambda x=x, routing=routing: grouped(x, routing)) * 1e-3
+            else:
+                routing = Routing.of(ids, experts, None if m <= MATVEC_ROWS else stacks[0].gemm_m)
+
+                def fused(x=x, routing=routing, stacks=stacks):
+                    h = swiglu(stacks[0], stacks[1], x, routing, slot_of)
+                    return project(stacks[2], h, routing, slot_of)
+                seconds = do_bench(fused) * 1e-3
+            name = "bf16 torch" if qtype is None else qtype.name
+            kind = "decode" if m <= MATVEC_ROWS else "prompt"
+            flops = 2 * m * top_k * 3 * ff * hidden
+            print(f"{name:10} {kind} m={m:<3} {routed:3} experts {seconds * 1e6:8.1f} us "
+                  f"{routed * expert_bytes / seconds / 1e9:7.1f} GB/s {flops / seconds / 1e12:6.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    _bench()

@@ -1,0 +1,207 @@
+"""The fused MoE kernel (engine/kernels/triton_moe.py) and `BlockExperts` at small shapes: in Triton's
+interpreter on the CPU (CI), compiled where there is a GPU. Every type against the float64 products of
+gguf-py's values, the decode (matvec) and prompt (GEMM) paths, a pair's result bit-identical whatever the
+window, the slot table, the CUDA format policy for expert stacks."""
+
+import functools
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from triton_checks import assert_same_bits, check_moe, per_pair, reference
+
+from engine.gguf_file import TensorInfo
+from engine.kernels import gpu
+from engine.weights import LinearStack, keeps_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
+
+pytest.importorskip("triton")
+
+from engine.experts import ResidentExperts, resident_experts  # noqa: E402
+from engine.experts_blocks import BlockExperts  # noqa: E402
+from engine.kernels import triton_moe as tm  # noqa: E402
+from engine.kernels.triton_blocks import random_blocks  # noqa: E402
+from engine.linear_gpu import GpuBlockLinear  # noqa: E402
+
+# the sigmoid of a large negative gate overflows exp to inf in the interpreter's numpy: 1 / inf = 0, right
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+E, H, FF = 5, 256, 256  # experts, hidden, expert FFN: one K-quant super-block per row
+SHAPES = ((FF, H), (FF, H), (H, FF))  # gate, up, down: [n, k]
+# Interpreted: one weight-row tile per projection (the interpreter pays per program), GEMM tiles of 8
+# pairs; compiled: the tiles the shapes choose (a 256-row tile would not fit in registers).
+TILES = tm.Tiles(matvec_rows=256, matvec_k=256, gemm_m=8, gemm_n=256, gemm_k=256) if INTERPRETED else None
+DECODE_IDS = [[1, 3], [3, 0], [4, 1]]  # runs of two pairs (experts 1, 3) and of one; expert 2 unused
+PROMPT_IDS = [[0, r % 4 + 1] for r in range(10)]  # expert 0: a full tile and a partial one
+SLOTS = torch.arange(E, dtype=torch.int32, device=DEVICE)
+DECODE_TYPES = (torch.bfloat16, torch.float32)
+PROMPT_TYPES = (torch.float16, torch.float32)  # bf16 tiles: GPU only (the interpreter multiplies their bits)
+
+
+def stacks_of(qtype: Q, seed: int) -> tuple[list[tm.Stack], list[torch.Tensor]]:
+    """Random gate, up and down stacks of `qtype` and gguf-py's float32 values of them [E, n, k]."""
+    gen = torch.Generator().manual_seed(seed)
+    stacks, values = [], []
+    for n, k in SHAPES:
+        blocks = random_blocks(qtype, E * n, k, gen).to(DEVICE)
+        stacks.append(tm.Stack(qtype, blocks.view(E, n, -1), k, TILES))
+        values.append(reference(qtype, blocks).view(E, n, k))
+    return stacks, values
+
+
+@functools.cache
+def case(qtype: Q) -> tuple[list[tm.Stack], list[torch.Tensor]]:
+    return stacks_of(qtype, int(qtype))
+
+
+def cases(dtypes: tuple[torch.dtype, torch.dtype], extra: Q) -> list:
+    """Every type with the first dtype, one type with the second (the interpreter is slow)."""
+    return [pytest.param(q, dtypes[0], id=f"{q.name}-{dtypes[0]}") for q in gpu.SUPPORTED] + [
+        pytest.param(extra, dtypes[1], id=f"{extra.name}-{dtypes[1]}")]
+
+
+def random_x(m: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    # small: the random blocks' values reach ~15 (Q5_K), and float16 products overflow above 65504
+    return (torch.randn(m, H, generator=torch.Generator().manual_seed(seed)) / 16).to(DEVICE, dtype)
+
+
+def ids_of(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, device=DEVICE)
+
+
+def run(stacks: list[tm.Stack], x: torch.Tensor, ids: torch.Tensor, prompt: bool,
+        slot_of: torch.Tensor = SLOTS) -> tuple[tm.Routing, torch.Tensor, torch.Tensor]:
+    routing = tm.Routing.of(ids, E, stacks[0].gemm_m if prompt else None)
+    h = tm.swiglu(stacks[0], stacks[1], x, routing, slot_of)
+    return routing, h, tm.project(stacks[2], h, routing, slot_of)
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), cases(DECODE_TYPES, Q.Q4_K))
+def test_decode_matches_reference(qtype, dtype):
+    stacks, values = case(qtype)
+    x = random_x(len(DECODE_IDS), dtype)
+    routing, h, y = run(stacks, x, ids_of(DECODE_IDS), prompt=False)
+    check_moe(values, x, routing, h, y, prompt=False)
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), cases(PROMPT_TYPES, Q.Q6_K))
+def test_prompt_matches_reference(qtype, dtype):
+    stacks, values = case(qtype)
+    x = random_x(len(PROMPT_IDS), dtype)
+    routing, h, y = run(stacks, x, ids_of(PROMPT_IDS), prompt=True)
+    tiles = -(-10 // stacks[0].gemm_m)  # expert 0's 10 pairs: two tiles of 8 when interpreted
+    assert routing.tile_expert.tolist()[:tiles + 1] == [0] * tiles + [1]
+    check_moe(values, x, routing, h, y, prompt=True)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_decode_pairs_do_not_depend_on_the_window(qtype):
+    stacks, _ = stacks_of(qtype, 7)
+    x = random_x(3, torch.bfloat16, seed=2)
+    ids = ids_of(DECODE_IDS)
+    routing, _, y = run(stacks, x, ids, prompt=False)
+    window = per_pair(routing, y)
+    for i in (0, 2):  # row 0: first of expert 1's run in the window; row 2: second of it
+        alone, _, y = run(stacks, x[i:i + 1], ids[i:i + 1], prompt=False)
+        assert_same_bits(per_pair(alone, y)[0], window[i])
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "
+                    "depend on a row's place in the tile (the GPU's tensor cores do not)")
+@pytest.mark.parametrize("qtype", gpu.SUPPORTED, ids=lambda t: t.name)
+def test_prompt_pairs_do_not_depend_on_the_chunk(qtype):
+    stacks, _ = case(qtype)
+    x = random_x(len(PROMPT_IDS), torch.bfloat16, seed=3)
+    ids = ids_of(PROMPT_IDS)
+    routing, _, y = run(stacks, x, ids, prompt=True)
+    part, _, y_part = run(stacks, x[3:8], ids[3:8], prompt=True)  # other tiles, other places in them
+    assert_same_bits(per_pair(part, y_part), per_pair(routing, y)[3:8])
+
+
+@pytest.mark.parametrize("prompt", [False, True], ids=["decode", "prompt"])
+def test_slot_table_points_at_any_slots(prompt):
+    stacks, _ = stacks_of(Q.Q8_0, 11)
+    rows = PROMPT_IDS if prompt else DECODE_IDS
+    x, ids = random_x(len(rows), torch.float16, seed=4), ids_of(rows)
+    routing, _, y = run(stacks, x, ids, prompt)
+    # a cache of fewer slots, the routed experts in another order, the others absent
+    routed = sorted({e for row in rows for e in row})
+    cache = list(reversed(routed))
+    slot_of = torch.full((E,), -1, dtype=torch.int32)
+    slot_of[cache] = torch.arange(len(cache), dtype=torch.int32)
+    cached = [tm.Stack(s.qtype, s.blocks[cache].contiguous(), s.k, TILES) for s in stacks]
+    again, _, y_cached = run(cached, x, ids, prompt, slot_of.to(DEVICE))
+    assert_same_bits(per_pair(again, y_cached), per_pair(routing, y))
+
+
+def block_stack(qtype: Q, seed: int, n: int, k: int) -> tuple[LinearStack, LinearStack]:
+    """A stack kept in its blocks (as the store keeps it on CUDA) and the same stack dense on the CPU."""
+    blocks = random_blocks(qtype, E * n, k, torch.Generator().manual_seed(seed)).to(DEVICE)
+    stack = blocks.view(E, n, -1)
+    experts = [GpuBlockLinear(qtype, stack[e], k, torch.device(DEVICE)) for e in range(E)]
+    dense = LinearStack.of_dense(reference(qtype, blocks).view(E, n, k).cpu())
+    return LinearStack(experts, None, blocks.numel(), stack, qtype), dense
+
+
+def test_block_experts_match_resident_experts():
+    (gate, gate_dense), (up, up_dense) = (block_stack(Q.Q4_K, seed, FF, H) for seed in (1, 2))
+    down, down_dense = block_stack(Q.Q6_K, 3, H, FF)
+    fused = BlockExperts(gate, up, down, torch.device(DEVICE), TILES)
+    dense = ResidentExperts(gate_dense, up_dense, down_dense, torch.device("cpu"))
+    x = random_x(len(DECODE_IDS), torch.float32, seed=5)
+    weights = torch.rand(len(DECODE_IDS), 2, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ids = ids_of(DECODE_IDS)
+    got, want = fused(x, weights, ids).cpu(), dense(x.cpu(), weights.cpu(), ids.cpu())
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (got - want).abs().max()
+    assert fused.stats().lookups == 6 and (fused.stats().vram if DEVICE == "cuda" else fused.stats().cpu) == 6
+    assert isinstance(resident_experts(gate, up, down, torch.device(DEVICE)),
+                      BlockExperts if DEVICE == "cuda" else ResidentExperts)
+
+
+def test_a_layer_of_blocks_and_dense_stacks_runs_per_expert():
+    """On CUDA a layer may keep some stacks in blocks and dequantize others (a type the kernels do not
+    read): it runs one product per routed expert, never the grouped GEMMs over a missing dense stack."""
+    (gate, gate_dense), (up, up_dense) = (block_stack(Q.Q8_0, seed, FF, H) for seed in (1, 2))
+    down, down_dense = block_stack(Q.Q8_0, 3, H, FF)
+    bf16 = [LinearStack.of_dense(s.dense.bfloat16()) for s in (gate_dense, up_dense)]
+    mixed = resident_experts(*bf16, down, torch.device("cuda"))  # nothing is allocated on the device
+    assert isinstance(mixed, ResidentExperts) and not mixed.grouped
+    assert ResidentExperts(*bf16, LinearStack.of_dense(down_dense.dense.bfloat16()), torch.device("cuda")).grouped
+
+
+def test_bad_input():
+    stacks, _ = stacks_of(Q.Q8_0, 13)
+    blocks = stacks[0].blocks
+    with pytest.raises(ValueError, match="blocks must be"):
+        tm.Stack(Q.Q8_0, blocks[0], H)
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        tm.Stack(Q.Q5_0, blocks, H)
+    x, ids = random_x(9, torch.float32), ids_of([[0, 1]] * 9)
+    with pytest.raises(ValueError, match="at most"):
+        run(stacks, x, ids, prompt=False)
+    with pytest.raises(ValueError, match="x must be"):
+        run(stacks, x.double(), ids, prompt=True)
+    with pytest.raises(ValueError, match="slot_of must be"):
+        run(stacks, x, ids, prompt=True, slot_of=SLOTS.long())
+    with pytest.raises(ValueError, match="ids must be"):
+        tm.Routing.of(ids.float(), E)
+    routing = tm.Routing.of(ids, E)
+    with pytest.raises(ValueError, match="one row per routed pair"):
+        tm.project(stacks[2], x, routing, SLOTS)
+
+
+def info(name: str, shape: tuple[int, ...], qtype: Q) -> TensorInfo:
+    return TensorInfo(name, shape, qtype, offset=0, nbytes=0)
+
+
+def test_cuda_policy_keeps_expert_blocks_the_kernel_reads():
+    cuda = torch.device("cuda")
+    assert keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q4_K), cuda)
+    assert keeps_blocks(info("blk.0.ffn_down_exps.weight", (8, 256, 64), Q.Q6_K), cuda)
+    assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.F16), cuda)  # bf16 grouped GEMMs
+    assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q5_0), cuda)
