@@ -180,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slots and --runs must be at least 1")
     slots = max(counts + ([3] if args.interleave else []))
     driver = Driver.load(args.model, slots, args.device)
-    cases = {f"{n} slots": (lambda d, keys, n=n: scenarios.slots_n(d, keys, n=n, seed=n, max_new=args.max_new)) for n in counts}
-    if args.interleave:
-        cases |= scenarios.INTERLEAVES
+    cases = scenarios.cases(counts, args.max_new, args.interleave)
     failed = 0
     with torch.inference_mode():
         for run in range(1, args.runs + 1):

@@ -9,6 +9,8 @@ batched run so the tests can look at the protocol too (RESUME, YIELDED, BDONE ..
 - `give_way`: a long read in a slot gives way (BYIELD) after two chunks, then goes on from it
 - `next_turn`: a conversation's next turn continued from its slot, the reply kept or dropped
 - `stop_solo`: a request stopped in its slot, then continued on the solo path
+
+`INTERLEAVES` names the last four; `cases` adds `slots_n` for given slot counts.
 """
 
 from __future__ import annotations
@@ -120,3 +122,9 @@ INTERLEAVES: dict[str, Callable[[Driver, str], Result]] = {
     "next_turn": next_turn,
     "stop_solo": stop_solo,
 }
+
+
+def cases(slot_counts: list[int], max_new: int, interleave: bool = True) -> dict[str, Callable[[Driver, str], Result]]:
+    """`slots_n` for each slot count (prompts seeded by the count), then the interleave cases."""
+    out = {f"{n} slots": (lambda d, keys, n=n: slots_n(d, keys, n=n, seed=n, max_new=max_new)) for n in slot_counts}
+    return out | (INTERLEAVES if interleave else {})
