@@ -3,6 +3,7 @@
 (the fused MoE kernel over blocks)."""
 
 import pytest
+import restarts
 import torch
 
 from engine.check import Driver
@@ -20,10 +21,14 @@ CASES = cases([2, 4, 8], max_new=32)
 
 
 @pytest.fixture(scope="module", params=["bf16", "q4_k_m"])
-def driver(request, tmp_path_factory):
-    path = write_test_model(tmp_path_factory.mktemp("q30") / f"q30-{request.param}.gguf", preset="qwen3-30b-a3b",
+def model(request, tmp_path_factory):
+    return write_test_model(tmp_path_factory.mktemp("q30") / f"q30-{request.param}.gguf", preset="qwen3-30b-a3b",
                             layers=4, dtype=request.param, router_skew=1.0)
-    return Driver.load(str(path), slots=8, device="cuda", exact=True, prefill=16)
+
+
+@pytest.fixture(scope="module")
+def driver(model):
+    return Driver.load(str(model), slots=8, device="cuda", exact=True, prefill=16)
 
 
 @pytest.mark.parametrize("keys", ["", SAMPLED], ids=["greedy", "sampled"])
@@ -32,3 +37,12 @@ def test_batch_equals_solo_run_after_run(driver, case, keys):
     with torch.inference_mode():
         failures = [f"run {run}: {f}" for run in range(RUNS) for f in CASES[case](driver, keys).failures]
     assert failures == []
+
+
+@pytest.mark.parametrize("mode", ["default", "exact"])
+def test_same_requests_same_tokens_across_restarts(model, mode):
+    """Two engine processes, the same requests: the same tokens. In default mode only requests that run
+    alone are compared: which rows share a window there depends on when each request arrives."""
+    commands = restarts.TOGETHER if mode == "exact" else restarts.ALONE
+    args = ("--device", "cuda") + (("--exact",) if mode == "exact" else ())
+    assert restarts.streams(model, commands, "2", *args) == restarts.streams(model, commands, "1", *args)
