@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import platformdirs
+
 # The tiny test model gains nothing from threads, and on a busy two-core machine torch's thread pool
 # makes it many times slower; engine processes the tests start inherit this too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Many tests give strata-desk a fresh home; the compiled kernels (a function of their sources only)
+# are shared instead of compiled again (~12 s) under each of those homes.
+os.environ.setdefault("STRATA_DESK_KERNELS", str(Path(platformdirs.user_cache_dir("strata-desk")) / "kernels"))
 
 import pytest
 

@@ -42,7 +42,10 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    """`$STRATA_DESK_HOME/cache/kernels`, else the user cache directory's `kernels`."""
+    """`$STRATA_DESK_KERNELS` if set, else `$STRATA_DESK_HOME/cache/kernels`, else the user cache
+    directory's `kernels`."""
+    if os.environ.get("STRATA_DESK_KERNELS"):
+        return Path(os.environ["STRATA_DESK_KERNELS"]).expanduser()
     home = os.environ.get("STRATA_DESK_HOME")
     if home:
         return Path(home).expanduser() / "cache" / "kernels"
