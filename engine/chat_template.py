@@ -63,26 +63,10 @@ GEMMA_TEMPLATE = """\
 {%- endif -%}
 """
 
-CHATML_TEMPLATE = """\
-{%- for message in messages -%}
-    {{- '<|im_start|>' + message['role'] + '\n' -}}
-    {%- if message['content'] is string -%}
-        {{- message['content'] -}}
-    {%- elif message['content'] -%}
-        {%- for item in message['content'] if item['type'] == 'text' -%}
-            {{- item['text'] -}}
-        {%- endfor -%}
-    {%- endif -%}
-    {{- '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
-
 # Qwen3's ChatML template (system, user, assistant with tool calls and <think> reasoning, tool
 # results, `enable_thinking`), as its instruct models ship it, without the multi-step tool heuristics:
-# the test model's template and the byte vocabulary's (server/tokens.py).
+# the test model's template, the byte vocabulary's (server/tokens.py) and the fallback for a GGUF
+# without a template (messages reach it with their content as text: server/chat_prompt.py).
 QWEN3_CHAT_TEMPLATE = """\
 {%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -243,7 +227,7 @@ class ChatTemplate:
         if str(metadata.get("general.architecture", "")) in _GEMMA_ARCHS:
             special.setdefault("bos_token", "<bos>")
             return cls(GEMMA_TEMPLATE, "builtin-gemma", special)
-        return cls(CHATML_TEMPLATE, "builtin-chatml", special)
+        return cls(QWEN3_CHAT_TEMPLATE, "builtin-chatml", special)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for `messages` (OpenAI-style dicts); extra kwargs reach the template

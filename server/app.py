@@ -33,6 +33,7 @@ from server.scheduler import Job, QueueFull, Scheduler
 from server.streaming import KEEPALIVE, SSEResponse, TextAssembler, reply_events, sse
 from server.tokens import TokenizerLike, encode_prompt, load_vocabulary
 from server.tool_calls import ToolCall
+from server.urls import api_url, server_url
 
 LONG_TEXT = 20_000  # characters: tokenize in a thread beyond this
 
@@ -81,7 +82,7 @@ class ServerState:
             say(self.vocab_error)
         with contextlib.suppress(EngineDied):
             await self.supervisor.ensure_ready()
-            say(f"ready: http://{self.config.host}:{self.config.port}/v1 (model {self.config.served_name})")
+            say(f"ready: {api_url(server_url(self.config.host, self.config.port))} (model {self.config.served_name})")
 
     @property
     def context(self) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from server.auth import is_loopback
 from server.config import ConfigError, load_config
 from server.engine_client import say
+from server.urls import api_url, server_url
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import build_app
 
     app = build_app(config, str(Path(args.config).resolve()), key, Path(args.log) if args.log else None)
-    say(f"serving {config.served_name} on http://{config.host}:{config.port}/v1 (the engine is loading)")
+    say(f"serving {config.served_name} on {api_url(server_url(config.host, config.port))} (the engine is loading)")
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=5))
     server.run()

@@ -357,7 +357,7 @@ def _target(spec: BenchSpec) -> tuple[str, str | None]:
         config = load_config(spec.config)
         key = key or config.api_key
         if url is None:
-            from strata_desk.launcher import server_url
+            from server.urls import server_url
 
             url = server_url(config.host, config.port)
     if url is None:

@@ -10,19 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from server.config import ConfigError, load_config, save_config, validate_config
+from server.urls import host_port
 from strata_desk.launcher import LaunchError, ServerProcess, call_back, running_for
 
 TableRunner = Callable[[int, dict[str, Any], str, str | None], Awaitable[None]]
-
-
-def _host_port(url: str | None) -> tuple[str | None, int | None]:
-    if not url:
-        return None, None
-    rest = url.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit():
-        return rest or None, None
-    return host.strip("[]"), int(port)
 
 
 async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
@@ -45,7 +36,7 @@ async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
             server = ServerProcess.adopt(found)
             keep_running = True
         else:
-            host, port = _host_port(spec.url)
+            host, port = host_port(spec.url) if spec.url else (None, None)
             server = ServerProcess(config_path, host=host, port=port)
     key = spec.key or original.api_key
     try:

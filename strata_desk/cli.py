@@ -215,8 +215,9 @@ def _check_can_serve(config_path: Path, config: RunConfig, args: argparse.Namesp
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from server.urls import server_url
     from strata_desk import state
-    from strata_desk.launcher import server_args, server_url
+    from strata_desk.launcher import server_args
 
     target, model = _target_config(args)
     if target is None:
@@ -348,7 +349,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_attach(args: argparse.Namespace) -> int:
     import httpx
 
-    from strata_desk.launcher import server_url
+    from server.urls import base_url, server_url
     from strata_desk.state import find_running
 
     url, key = args.url, args.key
@@ -365,9 +366,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("no running server known: give its URL (strata-desk attach http://HOST:PORT)")
     if key is None and config is not None and config.is_file():
         key = load_config(config).api_key
-    url = url.rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
+    url = base_url(url)
     try:
         httpx.get(url + "/health", timeout=3.0)
     except httpx.HTTPError as exc:

@@ -25,10 +25,11 @@ import httpx
 import psutil
 
 from server.config import load_config
+from server.urls import connect_host, host_port, server_url
 from strata_desk import paths, state
 from strata_desk.state import RunningServer, find_running, running_for
 
-__all__ = ["LaunchError", "RunningServer", "ServerProcess", "busy_port_message", "connect_host", "find_running",
+__all__ = ["LaunchError", "RunningServer", "ServerProcess", "busy_port_message", "find_running",
            "port_in_use", "running_for", "terminate_tree"]
 
 
@@ -39,21 +40,6 @@ class LaunchError(RuntimeError):
         self.log_tail = log_tail or []
         tail = "\n".join(self.log_tail)
         super().__init__(f"{message}\n--- server log (last lines) ---\n{tail}" if tail else message)
-
-
-def connect_host(host: str) -> str:
-    """The address a client on this machine uses for a server bound to `host`."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
-def server_url(host: str, port: int) -> str:
-    """The URL a client uses for a server listening on host:port."""
-    host = connect_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def server_args(config_path: Path | str, host: str | None = None, port: int | None = None,
@@ -112,8 +98,8 @@ class ServerProcess:
         """Take over a server found by `find_running()` (started by an earlier dashboard or bench)."""
         if not server.config:
             raise LaunchError(f"the server at {server.url} (pid {server.pid}) has no config on record")
-        host_port = server.url.split("://", 1)[-1].rsplit(":", 1)
-        self = cls(Path(server.config), host=host_port[0].strip("[]"), port=int(host_port[1]),
+        host, port = host_port(server.url)
+        self = cls(Path(server.config), host=host, port=port,
                    log_path=Path(server.log) if server.log else None)
         self._pid = server.pid
         self._create_time = server.create_time

@@ -65,8 +65,8 @@ def test_demo_model_gets_gemma_template(demo_model):
 def test_chatml_fallback():
     tpl = ChatTemplate.from_metadata({"general.architecture": "qwen3moe"})
     assert tpl.source == "builtin-chatml"
-    text = tpl.render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    text = tpl.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_template_helpers():

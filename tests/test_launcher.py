@@ -18,8 +18,9 @@ from ports import free_port
 
 from engine.hashlm import write_hashlm
 from server.config import RunConfig, save_config
+from server.urls import connect_host
 from strata_desk import paths, state
-from strata_desk.launcher import LaunchError, ServerProcess, connect_host, find_running, running_for
+from strata_desk.launcher import LaunchError, ServerProcess, find_running, running_for
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_SERVER = (ROOT / "server" / "__main__.py").is_file()
