@@ -65,11 +65,22 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
 
 
 class Experts:
+    """Implementations count the entries they serve into `self._stats`."""
+
+    _stats: ExpertStats
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def stats(self) -> ExpertStats:
-        raise NotImplementedError
+        return self._stats + ExpertStats()  # a copy
+
+
+def by_expert(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window's (row, expert) pairs sorted by expert, stably: (the flat expert ids, the sort order);
+    pair `order[i]` is row `order[i] // k`."""
+    flat = ids.reshape(-1)
+    return flat, torch.argsort(flat, stable=True)
 
 
 class ResidentExperts(Experts):
@@ -84,13 +95,9 @@ class ResidentExperts(Experts):
                                             for s in (gate, up, down)) and hasattr(torch, "_grouped_mm"))
         self._stats = ExpertStats()
 
-    def stats(self) -> ExpertStats:
-        return self._stats + ExpertStats()  # a copy
-
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        flat, order = by_expert(ids)
         rows = order // k
         t0 = time.perf_counter()
         if self.grouped:

@@ -37,9 +37,6 @@ class BlockExperts(Experts):
         self.on_gpu = device.type == "cuda"
         self._stats = ExpertStats()
 
-    def stats(self) -> ExpertStats:
-        return self._stats + ExpertStats()  # a copy
-
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         # decode windows take the matvec, prompt chunks the GEMM (each pair's tiles padded per expert)

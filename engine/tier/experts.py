@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from engine.experts import Experts, ExpertStats, combine
+from engine.experts import Experts, ExpertStats, by_expert, combine
 from engine.tier.slots import LayerSlots
 
 
@@ -23,13 +23,9 @@ class TieredExperts(Experts):
         self.routed = torch.zeros(slots.experts, dtype=torch.int64)  # entries per expert, every call (the profile)
         self._stats = ExpertStats()
 
-    def stats(self) -> ExpertStats:
-        return self._stats + ExpertStats()  # a copy
-
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        flat, order = by_expert(ids)
         xs = x[order // k]
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
         self.routed.index_add_(0, experts, counts)
