@@ -9,7 +9,7 @@ import asyncio
 import socket
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from textual import work
 from textual.app import App
@@ -29,6 +29,9 @@ from tui.screens.logs import LogsScreen
 from tui.screens.quit import QuitScreen
 from tui.screens.restart import RestartScreen
 from tui.view import BannerText, DeskState, HeaderInfo, History, banner, header_info
+
+if TYPE_CHECKING:
+    from tui.screens.bench import BenchScreen  # imported when `b` first opens it
 
 Mode = Literal["managed", "attached", "setup"]
 
@@ -98,7 +101,7 @@ class StrataDeskApp(App[int]):
         self.logbuf = LogBuffer()
         self.tails: dict[str, FileTail] = {}
         self.exit_choice: str | None = None
-        self.bench_status: str | None = None  # set by the bench screen while arms restart the server
+        self.bench_status: str | None = None  # what the bench screen says it is doing (BenchScreen.Status)
         self._allowed: tuple[bool | None, ...] = ()  # check_action's answers when the footer was drawn
         if server is not None:
             self.config_path = server.config_path
@@ -233,6 +236,10 @@ class StrataDeskApp(App[int]):
 
     def on_server_lifecycle_started(self, message: ServerLifecycle.Started) -> None:
         self._use_url(message.url)
+
+    def on_bench_screen_status(self, message: BenchScreen.Status) -> None:
+        self.bench_status = message.text
+        self.refresh_view()
 
     def on_server_lifecycle_stopped(self, _: ServerLifecycle.Stopped) -> None:
         self.exit(0)

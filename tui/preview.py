@@ -130,12 +130,15 @@ def cpu_moe_simulated() -> MetricsSnapshot:
     }
     data["live"].update({
         "state": "generating", "phase": "answering", "parallel": 2, "running": 2, "tok_s": 31.5,
+        "tok_s_mean": 15.8, "prefill_tok_s_mean": 410.0,
         "slots": [
             {"slot": 0, "state": "decoding", "prompt_tokens": 40, "generated": 180, "elapsed_s": 6.1, "tok_s": 15.9},
             {"slot": 1, "state": "decoding", "prompt_tokens": 52, "generated": 95, "elapsed_s": 3.2, "tok_s": 15.6},
         ],
     })
     data["devices"] = []
+    data["host"].update({"cpu_pct": 97.0, "cpu_count": 2, "ram_total_mib": 7900, "ram_used_mib": 2100,
+                         "ram_available_mib": 5800, "engine_rss_mib": 610})
     data["config"].update({"model": "/cache/strata-test-qwen3moe.gguf", "parallel": 2, "context": 4096,
                            "adapt_every": 4, "adapt_swaps": 96, "adapt_decay": 0.7})
     data["tier"] = {"mode": "simulated", "vram_share": 0.713, "pcie_share": 0.0, "cpu_share": 0.287,

@@ -86,7 +86,7 @@ def tier_lines(snapshot: MetricsSnapshot, history: History) -> Text:
             lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
         if tier.mode == "simulated":
             lines.append("  simulated (no GPU)", style="dim")
-        if history.hit_rate:  # the engine counts since its start: the line shows the cache warming up
+        if len(history.hit_rate) > 1:  # the engine counts since its start: the line shows the cache warming up
             lines.append("\nhit rate trend ", style="dim")
             lines.append(spark(history.hit_rate, HIT_SPARK, top=1.0), style="green3")
             lines.append(" (since start)", style="dim")
