@@ -50,3 +50,8 @@ def test_dashboard_engine_error(snap_compare) -> None:
 
 def test_dashboard_no_gpu_dense(snap_compare) -> None:
     assert snap_compare(make_app(preview.cpu_dense()), terminal_size=(120, 36), run_before=first_poll)
+
+
+def test_dashboard_cpu_simulated_tier(snap_compare) -> None:
+    history = preview.cpu_moe_history()
+    assert snap_compare(make_app(history[-1], history[:-1]), terminal_size=(120, 36), run_before=first_poll)

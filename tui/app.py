@@ -1,8 +1,6 @@
-"""The strata-desk dashboard: starts (or attaches to) the server, polls /metrics at 1 Hz in an async
-worker, and drives the screens. Entry point for the CLI: `run_dashboard`.
-
-Lifecycle phases of a managed server: starting -> running; restart: (draining ->) restarting ->
-running; a failed start -> failed (the log tail on screen, `u` restores the .bak config).
+"""The strata-desk dashboard: starts (or attaches to) the server through its `ServerLifecycle`
+(tui/lifecycle.py), polls /metrics at 1 Hz in an async worker, and drives the screens; what the
+header and banner say comes from tui/view.py. Entry point for the CLI: `run_dashboard`.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ import asyncio
 import socket
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from textual import work
 from textual.app import App
@@ -19,19 +17,22 @@ from textual.binding import Binding
 
 from server.config import ConfigError, RunConfig, load_config, save_config
 from server.metrics_schema import MetricsSnapshot
-from strata_desk.launcher import LaunchError, ServerProcess, find_running, running_for
+from strata_desk.launcher import ServerProcess
 from strata_desk.ps import config_name
 from tui.client import MetricsClient, MetricsSource, PollError, api_url
+from tui.lifecycle import Phase, RestartMode, ServerLifecycle, adoptable, for_config, norm_url
 from tui.logs import FileTail, LogBuffer
+from tui.messages import SnapshotUpdated
 from tui.screens.dashboard import DashboardScreen
 from tui.screens.help import HelpScreen
 from tui.screens.logs import LogsScreen
 from tui.screens.quit import QuitScreen
-from tui.screens.restart import Diff, RestartScreen
-from tui.view import History, dash_state, model_note
-from tui.widgets.header_bar import HeaderInfo
+from tui.screens.restart import RestartScreen
+from tui.view import BannerText, DeskState, HeaderInfo, History, banner, header_info
 
-Phase = Literal["setup", "idle", "starting", "running", "draining", "restarting", "stopping", "failed", "attached"]
+if TYPE_CHECKING:
+    from tui.screens.bench import BenchScreen  # imported when `b` first opens it
+
 Mode = Literal["managed", "attached", "setup"]
 
 HERE = Path(__file__).parent
@@ -50,15 +51,6 @@ def lan_address() -> str | None:
     except OSError:
         return None
     return None if address.startswith("127.") else address
-
-
-def _norm_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
-    if "://" not in url:
-        url = "http://" + url
-    return url.replace("://localhost:", "://127.0.0.1:")
 
 
 class StrataDeskApp(App[int]):
@@ -99,11 +91,8 @@ class StrataDeskApp(App[int]):
         self.config_path: Path | None = Path(config_path).expanduser().resolve() if config_path else None
         self.api_key = api_key
         self.poll_interval = poll_interval
-        self.start_timeout = start_timeout
-        self.drain_timeout = drain_timeout
-        self.server: ServerProcess | None = server
         self.source: MetricsSource | None = source
-        self.base_url: str | None = _norm_url(attach_url) if attach_url else None
+        self.base_url: str | None = norm_url(attach_url) if attach_url else None
         self.config: RunConfig | None = None
         self.snapshot: MetricsSnapshot | None = None
         self.poll_error: str | None = None
@@ -111,51 +100,48 @@ class StrataDeskApp(App[int]):
         self.history = History()
         self.logbuf = LogBuffer()
         self.tails: dict[str, FileTail] = {}
-        self.progress = ""
-        self.failure: tuple[str, list[str]] | None = None
-        self._drain_now = False
         self.exit_choice: str | None = None
-        self.bench_status: str | None = None  # set by the bench screen while arms restart the server
+        self.bench_status: str | None = None  # what the bench screen says it is doing (BenchScreen.Status)
         self._allowed: tuple[bool | None, ...] = ()  # check_action's answers when the footer was drawn
-        if self.server is not None:
-            self.config_path = self.server.config_path
+        if server is not None:
+            self.config_path = server.config_path
+        phase: Phase
         if first_run and attach_url is None:
             self.mode: Mode = "setup"  # asked for the first-run screen (even with a config around)
-            self.phase: Phase = "setup"
+            phase = "setup"
             self.config_path = None
         elif self.config_path is not None:
             self.mode = "managed"
-            self.phase = "idle"
+            phase = "idle"
         elif attach_url:
             self.mode = "attached"
-            self.phase = "attached"
-            if self.server is None and source is None:
-                self.server = self._adoptable(self.base_url or "")
-                if self.server is not None:
-                    self.config_path = self.server.config_path
+            phase = "attached"
+            if server is None and source is None:
+                server = adoptable(self.base_url or "")
+                if server is not None:
+                    self.config_path = server.config_path
         else:
             self.mode = "setup"
-            self.phase = "setup"
+            phase = "setup"
+        self.lifecycle = ServerLifecycle(self, phase, server=server, inflight=self.inflight,
+                                         start_timeout=start_timeout, drain_timeout=drain_timeout)
         self.first_run = first_run or self.mode == "setup"
         if self.config_path is not None:
             try:
                 self.config = load_config(self.config_path)
             except ConfigError as exc:
-                self.failure = ("The config cannot be used", [str(exc)])
-                self.phase = "failed"
+                self.lifecycle.failure = ("The config cannot be used", [str(exc)])
+                self.lifecycle.phase = "failed"
 
     # -- what we can do --------------------------------------------------------------------------
 
-    @staticmethod
-    def _adoptable(url: str) -> ServerProcess | None:
-        """A server that `attach` found in the state file and that this dashboard can restart."""
-        for record in find_running():
-            if _norm_url(record.url) == url and record.config:
-                try:
-                    return ServerProcess.adopt(record)
-                except LaunchError:
-                    return None
-        return None
+    @property
+    def server(self) -> ServerProcess | None:
+        return self.lifecycle.server
+
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
 
     @property
     def can_manage(self) -> bool:
@@ -202,17 +188,17 @@ class StrataDeskApp(App[int]):
 
             self.push_screen(FirstRunScreen(), self._first_run_done)
         elif self.mode == "managed":
-            if self.server is None:
+            if self.lifecycle.server is None:
                 assert self.config_path is not None
-                found = running_for(self.config_path)
-                self.server = ServerProcess.adopt(found) if found else ServerProcess(self.config_path)
+                self.lifecycle.server = for_config(self.config_path)
+            server = self.lifecycle.server
             if self.phase == "failed":  # the config did not load: the banner says why, u / s / r help
                 pass
-            elif self.server.running:
-                self._use_url(self.server.url)
-                self.phase = "running"
+            elif server.running:
+                self._use_url(server.url)
+                self.lifecycle.phase = "running"
             else:
-                self.start_server()
+                self.lifecycle.start()
         if self.base_url and self.source is None:
             self._use_url(self.base_url)
         if self.source is not None:
@@ -226,11 +212,11 @@ class StrataDeskApp(App[int]):
         self.config_path = Path(config_path)
         self.config = load_config(self.config_path)
         self.mode = "managed"
-        self.server = ServerProcess(self.config_path)
-        self.start_server()
+        self.lifecycle.server = ServerProcess(self.config_path)
+        self.lifecycle.start()
 
     def _use_url(self, base_url: str) -> None:
-        self.base_url = _norm_url(base_url)
+        self.base_url = norm_url(base_url)
         if self.source is None or isinstance(self.source, MetricsClient):
             if not (isinstance(self.source, MetricsClient) and self.source.base_url == self.base_url):
                 old = self.source
@@ -242,47 +228,21 @@ class StrataDeskApp(App[int]):
         if self.server is not None and "server" not in self.tails:
             self.tails["server"] = FileTail(self.server.log_path, "server")
 
-    def _on_progress(self, text: str) -> None:
-        self.progress = text
+    def on_server_lifecycle_changed(self, _: ServerLifecycle.Changed) -> None:
         self.refresh_view()
 
-    @work(group="lifecycle", exclusive=True, exit_on_error=False)
-    async def start_server(self, *, restart: bool = False, stop_timeout: float = 10.0) -> None:
-        """Start (or stop and start again) the server, showing progress; a failure shows why.
+    def on_server_lifecycle_log(self, message: ServerLifecycle.Log) -> None:
+        self.logbuf.add("desk", message.text)
 
-        stop_timeout: how long the server may take to finish its requests after SIGTERM before it
-        is killed ("now" restarts use a short one)."""
-        assert self.server is not None
-        self.failure = None
-        self.phase = "restarting" if restart else "starting"
-        self.progress = "stopping the server" if restart else "starting the server"
-        self.refresh_view()
-        try:
-            if restart:
-                await asyncio.to_thread(self.server.stop, stop_timeout)
-                self.progress = "starting the server"
-                self.refresh_view()
-            await asyncio.to_thread(self.server.start)
-        except (LaunchError, ConfigError, OSError) as exc:
-            self.fail("The server could not be started", str(exc).splitlines())
-            return
-        self.logbuf.add("desk", f"server started (pid {self.server.pid}), waiting until it is ready")
-        self._use_url(self.server.url)
-        try:
-            await self.server.wait_ready(self.start_timeout, on_progress=self._on_progress)
-        except LaunchError as exc:
-            self.fail("The server and engine did not start", exc.log_tail or str(exc).splitlines())
-            return
-        self.phase = "running"
-        self.progress = ""
-        self.logbuf.add("desk", "ready")
+    def on_server_lifecycle_started(self, message: ServerLifecycle.Started) -> None:
+        self._use_url(message.url)
+
+    def on_bench_screen_status(self, message: BenchScreen.Status) -> None:
+        self.bench_status = message.text
         self.refresh_view()
 
-    def fail(self, message: str, tail: list[str]) -> None:
-        self.phase = "failed"
-        self.failure = (message, tail)
-        self.logbuf.add("desk", message)
-        self.refresh_view()
+    def on_server_lifecycle_stopped(self, _: ServerLifecycle.Stopped) -> None:
+        self.exit(0)
 
     # -- polling ---------------------------------------------------------------------------------
 
@@ -330,79 +290,36 @@ class StrataDeskApp(App[int]):
 
     # -- drawing ---------------------------------------------------------------------------------
 
-    def header_info(self) -> HeaderInfo:
-        snap = self.snapshot
-        starting = self.phase in ("starting", "restarting", "idle")
-        state = dash_state(snap, starting=starting, failed=self.phase == "failed",
-                           reachable=self.poll_error is None)
-        if self.phase == "stopping":
-            state = "stopped"
-        model = (snap.engine.model if snap else "") or (self.config.served_name if self.config else "")
-        detail = ""
-        if starting:
-            detail = self.progress
-        elif self.phase == "draining":
-            detail = f"draining: {self.inflight()} in flight"
-        elif snap is not None and self.poll_error is None:
-            detail = snap.live.phase if snap.live.phase not in ("idle", "") else ""
-        return HeaderInfo(
-            model=model,
-            state=state,
-            url=self.url,
-            uptime_s=snap.uptime_s if snap is not None and not starting else None,
-            version=snap.engine.version if snap else None,
-            mode="attached" if self.mode == "attached" else "managed",
-            detail=detail,
-            restarts=snap.engine.restarts if snap else 0,
-            key=bool(snap.config.api_key_set) if snap else False,
-            last_error=snap.engine.last_error if snap else None,
+    def desk_state(self) -> DeskState:
+        """The plain values the header and the banner are drawn from (tui/view.py)."""
+        lc = self.lifecycle
+        return DeskState(
+            phase=lc.phase, mode=self.mode, snapshot=self.snapshot, poll_error=self.poll_error,
+            base_url=self.base_url, url=self.url, served_name=self.config.served_name if self.config else "",
+            progress=lc.progress, failure=lc.failure, inflight=self.inflight(), can_manage=self.can_manage,
+            backup_exists=self.config_path is not None and backup_path(self.config_path).exists(),
+            server_lines=tuple(line.text for line in self.logbuf.lines if line.source == "server")[-3:],
+            bench_status=self.bench_status,
         )
 
-    def banner(self) -> tuple[str | None, str, str, str]:
-        if self.phase == "failed" and self.failure is not None:
-            message, tail = self.failure
-            keys = []
-            if self.config_path is not None and backup_path(self.config_path).exists():
-                keys.append("u restore the previous config (.bak) and restart")
-            if self.can_manage:
-                keys += ["r try again", "s settings"]
-            keys += ["l full log", "q quit"]
-            return "error", message, "\n".join(tail[-12:]), "   ".join(keys)
-        if self.phase in ("starting", "restarting"):
-            verb = "Restarting" if self.phase == "restarting" else "Starting"
-            lines = [line.text for line in self.logbuf.lines if line.source == "server"][-3:]
-            return "info", f"{verb} the server and the engine: {self.progress}", "\n".join(lines), ""
-        if self.phase == "draining":
-            return ("warn", f"Waiting for {self.inflight()} request(s) in flight to finish, then restarting",
-                    "", "x restart now   esc cancel the restart")
-        if self.phase == "stopping":
-            return "info", "Stopping the server and the engine ...", "", ""
-        if self.bench_status:
-            return "info", f"Benchmark running: {self.bench_status}", "", "b shows the bench"
-        if self.poll_error and self.base_url:
-            return "error", f"Cannot read {self.base_url}/metrics: {self.poll_error}", "", "q quit"
-        snap = self.snapshot
-        if snap is not None and (snap.engine.state == "dead" or snap.live.state == "dead"):
-            first, _, rest = (snap.engine.last_error or "").partition("\n")
-            detail = rest + (f"\nrestarts so far: {snap.engine.restarts}" if snap.engine.restarts else "")
-            keys = "the server starts it again for the next request   " + (
-                "r restart now   l full log" if self.can_manage else "l full log")
-            return "error", "The engine stopped" + (f": {first}" if first else ""), detail.strip(), keys
-        note = model_note(snap)
-        return ("info", note, "", "") if note else (None, "", "", "")
+    def header_info(self) -> HeaderInfo:
+        return header_info(self.desk_state())
+
+    def banner(self) -> BannerText:
+        return banner(self.desk_state())
 
     def refresh_view(self) -> None:
         dash = getattr(self, "dashboard", None)
         if dash is None or not dash.is_mounted:
             return
-        dash.show_header(self.header_info())
-        dash.show_banner(*self.banner())
+        desk = self.desk_state()
+        dash.show_header(header_info(desk))
+        dash.show_banner(*banner(desk))
         if self.snapshot is not None:
             dash.show_metrics(self.snapshot, self.history)
-        for screen in self.screen_stack:
-            hook = getattr(screen, "on_snapshot", None)
-            if hook is not None and self.snapshot is not None:
-                hook(self.snapshot)
+            for screen in self.screen_stack:
+                if screen is not dash:
+                    screen.post_message(SnapshotUpdated(self.snapshot))
         allowed = tuple(self.check_action(name, ()) for name in ("settings", "restart", "restore_backup",
                                                                   "restart_now", "cancel_drain"))
         if allowed != self._allowed:  # the footer is rebuilt on every refresh_bindings: only on a change
@@ -435,7 +352,7 @@ class StrataDeskApp(App[int]):
             return
         from tui.screens.settings import SettingsScreen
 
-        self.push_screen(SettingsScreen())
+        self.push_screen(SettingsScreen(self.config, self.config_path, self.snapshot))
 
     def action_bench(self) -> None:
         """The bench screen is installed once, so a benchmark goes on while the dashboard shows."""
@@ -455,17 +372,17 @@ class StrataDeskApp(App[int]):
 
         def chosen(mode: str | None) -> None:
             if mode is not None:
-                self.restart_server(mode)
+                self.lifecycle.restart(mode)
 
         self.push_screen(RestartScreen(inflight=self.inflight()), chosen)
 
-    def apply_settings(self, new: RunConfig, mode: str) -> None:
+    def apply_settings(self, new: RunConfig, mode: RestartMode) -> None:
         """Write `new` (atomic, .bak kept) and restart with it; mode "drain" or "now"."""
         assert self.config_path is not None
         save_config(new, self.config_path)
         self.config = new
         self.logbuf.add("desk", f"settings written to {self.config_path}")
-        self.restart_server(mode)
+        self.lifecycle.restart(mode)
 
     def reload_config(self) -> None:
         if self.config_path is None:
@@ -475,31 +392,12 @@ class StrataDeskApp(App[int]):
         except ConfigError as exc:
             self.notify(str(exc), severity="error", title="config")
 
-    def config_diff(self, new: RunConfig) -> Diff:
-        old = self.config.model_dump() if self.config else {}
-        return [(k, old.get(k), v) for k, v in new.model_dump().items() if old.get(k) != v]
-
-    @work(group="lifecycle", exclusive=True, exit_on_error=False)
-    async def restart_server(self, mode: str = "now") -> None:
-        if mode == "drain":
-            self._drain_now = False
-            self.phase = "draining"
-            deadline = time.monotonic() + self.drain_timeout
-            self.refresh_view()
-            while self.inflight() > 0 and not self._drain_now and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-                if self.phase != "draining":  # cancelled
-                    return
-        self.start_server(restart=True, stop_timeout=10.0 if mode == "drain" else 2.0)
-
     def action_restart_now(self) -> None:
-        self._drain_now = True
+        self.lifecycle.restart_now()
 
     def action_cancel_drain(self) -> None:
-        self.workers.cancel_group(self, "lifecycle")
-        self.phase = "running"
+        self.lifecycle.cancel_drain()
         self.notify("restart cancelled (the settings file keeps any change you applied)")
-        self.refresh_view()
 
     def action_restore_backup(self) -> None:
         if self.config_path is None:
@@ -514,9 +412,9 @@ class StrataDeskApp(App[int]):
         self.config = previous
         self.logbuf.add("desk", f"restored {bak.name} over {self.config_path.name}; restarting")
         self.notify("previous config restored; restarting", timeout=3)
-        if self.server is None:
-            self.server = ServerProcess(self.config_path)
-        self.start_server(restart=self.server.running)
+        if self.lifecycle.server is None:
+            self.lifecycle.server = ServerProcess(self.config_path)
+        self.lifecycle.start(restart=self.lifecycle.server.running)
 
     async def action_quit(self) -> None:
         """Every way out (q, ctrl+q, the command palette's Quit) asks the same question."""
@@ -547,14 +445,9 @@ class StrataDeskApp(App[int]):
             return
         self.exit(0)
 
-    @work(group="lifecycle", exclusive=True, exit_on_error=False)
-    async def stop_and_exit(self) -> None:
+    def stop_and_exit(self) -> None:
         self.exit_choice = "stop"
-        self.phase = "stopping"
-        self.refresh_view()
-        if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
-        self.exit(0)
+        self.lifecycle.stop()
 
     async def on_unmount(self) -> None:
         if self.source is not None:

@@ -117,6 +117,52 @@ def cpu_dense() -> MetricsSnapshot:
     return MetricsSnapshot.model_validate(data)
 
 
+def cpu_moe_simulated() -> MetricsSnapshot:
+    """The `--demo moe` shape on a machine without a GPU: a generated qwen3moe model whose experts
+    run from the simulated tier (`--expert-cache N`), two slots decoding."""
+    data = _base()
+    data["engine"].update({"model": "strata-test-qwen3moe", "model_path": "/cache/strata-test-qwen3moe.gguf",
+                           "max_context": 4096})
+    data["engine"]["info"] = {
+        "engine": "0.1.0", "context": 4096, "device": "cpu", "batch_slots": 2, "batch_groups": 1, "experts": 16,
+        "experts_used": 2, "layers": 4, "tier": "simulated", "expert_slots": 24, "experts_cached": 24,
+        "adapt_every": 4, "generated": 1, "unsupported": "batch_groups,batch_mtp,adapt_async,pcie_frac,layer_split",
+    }
+    data["live"].update({
+        "state": "generating", "phase": "answering", "parallel": 2, "running": 2, "tok_s": 31.5,
+        "tok_s_mean": 15.8, "prefill_tok_s_mean": 410.0,
+        "slots": [
+            {"slot": 0, "state": "decoding", "prompt_tokens": 40, "generated": 180, "elapsed_s": 6.1, "tok_s": 15.9},
+            {"slot": 1, "state": "decoding", "prompt_tokens": 52, "generated": 95, "elapsed_s": 3.2, "tok_s": 15.6},
+        ],
+    })
+    data["devices"] = []
+    data["host"].update({"cpu_pct": 97.0, "cpu_count": 2, "ram_total_mib": 7900, "ram_used_mib": 2100,
+                         "ram_available_mib": 5800, "engine_rss_mib": 610})
+    data["config"].update({"model": "/cache/strata-test-qwen3moe.gguf", "parallel": 2, "context": 4096,
+                           "adapt_every": 4, "adapt_swaps": 96, "adapt_decay": 0.7})
+    data["tier"] = {"mode": "simulated", "vram_share": 0.713, "pcie_share": 0.0, "cpu_share": 0.287,
+                    "hit_rate": 0.713, "swaps": 57, "adapt_rounds": 31, "adapt_wait_ms": 0.8,
+                    "experts_cached": 24, "experts_total": 64, "slots": 24, "cache_mib": 3.0, "cpu_ms": 1840.0}
+    data["stats"] = {"windows": 560, "rows": 1090, "ms_per_window": 62.5, "rows_per_window": 2.0, "at": T0 - 0.3}
+    return MetricsSnapshot.model_validate(data)
+
+
+def cpu_moe_history() -> list[MetricsSnapshot]:
+    """30 snapshots of `cpu_moe_simulated()` while its cache warms up (the hit rate since start
+    climbs from 20% as the adapt rounds fill the slots), the last one as it is."""
+    out = []
+    for i in range(30):
+        snap = cpu_moe_simulated()
+        assert snap.tier is not None
+        rate = round(0.2 + (0.713 - 0.2) * min(1.0, i / 20), 4)
+        snap.tier.hit_rate = snap.tier.vram_share = rate
+        snap.tier.cpu_share = round(1 - rate, 4)
+        out.append(snap)
+    out.append(cpu_moe_simulated())
+    return out
+
+
 SAMPLE_LOG = [
     ("server", "09:14:02 [strata] starting the engine: python -m engine --serve --model Qwen3-30B-A3B-Q4_K_M.gguf "
                "--batch 4"),
@@ -158,7 +204,7 @@ def write_screenshot(path: str, size: tuple[int, int] = (130, 40)) -> str:
 
 
 def main() -> None:  # pragma: no cover - manual preview
-    """`python -m tui.preview [busy|idle|dead|dense]` shows fixed data; `--screenshot FILE` saves one."""
+    """`python -m tui.preview [busy|idle|dead|dense|moe]` shows fixed data; `--screenshot FILE` saves one."""
     from tui.app import StrataDeskApp
     from tui.client import FixedSource
 
@@ -166,7 +212,8 @@ def main() -> None:  # pragma: no cover - manual preview
         print(write_screenshot(sys.argv[2]))
         return
     kind = sys.argv[1] if len(sys.argv) > 1 else "busy"
-    snaps = {"idle": [idle()], "busy": busy_history(), "dead": [dead()], "dense": [cpu_dense()]}[kind]
+    snaps = {"idle": [idle()], "busy": busy_history(), "dead": [dead()], "dense": [cpu_dense()],
+             "moe": cpu_moe_history()}[kind]
     app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(*snaps), poll_interval=0.2)
     for source, text in SAMPLE_LOG:
         app.logbuf.add(source, text)

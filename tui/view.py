@@ -35,6 +35,28 @@ def supported_options(engine: EngineView | None) -> set[str]:
     return set(OPTIONAL_OPTIONS) - unsupported_options(engine)
 
 
+NO_EFFECT = "kept in the config; no effect yet: "
+
+
+def tier_option_notes(engine: EngineView | None) -> dict[str, str]:
+    """Why each tier option the engine lists as unsupported has no effect: without an expert cache
+    every expert is in memory (nothing to tune); the simulated tier on the CPU runs pcie_frac as 0."""
+    unsupported = unsupported_options(engine)
+    simulated = engine is not None and engine.info.get("tier") == "simulated"
+    notes = {option: NO_EFFECT + "this engine holds every expert in memory"
+             for option in TIER_OPTIONS if option in unsupported}
+    if "pcie_frac" in notes and simulated:
+        notes["pcie_frac"] = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
+    return notes
+
+
+def layer_split_note(engine: EngineView | None) -> str | None:
+    """What a config's layer split does on this engine: None when it runs it (or has not said)."""
+    if "layer_split" in unsupported_options(engine):
+        return "not run by this engine yet: one device runs every layer"
+    return None
+
+
 def is_dense(snapshot: MetricsSnapshot) -> bool:
     """True when the model has no routed experts (the tier panels say "dense model")."""
     experts = snapshot.engine.info.get("experts")
@@ -106,6 +128,7 @@ class History:
     slot_length: int = 20
     total: deque[float] = field(default_factory=lambda: deque(maxlen=60))
     prefill: deque[float] = field(default_factory=lambda: deque(maxlen=60))
+    hit_rate: deque[float] = field(default_factory=lambda: deque(maxlen=60))  # the expert cache's, as reported
     slots: dict[int | str, deque[float]] = field(default_factory=dict)
 
     def slot(self, key: int | str) -> deque[float]:
@@ -121,8 +144,114 @@ class History:
         for s in live.slots:
             self.slot(s.slot).append(s.tok_s if s.state == "decoding" else 0.0)
         self.slot("solo").append(solo_tok_s(live))
+        tier = snapshot.tier
+        if tier is not None and tier.hit_rate is not None and tier.mode != "resident":
+            self.hit_rate.append(tier.hit_rate)
 
     def clear(self) -> None:
         self.total.clear()
         self.prefill.clear()
+        self.hit_rate.clear()
         self.slots.clear()
+
+
+@dataclass
+class HeaderInfo:
+    """What the top bar shows (tui/widgets/header_bar.py lays it out)."""
+
+    model: str = ""
+    state: DashState = "loading"
+    url: str = ""
+    uptime_s: float | None = None
+    version: str | None = None
+    mode: str = ""  # "managed", "attached"
+    detail: str = ""  # e.g. "starting the engine (12 s)"
+    restarts: int = 0  # times the server had to restart a dead engine
+    key: bool = False  # clients need an API key
+    last_error: str | None = None
+
+
+BannerText = tuple[str | None, str, str, str]  # level (None: no banner), message, detail, keys
+
+
+@dataclass(frozen=True)
+class DeskState:
+    """Everything the header and the banner are drawn from, as plain values (the app gathers it)."""
+
+    phase: str  # tui/lifecycle.py Phase
+    mode: str = "managed"  # "managed", "attached", "setup"
+    snapshot: MetricsSnapshot | None = None
+    poll_error: str | None = None
+    base_url: str | None = None
+    url: str = ""  # the URL to give clients
+    served_name: str = ""  # the config's model name, shown before the engine says it
+    progress: str = ""  # the start's progress line
+    failure: tuple[str, list[str]] | None = None  # why the server failed, and its log tail
+    inflight: int = 0
+    can_manage: bool = False
+    backup_exists: bool = False  # a .bak config can be restored
+    server_lines: tuple[str, ...] = ()  # the server log's last lines
+    bench_status: str | None = None  # a benchmark that restarts the server is running
+
+
+def header_info(desk: DeskState) -> HeaderInfo:
+    snap = desk.snapshot
+    starting = desk.phase in ("starting", "restarting", "idle")
+    state = dash_state(snap, starting=starting, failed=desk.phase == "failed", reachable=desk.poll_error is None)
+    if desk.phase == "stopping":
+        state = "stopped"
+    model = (snap.engine.model if snap else "") or desk.served_name
+    detail = ""
+    if starting:
+        detail = desk.progress
+    elif desk.phase == "draining":
+        detail = f"draining: {desk.inflight} in flight"
+    elif snap is not None and desk.poll_error is None:
+        detail = snap.live.phase if snap.live.phase not in ("idle", "") else ""
+    return HeaderInfo(
+        model=model,
+        state=state,
+        url=desk.url,
+        uptime_s=snap.uptime_s if snap is not None and not starting else None,
+        version=snap.engine.version if snap else None,
+        mode="attached" if desk.mode == "attached" else "managed",
+        detail=detail,
+        restarts=snap.engine.restarts if snap else 0,
+        key=bool(snap.config.api_key_set) if snap else False,
+        last_error=snap.engine.last_error if snap else None,
+    )
+
+
+def banner(desk: DeskState) -> BannerText:
+    """The banner under the header: the most pressing thing to say, and the keys that help."""
+    if desk.phase == "failed" and desk.failure is not None:
+        message, tail = desk.failure
+        keys = []
+        if desk.backup_exists:
+            keys.append("u restore the previous config (.bak) and restart")
+        if desk.can_manage:
+            keys += ["r try again", "s settings"]
+        keys += ["l full log", "q quit"]
+        return "error", message, "\n".join(tail[-12:]), "   ".join(keys)
+    if desk.phase in ("starting", "restarting"):
+        verb = "Restarting" if desk.phase == "restarting" else "Starting"
+        return ("info", f"{verb} the server and the engine: {desk.progress}", "\n".join(desk.server_lines[-3:]),
+                "")
+    if desk.phase == "draining":
+        return ("warn", f"Waiting for {desk.inflight} request(s) in flight to finish, then restarting",
+                "", "x restart now   esc cancel the restart")
+    if desk.phase == "stopping":
+        return "info", "Stopping the server and the engine ...", "", ""
+    if desk.bench_status:
+        return "info", f"Benchmark running: {desk.bench_status}", "", "b shows the bench"
+    if desk.poll_error and desk.base_url:
+        return "error", f"Cannot read {desk.base_url}/metrics: {desk.poll_error}", "", "q quit"
+    snap = desk.snapshot
+    if snap is not None and (snap.engine.state == "dead" or snap.live.state == "dead"):
+        first, _, rest = (snap.engine.last_error or "").partition("\n")
+        detail = rest + (f"\nrestarts so far: {snap.engine.restarts}" if snap.engine.restarts else "")
+        keys = "the server starts it again for the next request   " + (
+            "r restart now   l full log" if desk.can_manage else "l full log")
+        return "error", "The engine stopped" + (f": {first}" if first else ""), detail.strip(), keys
+    note = model_note(snap)
+    return ("info", note, "", "") if note else (None, "", "", "")

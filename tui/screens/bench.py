@@ -12,6 +12,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 
@@ -36,6 +37,13 @@ def parse_arms(text: str) -> list[dict[str, Any]]:
 
 
 class BenchScreen(Screen[None]):
+    class Status(Message):
+        """What a running benchmark is doing (None: it ended), for the dashboard's banner."""
+
+        def __init__(self, text: str | None) -> None:
+            super().__init__()
+            self.text = text
+
     BINDINGS = [
         Binding("escape", "back", "Back"),
         Binding("ctrl+s", "run", "Run"),
@@ -143,19 +151,19 @@ class BenchScreen(Screen[None]):
 
     def _finished(self, text: str, style: str = "") -> None:
         self.running = False
-        self.app.bench_status = None
+        self.app.post_message(self.Status(None))
         if self.is_mounted:
             self.query_one("#bench-run", Button).disabled = False
             self.query_one("#bench-stop", Button).disabled = True
             self.status(text, style)
 
     def on_status(self, text: str) -> None:
-        self.app.bench_status = text
+        self.app.post_message(self.Status(text))
         if self.is_mounted:
             self.status(text, "italic")
 
     def on_row(self, row: Any) -> None:
-        self.app.bench_status = f"{row.setting}, {row.concurrency} concurrent: {row.total_tok_s:.1f} tok/s"
+        self.app.post_message(self.Status(f"{row.setting}, {row.concurrency} concurrent: {row.total_tok_s:.1f} tok/s"))
         if not self.is_mounted:
             return
         vs = "-" if row.versus_first is None else f"{(row.versus_first.ratio - 1) * 100:+.0f}%"

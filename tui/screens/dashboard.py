@@ -75,9 +75,7 @@ class DashboardScreen(Screen[None]):
 
     def show_metrics(self, snapshot: MetricsSnapshot, history: History) -> None:
         for panel in self.panels():
-            show = getattr(panel, "show", None)
-            if show is not None:
-                show(snapshot, history)
+            panel.show(snapshot, history)
 
     def show_logs(self) -> None:
         self.query_one(LogPanel).show(None, History())

@@ -11,7 +11,15 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, RadioButton, RadioSet, Static
 
+from server.config import RunConfig
+
 Diff = list[tuple[str, object, object]]
+
+
+def config_diff(old: RunConfig | None, new: RunConfig) -> Diff:
+    """(option, old value, new value) for each option `new` changes."""
+    before = old.model_dump() if old is not None else {}
+    return [(k, before.get(k), v) for k, v in new.model_dump().items() if before.get(k) != v]
 
 
 def diff_text(diff: Diff) -> Text:

@@ -3,6 +3,7 @@ restart (drain or now). Options this engine does not run yet are shown as such."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -17,8 +18,9 @@ from textual.widgets import Button, Footer, Input, Static, Switch
 
 from server.config import RunConfig
 from server.metrics_schema import MetricsSnapshot
-from tui.screens.restart import RestartScreen
-from tui.view import OPTIONAL_OPTIONS, TIER_OPTIONS, supported_options, unsupported_options
+from tui.messages import SnapshotUpdated
+from tui.screens.restart import RestartScreen, config_diff
+from tui.view import OPTIONAL_OPTIONS, layer_split_note, supported_options, tier_option_notes
 from tui.widgets.setting_row import Kind, SettingRow
 
 SETTINGS: list[tuple[str, Kind, str]] = [
@@ -63,11 +65,11 @@ class SettingsScreen(Screen[None]):
         Binding("ctrl+r", "revert", "Revert"),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, config: RunConfig, config_path: Path | None, snapshot: MetricsSnapshot | None) -> None:
         super().__init__(id="settings")
-        config = self.app.config
-        assert config is not None
         self.base: RunConfig = config
+        self.config_path = config_path
+        self.snapshot = snapshot
         self.candidate: RunConfig | None = config
         self.errors: dict[str, str] = {}
         self.supported: set[str] = set()
@@ -87,13 +89,17 @@ class SettingsScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        snapshot = self.app.snapshot
-        if snapshot is not None:
-            self.on_snapshot(snapshot)
+        if self.snapshot is not None:
+            self._show_engine(self.snapshot)
         self.validate()
         self.query_one("#in-parallel").focus()
 
-    def on_snapshot(self, snapshot: MetricsSnapshot) -> None:
+    def on_snapshot_updated(self, message: SnapshotUpdated) -> None:
+        self.snapshot = message.snapshot
+        self._show_engine(message.snapshot)
+
+    def _show_engine(self, snapshot: MetricsSnapshot) -> None:
+        """The intro names what this engine runs; the rows say which options it does not."""
         supported = supported_options(snapshot.engine)
         if supported == self.supported and self._intro_done:
             return
@@ -101,7 +107,7 @@ class SettingsScreen(Screen[None]):
         self._intro_done = True
         engine = snapshot.engine.version or "engine"
         text = Text()
-        text.append(f"{self.app.config_path}\n", style="bold")
+        text.append(f"{self.config_path}\n", style="bold")
         text.append("Changes apply after a restart of the server and the engine. ")
         text.append(f"{engine} runs: ")
         text.append(", ".join(sorted(supported)) or "none of batch-mtp, adapt-async, batch-groups > 1",
@@ -153,9 +159,8 @@ class SettingsScreen(Screen[None]):
             else:
                 notes[option] = UNSUPPORTED
         notes.setdefault("batch_groups", self._groups_note(data))
-        snapshot = self.app.snapshot
-        for option in set(TIER_OPTIONS) & unsupported_options(snapshot.engine if snapshot else None):
-            notes.setdefault(option, "kept in the config; no effect yet: this engine holds every expert in memory")
+        for option, note in tier_option_notes(self.snapshot.engine if self.snapshot else None).items():
+            notes.setdefault(option, note)
         for row in self.rows():
             row.show_message(errors.get(row.key), notes.get(row.key))
             row.set_class(row.key not in errors and data.get(row.key) != getattr(self.base, row.key), "-changed")
@@ -171,6 +176,8 @@ class SettingsScreen(Screen[None]):
         allowed = "auto or " + ", ".join(str(d) for d in divisors(max(1, parallel)))
         if not split:
             where = "no layer split (one GPU): groups only matter with a layer split"
+        elif unsplit := layer_split_note(self.snapshot.engine if self.snapshot else None):
+            where = f"layer split {split}: {unsplit}"
         else:
             stages = len([p for p in split.split(",") if p.strip()]) + 1
             where = f"layer split {split}: {stages} stages"
@@ -185,7 +192,7 @@ class SettingsScreen(Screen[None]):
         if self.errors:
             summary.update(Text(f"{len(self.errors)} problem(s) to fix", style="bold red"))
         elif self.candidate is not None and self.candidate != self.base:
-            summary.update(Text(f"{len(self.app.config_diff(self.candidate))} change(s)", style="bold"))
+            summary.update(Text(f"{len(config_diff(self.base, self.candidate))} change(s)", style="bold"))
         else:
             summary.update(Text("no changes", style="dim"))
         self.query_one("#apply", Button).disabled = bool(self.errors)
@@ -217,7 +224,7 @@ class SettingsScreen(Screen[None]):
         if new is None:
             self.notify("fix the marked options first", severity="error")
             return
-        diff = self.app.config_diff(new)
+        diff = config_diff(self.base, new)
         if not diff:
             self.notify("nothing changed")
             return
@@ -229,5 +236,5 @@ class SettingsScreen(Screen[None]):
             self.app.apply_settings(new, mode)
 
         self.app.push_screen(
-            RestartScreen(diff=diff, inflight=self.app.inflight(), config_path=str(self.app.config_path)), chosen
+            RestartScreen(diff=diff, inflight=self.app.inflight(), config_path=str(self.config_path)), chosen
         )

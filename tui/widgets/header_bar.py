@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal
@@ -11,7 +9,7 @@ from textual.message import Message
 from textual.widgets import Static
 
 from tui.format import duration
-from tui.view import DashState
+from tui.view import HeaderInfo
 from tui.widgets.quiet import update_text
 
 STATE_STYLE: dict[str, str] = {
@@ -21,20 +19,6 @@ STATE_STYLE: dict[str, str] = {
     "error": "bold white on #d70000",
     "stopped": "bold white on grey37",
 }
-
-
-@dataclass
-class HeaderInfo:
-    model: str = ""
-    state: DashState = "loading"
-    url: str = ""
-    uptime_s: float | None = None
-    version: str | None = None
-    mode: str = ""  # "managed", "attached"
-    detail: str = ""  # e.g. "starting the engine (12 s)"
-    restarts: int = 0  # times the server had to restart a dead engine
-    key: bool = False  # clients need an API key
-    last_error: str | None = None
 
 
 class UrlLabel(Static):

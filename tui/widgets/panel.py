@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from textual.containers import Vertical
 
+from server.metrics_schema import MetricsSnapshot
+from tui.view import History
+
 
 class Panel(Vertical):
     """A titled box. Subclasses fill it and implement `show(snapshot, history)`."""
@@ -28,3 +31,7 @@ class Panel(Vertical):
 
     def set_title(self, text: str) -> None:
         self.border_title = f"{self.key} {text}"
+
+    def show(self, snapshot: MetricsSnapshot, history: History) -> None:
+        """Draw `snapshot` (and the series in `history`); every panel draws its own part."""
+        raise NotImplementedError(f"{type(self).__name__} must implement show")

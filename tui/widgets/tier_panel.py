@@ -1,6 +1,7 @@
-"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU, hit rate (or
-"every expert resident" when there is no cache), swaps and adapt rounds, adapt wait; clear states
-for a dense model and for no data yet."""
+"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU, the cache's hit
+rate with a sparkline of its last minute (or "every expert resident" when the engine's tier mode
+says there is no cache), swaps and adapt rounds, adapt wait; clear states for a dense model and for
+no data yet."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from textual.app import ComposeResult
 from textual.widgets import Static
 
 from server.metrics_schema import MetricsSnapshot
-from tui.format import count, pct
+from tui.format import count, pct, spark
 from tui.view import History, has_tier_data, is_dense
 from tui.widgets.panel import Panel
 from tui.widgets.quiet import update_text
 from tui.widgets.segment_bar import Segment, SegmentBar
 
 TIER_STYLES = (("VRAM", "green3"), ("PCIe", "gold3"), ("CPU", "orange_red1"))
+HIT_SPARK = 20  # polls the hit-rate sparkline shows
 
 
 class TierPanel(Panel):
@@ -64,27 +66,39 @@ class TierPanel(Panel):
             legend.append("■ ", style=style)
             legend.append(f"{label} {pct(value, 1)}  ")
         update_text(self.query_one("#tier-legend", Static), legend)
-        lines = Text()
-        if tier.mode == "resident":  # no cache: a hit rate would only say where the experts live
-            lines.append("every expert resident", style="bold")
-            lines.append(" (no cache)", style="dim")
-        else:
-            lines.append("hit rate ", style="dim")
-            lines.append(pct(tier.hit_rate, 1), style="bold")
-            if tier.experts_cached is not None and tier.experts_total:
-                lines.append("  cached ", style="dim")
-                lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
-            if tier.mode == "simulated":
-                lines.append("  simulated (no GPU)", style="dim")
-        lines.append("\nswaps ", style="dim")
-        lines.append(count(tier.swaps))
-        lines.append("  adapt rounds ", style="dim")
-        lines.append(count(tier.adapt_rounds))
-        lines.append("  adapt wait ", style="dim")
-        lines.append(f"{tier.adapt_wait_ms:.1f} ms")
-        if snapshot.stats is not None and snapshot.stats.ms_per_window is not None:
-            lines.append("\nwindow ", style="dim")
-            lines.append(f"{snapshot.stats.ms_per_window:.1f} ms")
-            if snapshot.stats.rows_per_window is not None:
-                lines.append(f"  {snapshot.stats.rows_per_window:.1f} rows", style="")
-        update_text(self.query_one("#tier-lines", Static), lines)
+        update_text(self.query_one("#tier-lines", Static), tier_lines(snapshot, history))
+
+
+def tier_lines(snapshot: MetricsSnapshot, history: History) -> Text:
+    """The lines under the share bar: the cache (or "every expert resident" when the tier mode says
+    so), its hit-rate trend, swaps, adapt rounds and wait, the window time."""
+    tier = snapshot.tier
+    assert tier is not None
+    lines = Text()
+    if tier.mode == "resident":  # no cache: a hit rate would only say where the experts live
+        lines.append("every expert resident", style="bold")
+        lines.append(" (no cache)", style="dim")
+    else:
+        lines.append("hit rate ", style="dim")
+        lines.append(pct(tier.hit_rate, 1), style="bold")
+        if tier.experts_cached is not None and tier.experts_total:
+            lines.append("  cached ", style="dim")
+            lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
+        if tier.mode == "simulated":
+            lines.append("  simulated (no GPU)", style="dim")
+        if len(history.hit_rate) > 1:  # the engine counts since its start: the line shows the cache warming up
+            lines.append("\nhit rate trend ", style="dim")
+            lines.append(spark(history.hit_rate, HIT_SPARK, top=1.0), style="green3")
+            lines.append(" (since start)", style="dim")
+    lines.append("\nswaps ", style="dim")
+    lines.append(count(tier.swaps))
+    lines.append("  adapt rounds ", style="dim")
+    lines.append(count(tier.adapt_rounds))
+    lines.append("  adapt wait ", style="dim")
+    lines.append(f"{tier.adapt_wait_ms:.1f} ms")
+    if snapshot.stats is not None and snapshot.stats.ms_per_window is not None:
+        lines.append("\nwindow ", style="dim")
+        lines.append(f"{snapshot.stats.ms_per_window:.1f} ms")
+        if snapshot.stats.rows_per_window is not None:
+            lines.append(f"  {snapshot.stats.rows_per_window:.1f} rows", style="")
+    return lines
