@@ -15,8 +15,9 @@ from pydantic import ValidationError
 
 from server.config import RunConfig
 from server.metrics_schema import EngineView, LiveView
+from server.urls import api_url
 from tui import preview
-from tui.client import FixedSource, MetricsClient, PollError, api_url
+from tui.client import FixedSource, MetricsClient, PollError
 from tui.format import duration, rate, spark, spark_rows
 from tui.logs import FileTail, LogBuffer
 from tui.screens.restart import diff_text

@@ -15,12 +15,13 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
+from server import urls
 from server.config import ConfigError, RunConfig, load_config, save_config
 from server.metrics_schema import MetricsSnapshot
 from strata_desk.launcher import ServerProcess
 from strata_desk.ps import config_name
-from tui.client import MetricsClient, MetricsSource, PollError, api_url
-from tui.lifecycle import Phase, RestartMode, ServerLifecycle, adoptable, for_config, norm_url
+from tui.client import MetricsClient, MetricsSource, PollError
+from tui.lifecycle import Phase, RestartMode, ServerLifecycle, adoptable, for_config
 from tui.logs import FileTail, LogBuffer
 from tui.messages import SnapshotUpdated
 from tui.screens.dashboard import DashboardScreen
@@ -92,7 +93,7 @@ class StrataDeskApp(App[int]):
         self.api_key = api_key
         self.poll_interval = poll_interval
         self.source: MetricsSource | None = source
-        self.base_url: str | None = norm_url(attach_url) if attach_url else None
+        self.base_url: str | None = urls.base_url(attach_url) if attach_url else None
         self.config: RunConfig | None = None
         self.snapshot: MetricsSnapshot | None = None
         self.poll_error: str | None = None
@@ -157,9 +158,8 @@ class StrataDeskApp(App[int]):
         if self.mode != "attached" and host in ("0.0.0.0", "::"):
             address = lan_address()
             if address:
-                port = self.base_url.rsplit(":", 1)[-1]
-                return api_url(f"http://{address}:{port}")
-        return api_url(self.base_url)
+                return urls.api_url(urls.server_url(address, urls.host_port(self.base_url)[1]))
+        return urls.api_url(self.base_url)
 
     def inflight(self) -> int:
         if self.snapshot is None or self.poll_error:
@@ -216,7 +216,7 @@ class StrataDeskApp(App[int]):
         self.lifecycle.start()
 
     def _use_url(self, base_url: str) -> None:
-        self.base_url = norm_url(base_url)
+        self.base_url = urls.base_url(base_url)
         if self.source is None or isinstance(self.source, MetricsClient):
             if not (isinstance(self.source, MetricsClient) and self.source.base_url == self.base_url):
                 old = self.source

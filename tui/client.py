@@ -26,11 +26,6 @@ class MetricsSource(Protocol):
     async def aclose(self) -> None: ...
 
 
-def api_url(base_url: str) -> str:
-    """The URL to give clients (the OpenAI base URL)."""
-    return base_url.rstrip("/") + "/v1"
-
-
 class MetricsClient:
     """Reads GET /metrics with one pooled async httpx client."""
 

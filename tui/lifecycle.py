@@ -18,6 +18,7 @@ from textual.app import App
 from textual.message import Message
 
 from server.config import ConfigError
+from server.urls import base_url
 from strata_desk.launcher import LaunchError, ServerProcess, find_running, running_for
 
 Phase = Literal["setup", "idle", "starting", "running", "draining", "restarting", "stopping", "failed", "attached"]
@@ -25,20 +26,10 @@ RestartMode = Literal["drain", "now"]
 GROUP = "lifecycle"  # the app's worker group: one lifecycle step at a time
 
 
-def norm_url(url: str) -> str:
-    """One spelling of a server's base URL (no /v1, a scheme, 127.0.0.1 for localhost)."""
-    url = url.strip().rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
-    if "://" not in url:
-        url = "http://" + url
-    return url.replace("://localhost:", "://127.0.0.1:")
-
-
 def adoptable(url: str) -> ServerProcess | None:
     """A server the state file lists at `url` with its config, so this dashboard can restart it."""
     for record in find_running():
-        if norm_url(record.url) == url and record.config:
+        if base_url(record.url) == url and record.config:
             try:
                 return ServerProcess.adopt(record)
             except LaunchError:
