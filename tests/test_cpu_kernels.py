@@ -162,7 +162,7 @@ def test_bad_input_raises_value_error():
 
 
 def test_unavailable_is_reported_not_raised(monkeypatch, tmp_path):
-    monkeypatch.setenv("STRATA_DESK_HOME", str(tmp_path))
+    monkeypatch.setenv("STRATA_DESK_KERNELS", str(tmp_path / "kernels"))
     for name, value in (("_lib", None), ("_reason", None), ("_tried", False)):
         monkeypatch.setattr(cpu, name, value)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -180,8 +180,16 @@ def test_unavailable_is_reported_not_raised(monkeypatch, tmp_path):
     assert "failed" in cpu.unavailable_reason()
 
 
-def test_concurrent_builds_land_one_library(monkeypatch, tmp_path):
+def test_kernel_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("STRATA_DESK_KERNELS", raising=False)
     monkeypatch.setenv("STRATA_DESK_HOME", str(tmp_path / "home"))
+    assert cpu.cache_dir() == tmp_path / "home" / "cache" / "kernels"
+    monkeypatch.setenv("STRATA_DESK_KERNELS", str(tmp_path / "shared"))
+    assert cpu.cache_dir() == tmp_path / "shared"
+
+
+def test_concurrent_builds_land_one_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_DESK_KERNELS", str(tmp_path / "kernels"))
     source = tmp_path / "tiny.c"  # the build machinery, without the real file's compile time
     source.write_text("int sd_supported(int type) { return type == 0; }\n")
     monkeypatch.setattr(cpu, "SOURCES", (source,))
@@ -199,7 +207,7 @@ def test_concurrent_builds_land_one_library(monkeypatch, tmp_path):
     for t in workers:
         t.join()
     assert not errors and len(set(paths)) == 1
-    assert [p.name for p in (tmp_path / "home" / "cache" / "kernels").iterdir()] == [paths[0].name]
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [paths[0].name]
     assert ctypes.CDLL(str(paths[0])).sd_supported(0) == 1
 
 
