@@ -55,17 +55,18 @@ def session_bytes(g: GGUFFile, context: int, max_chunk: int, kv_dtype: torch.dty
 
 
 def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device,
-              max_chunk: int, kv_dtype: torch.dtype) -> int:
-    """As many slots as asked that fit in memory beside the weights; 0 when not two fit."""
+              max_chunk: int, kv_dtype: torch.dtype, host_experts: bool = False, taken: int = 0) -> int:
+    """As many slots as asked that fit in memory beside the weights (the routed experts elsewhere with
+    `host_experts`) and `taken` bytes (an expert cache); 0 when not two fit."""
     if asked <= 0:
         return 0
     if asked > MAX_SLOTS:
         log(f"--batch {asked}: a window holds at most {MAX_SLOTS} slots; running {MAX_SLOTS}")
     want = min(asked, MAX_SLOTS)
     per_session = session_bytes(g, context, max_chunk, kv_dtype)
-    weights = planned_bytes(g, device, dtype)
+    weights = planned_bytes(g, device, dtype, host_experts)
     free, _ = free_bytes(device)
-    fit = max(0, (free - weights - RESERVE) // per_session - 1)  # the solo session comes first
+    fit = max(0, (free - weights - taken - RESERVE) // per_session - 1)  # the solo session comes first
     n = min(want, int(fit))
     if n < want:
         log(f"--batch {asked}: {n} slots fit ({per_session / MIB:.0f} MiB each at context {context}, "
@@ -74,10 +75,12 @@ def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device:
 
 
 def open_model(path: str, device: str = "auto", dtype: str | None = None, slots: int = 0,
-               context: int = 4096, max_chunk: int = 512, kv: str | None = None) -> tuple[GGUFFile, Model]:
-    """Load `path` with room for `slots` batch sessions beside the solo session."""
+               context: int = 4096, max_chunk: int = 512, kv: str | None = None,
+               host_experts: bool = False) -> tuple[GGUFFile, Model]:
+    """Load `path` with room for `slots` batch sessions beside the solo session (routed experts in host
+    memory with `host_experts`, for the GPU expert tier)."""
     g = GGUFFile(path)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     return g, load_model(g, dev, dt, sessions=slots + 1, context=model_context(g, context),
-                         max_chunk=max_chunk, kv_dtype=pick_kv_dtype(kv, dev, dt))
+                         max_chunk=max_chunk, kv_dtype=pick_kv_dtype(kv, dev, dt), host_experts=host_experts)

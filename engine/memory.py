@@ -22,11 +22,13 @@ def memory_split(model, n_slots: int) -> list[dict]:
     per_session = sum(t[0].numel() * t.element_size() for t in kv.k + kv.v)
     free, total = free_bytes(model.device)
     name = str(model.device) if model.device.type == "cpu" else f"cuda:{model.device.index or 0}"
+    here = str(model.device)
+    cache = model.tier.cache_bytes() if model.tier is not None and model.tier.mode == "gpu" else 0
     return [{
         "device": name,
         "total_mib": total // MIB,
-        "weights_mib": model.w.bytes() // MIB,
-        "experts_mib": model.w.expert_bytes() // MIB,
+        "weights_mib": (model.w.split().get(here, 0) + cache) // MIB,
+        "experts_mib": (model.w.split(lambda n: "_exps" in n).get(here, 0) + cache) // MIB,
         "slots_mib": per_session * n_slots // MIB,
         "kv_mib": per_session // MIB,
         "free_mib": free // MIB,

@@ -63,9 +63,11 @@ def resident_bytes(info: TensorInfo, device: torch.device, dtype: torch.dtype) -
     return elements * (4 if is_vector(info) else torch.empty(0, dtype=dtype).element_size())
 
 
-def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype) -> int:
-    """All weights' bytes on `device` before loading them (slot fitting, setup)."""
-    return sum(resident_bytes(info, device, dtype) for info in g.tensors.values())
+def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False) -> int:
+    """All weights' bytes on `device` before loading them (slot fitting, setup); with `host_experts` the
+    routed expert stacks are in host memory, not on `device`."""
+    return sum(resident_bytes(info, device, dtype) for info in g.tensors.values()
+               if not (host_experts and "_exps" in info.name))
 
 
 class Linear:
@@ -134,7 +136,8 @@ class LinearStack:
     experts: list[Linear]
     dense: torch.Tensor | None  # the whole stack when held as one float tensor (the CUDA paths use it)
     nbytes: int
-    # the whole stack's blocks on CUDA, uint8 [experts, out, row_bytes] (the fused MoE kernel reads them)
+    # the whole stack's blocks when kept in them, uint8 [experts, out, row_bytes] (the fused MoE kernel
+    # reads them on CUDA; the expert tier copies cache slots from them in host memory)
     blocks: torch.Tensor | None = None
     qtype: Q | None = None
 
@@ -152,13 +155,16 @@ class Block:
 
 class WeightStore:
     """The model's weights on one device, placed by the format policy, with their bytes counted as
-    they are placed (`bytes`, `expert_bytes`, `split`)."""
+    they are placed (`bytes`, `expert_bytes`, `split`). With `host_experts` (the expert tier on a GPU)
+    the routed expert stacks stay in host memory in their blocks, pinned for copies to the GPU."""
 
-    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype):
+    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False):
         self.g = g
         self.device = device
         self.dtype = dtype
-        self.placed: dict[str, tuple[int, str]] = {}  # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ...)
+        self.experts_device = torch.device("cpu") if host_experts else device
+        # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ..., device)
+        self.placed: dict[str, tuple[int, str, str]] = {}
 
     def _info(self, name: str, dims: int | None = None) -> TensorInfo:
         info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
@@ -171,16 +177,17 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name + ".weight" in self.g.tensors or name in self.g.tensors
 
-    def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None) -> None:
+    def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None,
+               device: torch.device | None = None) -> None:
         fmt = f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")
-        self.placed[info.name] = (nbytes, fmt)
+        self.placed[info.name] = (nbytes, fmt, str(device or self.device))
 
     def _blocks(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
         return torch.from_numpy(self.g.tensor_bytes(info.name).copy())
 
-    def _dense(self, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
-        return load_tensor(self.g, info.name, dtype, self.device)
+    def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        return load_tensor(self.g, info.name, dtype, device or self.device)
 
     def vector(self, name: str) -> torch.Tensor:
         """A norm weight or a router, float32."""
@@ -206,8 +213,9 @@ class WeightStore:
 
     def stack(self, name: str) -> LinearStack:
         info = self._info(name, dims=3)  # [experts, out, in]
-        kept = keeps_blocks(info, self.device)
-        if kept and self.device.type == "cuda":
+        device = self.experts_device
+        kept = keeps_blocks(info, device)
+        if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
             blocks = self._blocks(info).to(self.device)
@@ -216,11 +224,13 @@ class WeightStore:
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
             blocks = self._blocks(info)
+            if self.device.type == "cuda":  # host copies the expert tier copies into VRAM slots
+                blocks = blocks.pin_memory()
             experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
-            stack = LinearStack(experts, None, blocks.numel())
+            stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         else:
-            stack = LinearStack.of_dense(self._dense(info, self.dtype))
-        self._count(info, stack.nbytes, kept)
+            stack = LinearStack.of_dense(self._dense(info, self.dtype, device))
+        self._count(info, stack.nbytes, kept, device=device)
         return stack
 
     def block(self, i: int) -> Block:
@@ -242,19 +252,23 @@ class WeightStore:
         return block
 
     def bytes(self, predicate=lambda name: True) -> int:
-        return sum(n for name, (n, _) in self.placed.items() if predicate(name))
+        return sum(n for name, (n, _, _) in self.placed.items() if predicate(name))
 
     def expert_bytes(self) -> int:
         return self.bytes(lambda name: "_exps" in name)
 
     def describe(self) -> str:
         """The formats the weights were placed in, for the log: `197 Q5_0 blocks, 109 float32`."""
-        formats = Counter(fmt for _, fmt in self.placed.values())
+        formats = Counter(fmt for _, fmt, _ in self.placed.values())
         text = ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common())
         kernels = {"cpu": ("CPU", cpu_kernels), "cuda": ("GPU", gpu_kernels)}.get(self.device.type)
         reason = kernels[1].unavailable_reason() if kernels else None
         return text + (f"; {kernels[0]} kernels unavailable ({reason}): matrices dequantized" if reason else "")
 
-    def split(self) -> dict[str, int]:
-        """Bytes placed per device (one device per store until layers are split across GPUs)."""
-        return {str(self.device): self.bytes()}
+    def split(self, predicate=lambda name: True) -> dict[str, int]:
+        """Bytes placed per device (the model's device, and the host with `host_experts`)."""
+        out: dict[str, int] = {}
+        for name, (n, _, device) in self.placed.items():
+            if predicate(name):
+                out[device] = out.get(device, 0) + n
+        return out

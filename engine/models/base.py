@@ -30,12 +30,12 @@ class Model:
     tier: Tier | None = None  # the expert tier, when `engine.tier.install_tier` put one in place
 
     def __init__(self, g: GGUFFile, hyper: Hyper, device: torch.device, dtype: torch.dtype, sessions: int,
-                 context: int, max_chunk: int, kv_dtype: torch.dtype):
+                 context: int, max_chunk: int, kv_dtype: torch.dtype, host_experts: bool = False):
         self.hyper = hyper
         self.device = device
         self.dtype = dtype
         self.context = context
-        self.w = WeightStore(g, device, dtype)
+        self.w = WeightStore(g, device, dtype, host_experts)
         self.token_embd = self.w.linear("token_embd")
         self.output_norm = self.w.vector("output_norm")
         self.output = self.w.linear("output") if self.w.has("output") else self.token_embd  # tied head
