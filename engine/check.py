@@ -38,8 +38,9 @@ class Driver:
 
     @classmethod
     def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, dtype: str | None = None,
-             kv: str | None = None, **kw) -> Driver:
-        g, model = open_model(path, device, dtype, slots, context, max_chunk=kw.get("prefill", 16), kv=kv)
+             kv: str | None = None, host_experts: bool = False, **kw) -> Driver:
+        g, model = open_model(path, device, dtype, slots, context, max_chunk=kw.get("prefill", 16), kv=kv,
+                              host_experts=host_experts)
         return cls(model, stop_token_ids(g.metadata), slots, **kw)
 
     def _fresh(self) -> EngineLoop:
