@@ -18,16 +18,19 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
 
 
 def memory_split(model, n_slots: int) -> list[dict]:
-    kv = model.kv
-    per_session = sum(t[0].numel() * t.element_size() for t in kv.k + kv.v)
-    free, total = free_bytes(model.device)
-    name = str(model.device) if model.device.type == "cpu" else f"cuda:{model.device.index or 0}"
-    return [{
-        "device": name,
-        "total_mib": total // MIB,
-        "weights_mib": model.w.bytes() // MIB,
-        "experts_mib": model.w.expert_bytes() // MIB,
-        "slots_mib": per_session * n_slots // MIB,
-        "kv_mib": per_session // MIB,
-        "free_mib": free // MIB,
-    }]
+    """One entry per device the model uses (a layer split: each stage's), with the weights and KV it holds."""
+    out = []
+    for device in model.placement.devices():
+        on = model.w.on(device)
+        per_session = model.kv.session_bytes(device)
+        free, total = free_bytes(device)
+        out.append({
+            "device": str(device) if device.type == "cpu" else f"cuda:{device.index or 0}",
+            "total_mib": total // MIB,
+            "weights_mib": model.w.bytes(on) // MIB,
+            "experts_mib": model.w.bytes(lambda name, on=on: on(name) and "_exps" in name) // MIB,
+            "slots_mib": per_session * n_slots // MIB,
+            "kv_mib": per_session // MIB,
+            "free_mib": free // MIB,
+        })
+    return out

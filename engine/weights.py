@@ -22,6 +22,7 @@ Models never call `F.linear` on raw tensors and never see a weight's device or f
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,14 +152,16 @@ class Block:
 
 
 class WeightStore:
-    """The model's weights on one device, placed by the format policy, with their bytes counted as
-    they are placed (`bytes`, `expert_bytes`, `split`)."""
+    """The model's weights, placed by the format policy on `device` (or the device a call names: a
+    layer split puts each layer on its stage's), with their bytes counted per device as they are placed
+    (`bytes`, `expert_bytes`, `split`)."""
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype):
         self.g = g
         self.device = device
         self.dtype = dtype
         self.placed: dict[str, tuple[int, str]] = {}  # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ...)
+        self.devices: dict[str, str] = {}  # tensor name -> the device it was placed on
 
     def _info(self, name: str, dims: int | None = None) -> TensorInfo:
         info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
@@ -171,47 +174,53 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name + ".weight" in self.g.tensors or name in self.g.tensors
 
-    def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None) -> None:
+    def _count(self, info: TensorInfo, nbytes: int, kept: bool, device: torch.device,
+               dtype: torch.dtype | None = None, key: str | None = None) -> None:
         fmt = f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")
-        self.placed[info.name] = (nbytes, fmt)
+        self.placed[key or info.name] = (nbytes, fmt)
+        self.devices[key or info.name] = str(device)
 
     def _blocks(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
         return torch.from_numpy(self.g.tensor_bytes(info.name).copy())
 
-    def _dense(self, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
-        return load_tensor(self.g, info.name, dtype, self.device)
+    def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return load_tensor(self.g, info.name, dtype, device)
 
-    def vector(self, name: str) -> torch.Tensor:
+    def vector(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """A norm weight or a router, float32."""
+        device = device or self.device
         info = self._info(name)
-        t = self._dense(info, torch.float32)
-        self._count(info, t.numel() * 4, kept=False, dtype=torch.float32)
+        t = self._dense(info, torch.float32, device)
+        self._count(info, t.numel() * 4, kept=False, device=device, dtype=torch.float32)
         return t
 
-    def linear(self, name: str) -> Linear:
+    def linear(self, name: str, device: torch.device | None = None, key: str | None = None) -> Linear:
+        """A matrix; `key` counts it under another name (a tied head's copy on the last stage of a split)."""
+        device = device or self.device
         info = self._info(name, dims=2)
-        kept = keeps_blocks(info, self.device)
-        if kept and self.device.type == "cuda":
+        kept = keeps_blocks(info, device)
+        if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
-            lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], self.device)
+            lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], device)
         elif kept:
             lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
                               int16=False if name in HEADS else None)
         else:
-            lin = DenseLinear(self._dense(info, self.dtype))
-        self._count(info, lin.nbytes, kept)
+            lin = DenseLinear(self._dense(info, self.dtype, device))
+        self._count(info, lin.nbytes, kept, device, key=key)
         return lin
 
-    def stack(self, name: str) -> LinearStack:
+    def stack(self, name: str, device: torch.device | None = None) -> LinearStack:
+        device = device or self.device
         info = self._info(name, dims=3)  # [experts, out, in]
-        kept = keeps_blocks(info, self.device)
-        if kept and self.device.type == "cuda":
+        kept = keeps_blocks(info, device)
+        if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
-            blocks = self._blocks(info).to(self.device)
-            experts: list[Linear] = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], self.device)
+            blocks = self._blocks(info).to(device)
+            experts: list[Linear] = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device)
                                      for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
@@ -219,12 +228,12 @@ class WeightStore:
             experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel())
         else:
-            stack = LinearStack.of_dense(self._dense(info, self.dtype))
-        self._count(info, stack.nbytes, kept)
+            stack = LinearStack.of_dense(self._dense(info, self.dtype, device))
+        self._count(info, stack.nbytes, kept, device)
         return stack
 
-    def block(self, i: int) -> Block:
-        """Layer `i`'s tensors by kind: vectors, matrices, expert stacks."""
+    def block(self, i: int, device: torch.device | None = None) -> Block:
+        """Layer `i`'s tensors by kind (vectors, matrices, expert stacks), on `device` (default: the store's)."""
         prefix = f"blk.{i}."
         block = Block()
         for full in self.g.tensors:
@@ -233,11 +242,11 @@ class WeightStore:
             name = full.removesuffix(".weight")
             info = self.g.tensors[full]
             if is_vector(info):
-                part = self.vector(name)
+                part = self.vector(name, device)
             elif len(info.shape) == 3:
-                part = self.stack(name)
+                part = self.stack(name, device)
             else:
-                part = self.linear(name)
+                part = self.linear(name, device)
             setattr(block, name.removeprefix(prefix), part)
         return block
 
@@ -255,6 +264,13 @@ class WeightStore:
         reason = kernels[1].unavailable_reason() if kernels else None
         return text + (f"; {kernels[0]} kernels unavailable ({reason}): matrices dequantized" if reason else "")
 
+    def on(self, device: torch.device | str) -> Callable[[str], bool]:
+        """A `bytes` predicate: the tensors placed on `device`."""
+        return lambda name: self.devices[name] == str(device)
+
     def split(self) -> dict[str, int]:
-        """Bytes placed per device (one device per store until layers are split across GPUs)."""
-        return {str(self.device): self.bytes()}
+        """Bytes placed per device, in the order the devices were first used."""
+        out: dict[str, int] = {}
+        for name, (n, _) in self.placed.items():
+            out[self.devices[name]] = out.get(self.devices[name], 0) + n
+        return out

@@ -10,6 +10,7 @@ from engine.models.gemma3 import Gemma3
 from engine.models.hashlm import HashLM
 from engine.models.llama import Llama
 from engine.models.qwen3moe import Qwen3Moe
+from engine.placement import Placement
 from engine.quants import check_supported
 
 ARCHITECTURES: dict[str, type[Model]] = {
@@ -28,6 +29,7 @@ def architecture_of(g: GGUFFile) -> type[Model]:
 
 
 def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-               max_chunk: int = 512, kv_dtype: torch.dtype | None = None) -> Model:
-    """The model with KV for `sessions` sessions; reads feed at most `max_chunk` rows per forward."""
-    return architecture_of(g)(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype)
+               max_chunk: int = 512, kv_dtype: torch.dtype | None = None, placement: Placement | None = None) -> Model:
+    """The model with KV for `sessions` sessions; reads feed at most `max_chunk` rows per forward; its
+    layers placed as `placement` says (default: all on `device`)."""
+    return architecture_of(g)(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype, placement)

@@ -11,19 +11,20 @@ from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
 from engine.layers import Rope, default_scale, rms_norm
 from engine.models.base import Model
+from engine.placement import Placement
 
 
 class Qwen3Moe(Model):
     arch = "qwen3moe"
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-                 max_chunk: int, kv_dtype: torch.dtype):
+                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None):
         hyper = Hyper.from_gguf(g)
-        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype)
+        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype, placement)
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device)
         self.scale = default_scale(hyper.head_dim)
-        for b in self.blk:
-            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
+        for i, b in enumerate(self.blk):
+            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, self.placement.device_of(i))
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper
