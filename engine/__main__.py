@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
         f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB ({model.w.describe()}), "
         f"{slots} batch slots, context {context}")
+    stage_mib = [model.w.bytes(lambda name, s=s: placement.tensor_stage(name) is s) / MIB for s in placement.stages]
     if placement.split:
-        log("layer split: " + ", ".join(f"stage {s.index}: layers {s.label()}, "
-                                         f"{model.w.bytes(model.w.on(s.device)) / MIB:.0f} MiB of weights on the device"
-                                         for s in placement.stages))
+        log("layer split: " + ", ".join(f"stage {s.index}: layers {s.label()}, weights {mib:.0f} MiB"
+                                         for s, mib in zip(placement.stages, stage_mib, strict=True)))
     elif args.layer_split:
         log(f"--layer-split {args.layer_split}: one device ({device}), every layer on it")
     if args.trim_stage_weights:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
         "unsupported": ",".join(UNSUPPORTED + (() if model.tier else TIER_ONLY)), **tier_info,
         "generated": int(GENERATED_KEY in g.metadata),
         "layer_split": placement.describe() if placement.split else "-",
-        "weights_split_mib": ",".join(f"{d}={n // MIB}" for d, n in model.w.split().items()),
+        "stage_weights_mib": ",".join(f"{mib:.0f}" for mib in stage_mib) if placement.split else "-",
         "conversation_cache_mib": args.conversation_cache_mib, "conversation_cache_slots": args.conversation_cache_slots,
     }
     if args.batch:

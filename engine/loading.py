@@ -59,7 +59,7 @@ def session_bytes(g: GGUFFile, context: int, max_chunk: int, kv_dtype: torch.dty
 
 def planned_on(g: GGUFFile, placement: Placement, device: torch.device, dtype: torch.dtype) -> int:
     """The weights' bytes `device` will hold under `placement`, before loading them."""
-    infos = [info for info in g.tensors.values() if placement.tensor_device(info.name) == device]
+    infos = [info for info in g.tensors.values() if placement.tensor_stage(info.name).device == device]
     if "output.weight" not in g.tensors and device == placement.last.device != placement.first.device:
         infos.append(g.tensors["token_embd.weight"])  # a tied head's copy on the last stage
     return sum(resident_bytes(info, device, dtype) for info in infos)

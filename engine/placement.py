@@ -70,24 +70,27 @@ class Placement:
     def last(self) -> Stage:
         return self.stages[-1]
 
-    def device_of(self, layer: int) -> torch.device:
+    def stage_of(self, layer: int) -> Stage:
         for stage in self.stages:
             if stage.first <= layer < stage.end:
-                return stage.device
+                return stage
         raise IndexError(f"layer {layer} is in no stage ({self.describe()})")
+
+    def device_of(self, layer: int) -> torch.device:
+        return self.stage_of(layer).device
 
     def devices(self) -> list[torch.device]:
         """The stages' devices, each once, in stage order."""
         return list(dict.fromkeys(s.device for s in self.stages))
 
-    def tensor_device(self, name: str) -> torch.device:
+    def tensor_stage(self, name: str) -> Stage:
         """Where a GGUF tensor goes: `blk.N.*` with layer N, the final norm and head on the last stage,
         the rest (embedding) on the first."""
         if name.startswith("blk."):
-            return self.device_of(int(name.split(".")[1]))
+            return self.stage_of(int(name.split(".")[1]))
         if name.removesuffix(".weight") in ("output", "output_norm"):
-            return self.last.device
-        return self.first.device
+            return self.last
+        return self.first
 
     def describe(self) -> str:
         return ",".join(s.label() for s in self.stages)
