@@ -25,14 +25,15 @@ from engine.parking import ParkingStore
 from engine.placement import plan_groups, plan_stages
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
-from engine.tier.flags import add_tier_flags, finish_tier, setup_tier
+from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 
 # Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
 GENERATED_KEY = "strata.test_model.seed"
-# Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking and
-# pcie_frac is 0 on the simulated tier; the adapt options only tune a tier (--expert-cache).
-UNSUPPORTED = ("batch_mtp", "adapt_async", "pcie_frac")
+# Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking; the
+# adapt options only tune a tier (--expert-cache) and pcie_frac only the GPU tier.
+UNSUPPORTED = ("batch_mtp", "adapt_async")
 TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain")
+GPU_TIER_ONLY = ("pcie_frac",)
 
 
 def _non_negative(text: str) -> int:
@@ -73,6 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def placed_text(model: Model) -> str:
+    """`1234 MiB on cuda, 16100 MiB on cpu`: the weights' bytes per device."""
+    return ", ".join(f"{n / MIB:.0f} MiB on {device}" for device, n in model.w.split().items())
+
+
+def unsupported_by_tier(model: Model) -> tuple[str, ...]:
+    if model.tier is None:
+        return TIER_ONLY + GPU_TIER_ONLY
+    return () if model.tier.mode == "gpu" else GPU_TIER_ONLY
+
+
 def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool, int], Runner] = Runner,
          make_loop: Callable[..., EngineLoop] = EngineLoop) -> int:
     """Load, announce, serve. `make_runner`/`make_loop` build the Runner and the EngineLoop (the test
@@ -90,10 +102,14 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
         context = model_context(g, args.max_context)
         kv_dtype = pick_kv_dtype(args.kv, device, dtype)
         placement = plan_stages(args.layer_split, Hyper.from_gguf(g).layers, device)
-        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, placement)
+        plan = plan_tier(args, g, device)
+        if plan.host_experts and placement.split:
+            raise ValueError("--expert-cache with --layer-split: the GPU expert tier runs on one GPU for now")
+        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, placement,
+                          plan.host_experts, plan.taken)
         groups, groups_note = plan_groups(args.batch_groups, slots, len(placement.stages))
         model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill,
-                           kv_dtype=kv_dtype, placement=placement)
+                           kv_dtype=kv_dtype, placement=placement, host_experts=plan.host_experts)
         tier_info = setup_tier(args, model)
     except (GGUFError, ValueError, RuntimeError, OSError) as exc:
         log(f"cannot load {args.model}: {exc}")
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
     h = model.hyper
     kv_mib = model.kv.session_bytes() / MIB
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
-        f"{h.layers} layers, weights {model.w.bytes() / MIB:.0f} MiB ({model.w.describe()}), "
+        f"{h.layers} layers, weights {placed_text(model)} ({model.w.describe()}), "
         f"{slots} batch slots, context {context}")
     stage_mib = [model.w.bytes(lambda name, s=s: placement.tensor_stage(name) is s) / MIB for s in placement.stages]
     if placement.split:
@@ -122,15 +138,17 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
         "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "kv": str(kv_dtype).removeprefix("torch."), "cpu_activations": args.cpu_activations,
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
-        "weights_mib": round(model.w.bytes() / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
+        "weights_mib": round(sum(model.w.split().get(str(d), 0) for d in placement.devices()) / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact),
         "tier": (model.tier.mode if model.tier else "resident") if h.experts else "dense",
-        "unsupported": ",".join(UNSUPPORTED + (() if model.tier else TIER_ONLY)), **tier_info,
+        "unsupported": ",".join(UNSUPPORTED + unsupported_by_tier(model)), **tier_info,
         "generated": int(GENERATED_KEY in g.metadata),
         "layer_split": placement.describe() if placement.split else "-",
         "stage_weights_mib": ",".join(f"{mib:.0f}" for mib in stage_mib) if placement.split else "-",
         "conversation_cache_mib": args.conversation_cache_mib, "conversation_cache_slots": args.conversation_cache_slots,
     }
+    if plan.host_experts:
+        info["host_experts_mib"] = round(model.w.split().get("cpu", 0) / MIB)
     if args.batch:
         info.update(batch_slots=slots, slot_cache=1, batch_groups=groups)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))

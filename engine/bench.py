@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.experts import ExpertStats
+from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
-from engine.loading import DTYPES, open_model
+from engine.loading import DTYPES, open_model, pick_device
 from engine.models.base import Model
 from engine.protocol import Sampling
 from engine.runner import Row, Runner
+from engine.tier.flags import add_tier_flags, plan_tier, setup_tier
 
 GB = 1e9
 
@@ -63,9 +66,10 @@ class Figures:
     runner: Runner  # kept for --profile, with its sessions at the end of the run
     solo_row: Row
     batch_rows: list[Row]
+    served: ExpertStats  # routed entries of the timed one-row decode, by where they were served
 
 
-def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int) -> Figures:
+def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3) -> Figures:
     runner = Runner(model, slots, exact=False)
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
@@ -77,13 +81,15 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
 
     def one_row(steps: int) -> None:
         for _ in range(steps):
-            state["token"] = runner.decode([Row(runner.solo, state["token"], greedy, 0)])[0]
+            state["token"] = runner.decode_window([Row(runner.solo, state["token"], greedy, 0)])[0][0]
 
     read()  # warm-up, as llama-bench does: the first read also pays one-off costs (page faults, plans)
     runner.solo.tokens = []
     prefill_s = timed(device, read)
-    one_row(3)  # warm-up
+    one_row(warmup)  # warm-up (and, with an expert tier, its first rounds)
+    before = model.expert_stats()
     decode_s = timed(device, lambda: one_row(decode))
+    served = model.expert_stats() - before
     rows: list[Row] = []
     batch_tok_s = None
     if slots >= 2:
@@ -94,12 +100,12 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         def steps() -> None:
             nonlocal rows
             for _ in range(decode):
-                tokens = runner.decode(rows)
+                tokens = runner.decode_window(rows)[0]
                 rows = [Row(r.session, t, greedy, 0) for r, t in zip(rows, tokens, strict=True)]
 
         batch_tok_s = slots * decode / timed(device, steps)
     solo = Row(runner.solo, state["token"], greedy, 0)
-    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows)
+    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served)
 
 
 @dataclass
@@ -149,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
                    help="CPU decode products: int16 or float32 activations")
+    p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
+                   "adapts during them)")
+    add_tier_flags(p)
     p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
                    "print its figures beside ours")
     args = p.parse_args(argv)
@@ -157,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     cpu_kernels.set_int16(args.cpu_activations == "int16")
 
     t0 = time.perf_counter()
-    g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context)
+    plan = plan_tier(args, GGUFFile(args.model), pick_device(args.device))
+    g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context,
+                          host_experts=plan.host_experts)
+    setup_tier(args, model)
     device, dtype = model.device, model.dtype
     sync(device)
     load_s = time.perf_counter() - t0
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 256 << 20)
     per_token = model.bytes_per_token()
-    r = run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots)
+    r = run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")
     print(f"device       {device} {name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
@@ -174,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")
     bound = bw / per_token
     print(f"bound        {bound:.1f} tok/s  -> decode is {100 * r.decode_tok_s / bound:.1f}% of the bound")
+    if model.tier is not None:
+        s, tier = r.served, model.tier
+        n = max(s.lookups, 1)
+        print(f"tier         {tier.mode}: {tier.slots} slots for {tier.experts_total} experts "
+              f"({tier.slots / tier.experts_total:.0%}); timed decode served {s.vram / n:.1%} from VRAM, "
+              f"{s.pcie / n:.1%} over PCIe, {s.cpu / n:.1%} on the CPU; {tier.swaps} swaps in {tier.rounds} rounds")
     if r.batch_tok_s is not None:
         print(f"batch        {r.batch_tok_s:.1f} tok/s aggregate over {args.slots} rows "
               f"({r.batch_tok_s / r.decode_tok_s:.2f}x one row)")

@@ -153,9 +153,13 @@ def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, devi
     return ResidentExperts(gate, up, down, device)
 
 
-def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each row's k expert outputs (given in expert-sorted order) weighted and summed in a fixed order."""
+def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Each row's k expert outputs (given in expert-sorted order) weighted and summed in a fixed order;
+    `patch` (flat pair indices, their outputs) replaces the outputs of pairs computed elsewhere."""
     n, k = weights.shape
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # distinct indices: a plain scatter, deterministic
+    if patch is not None:
+        y[patch[0]] = patch[1].to(y.dtype)
     return (y.view(n, k, -1).float() * weights[..., None]).sum(dim=1).to(y_sorted.dtype)

@@ -259,13 +259,8 @@ class EngineLoop:
             return
         jobs = sorted(self.decoding.values(), key=lambda j: j.session.index)
         t0 = time.perf_counter()
-        before = self.model.expert_stats()
-        if self.model.tier is not None:
-            self.model.tier.window_start()
-        tokens = self.runner.decode([Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs])
-        window = self.model.expert_stats() - before
-        if self.model.tier is not None:
-            self.model.tier.window_done(window)
+        tokens, window = self.runner.decode_window(
+            [Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs])
         served = window.share(len(jobs))
         for job, token in zip(jobs, tokens, strict=True):
             job.experts += served

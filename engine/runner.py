@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import BatchBuilder, Span
+from engine.experts import ExpertStats
 from engine.kernels import cpu as cpu_kernels
 from engine.loading import log
 from engine.models.base import Model
@@ -164,6 +165,19 @@ class Runner:
 
     def group_of(self, session: Session) -> int:
         return min(session.index // self.group_size, self.groups - 1)
+
+    def decode_window(self, rows: list[Row]) -> tuple[list[int], ExpertStats]:
+        """`decode` as a decode window of the engine: the routed entries it served, counted, and the expert
+        tier (when there is one) told of the window, so that it adapts."""
+        tier = self.model.tier
+        before = self.model.expert_stats()
+        if tier is not None:
+            tier.window_start()
+        tokens = self.decode(rows)
+        window = self.model.expert_stats() - before
+        if tier is not None:
+            tier.window_done(window)
+        return tokens, window
 
     def decode(self, rows: list[Row]) -> list[int]:
         """One decode step: every row feeds its token, then samples its next one.

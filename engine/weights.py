@@ -64,9 +64,11 @@ def resident_bytes(info: TensorInfo, device: torch.device, dtype: torch.dtype) -
     return elements * (4 if is_vector(info) else torch.empty(0, dtype=dtype).element_size())
 
 
-def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype) -> int:
-    """All weights' bytes on `device` before loading them (slot fitting, setup)."""
-    return sum(resident_bytes(info, device, dtype) for info in g.tensors.values())
+def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False) -> int:
+    """All weights' bytes on `device` before loading them (slot fitting, setup); with `host_experts` the
+    routed expert stacks are in host memory, not on `device`."""
+    return sum(resident_bytes(info, device, dtype) for info in g.tensors.values()
+               if not (host_experts and "_exps" in info.name))
 
 
 class Linear:
@@ -135,7 +137,8 @@ class LinearStack:
     experts: list[Linear]
     dense: torch.Tensor | None  # the whole stack when held as one float tensor (the CUDA paths use it)
     nbytes: int
-    # the whole stack's blocks on CUDA, uint8 [experts, out, row_bytes] (the fused MoE kernel reads them)
+    # the whole stack's blocks when kept in them, uint8 [experts, out, row_bytes] (the fused MoE kernel
+    # reads them on CUDA; the expert tier copies cache slots from them in host memory)
     blocks: torch.Tensor | None = None
     qtype: Q | None = None
 
@@ -154,14 +157,17 @@ class Block:
 class WeightStore:
     """The model's weights, placed by the format policy on `device` (or the device a call names: a
     layer split puts each layer on its stage's), with their bytes counted per device as they are placed
-    (`bytes`, `expert_bytes`, `split`)."""
+    (`bytes`, `expert_bytes`, `split`). With `host_experts` (the expert tier on a GPU) the routed
+    expert stacks stay in host memory in their blocks, pinned for copies to the GPU."""
 
-    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype):
+    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False):
         self.g = g
         self.device = device
         self.dtype = dtype
-        self.placed: dict[str, tuple[int, str]] = {}  # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ...)
-        self.devices: dict[str, str] = {}  # tensor name -> the device it was placed on
+        self.host_experts = host_experts
+        self.experts_device = torch.device("cpu") if host_experts else device
+        # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ..., device)
+        self.placed: dict[str, tuple[int, str, str]] = {}
 
     def _info(self, name: str, dims: int | None = None) -> TensorInfo:
         info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
@@ -174,25 +180,24 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name + ".weight" in self.g.tensors or name in self.g.tensors
 
-    def _count(self, info: TensorInfo, nbytes: int, kept: bool, device: torch.device,
-               dtype: torch.dtype | None = None, key: str | None = None) -> None:
+    def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None,
+               device: torch.device | None = None, key: str | None = None) -> None:
         fmt = f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")
-        self.placed[key or info.name] = (nbytes, fmt)
-        self.devices[key or info.name] = str(device)
+        self.placed[key or info.name] = (nbytes, fmt, str(device or self.device))
 
     def _blocks(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
         return torch.from_numpy(self.g.tensor_bytes(info.name).copy())
 
-    def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return load_tensor(self.g, info.name, dtype, device)
+    def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        return load_tensor(self.g, info.name, dtype, device or self.device)
 
     def vector(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """A norm weight or a router, float32."""
         device = device or self.device
         info = self._info(name)
         t = self._dense(info, torch.float32, device)
-        self._count(info, t.numel() * 4, kept=False, device=device, dtype=torch.float32)
+        self._count(info, t.numel() * 4, kept=False, dtype=torch.float32, device=device)
         return t
 
     def linear(self, name: str, device: torch.device | None = None, key: str | None = None) -> Linear:
@@ -209,12 +214,12 @@ class WeightStore:
                               int16=False if name in HEADS else None)
         else:
             lin = DenseLinear(self._dense(info, self.dtype, device))
-        self._count(info, lin.nbytes, kept, device, key=key)
+        self._count(info, lin.nbytes, kept, device=device, key=key)
         return lin
 
     def stack(self, name: str, device: torch.device | None = None) -> LinearStack:
-        device = device or self.device
         info = self._info(name, dims=3)  # [experts, out, in]
+        device = self.experts_device if self.host_experts else device or self.device
         kept = keeps_blocks(info, device)
         if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
@@ -225,11 +230,13 @@ class WeightStore:
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
             blocks = self._blocks(info)
+            if self.device.type == "cuda":  # host copies the expert tier copies into VRAM slots
+                blocks = blocks.pin_memory()
             experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
-            stack = LinearStack(experts, None, blocks.numel())
+            stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         else:
             stack = LinearStack.of_dense(self._dense(info, self.dtype, device))
-        self._count(info, stack.nbytes, kept, device)
+        self._count(info, stack.nbytes, kept, device=device)
         return stack
 
     def block(self, i: int, device: torch.device | None = None) -> Block:
@@ -251,14 +258,14 @@ class WeightStore:
         return block
 
     def bytes(self, predicate=lambda name: True) -> int:
-        return sum(n for name, (n, _) in self.placed.items() if predicate(name))
+        return sum(n for name, (n, _, _) in self.placed.items() if predicate(name))
 
     def expert_bytes(self) -> int:
         return self.bytes(lambda name: "_exps" in name)
 
     def describe(self) -> str:
         """The formats the weights were placed in, for the log: `197 Q5_0 blocks, 109 float32`."""
-        formats = Counter(fmt for _, fmt in self.placed.values())
+        formats = Counter(fmt for _, fmt, _ in self.placed.values())
         text = ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common())
         kernels = {"cpu": ("CPU", cpu_kernels), "cuda": ("GPU", gpu_kernels)}.get(self.device.type)
         reason = kernels[1].unavailable_reason() if kernels else None
@@ -266,11 +273,13 @@ class WeightStore:
 
     def on(self, device: torch.device | str) -> Callable[[str], bool]:
         """A `bytes` predicate: the tensors placed on `device`."""
-        return lambda name: self.devices[name] == str(device)
+        return lambda name: self.placed[name][2] == str(device)
 
-    def split(self) -> dict[str, int]:
-        """Bytes placed per device, in the order the devices were first used."""
+    def split(self, predicate=lambda name: True) -> dict[str, int]:
+        """Bytes placed per device, in the order the devices were first used (a layer split's stages, the
+        host with `host_experts`)."""
         out: dict[str, int] = {}
-        for name, (n, _) in self.placed.items():
-            out[self.devices[name]] = out.get(self.devices[name], 0) + n
+        for name, (n, _, device) in self.placed.items():
+            if predicate(name):
+                out[device] = out.get(device, 0) + n
         return out

@@ -139,6 +139,26 @@ def test_slot_table_points_at_any_slots(prompt):
     assert_same_bits(per_pair(again, y_cached), per_pair(routing, y))
 
 
+@pytest.mark.parametrize("prompt", [False, True], ids=["decode", "prompt"])
+def test_slot_table_reads_far_entries_and_skips(prompt):
+    """The expert tier's table: one expert from a cache slot, one read from the `far` copy, one skipped
+    (computed elsewhere): the pairs computed are bit for bit the resident stacks' ones."""
+    stacks, _ = stacks_of(Q.Q4_K, 12)
+    rows = PROMPT_IDS if prompt else DECODE_IDS
+    x, ids = random_x(len(rows), torch.float16, seed=8), ids_of(rows)
+    routing, _, y = run(stacks, x, ids, prompt)
+    routed = sorted({e for row in rows for e in row})
+    cached, far, skipped = routed[0], routed[1:-1], routed[-1]
+    slot_of = torch.full((E,), tm.SKIP, dtype=torch.int32)
+    slot_of[cached] = 0
+    for e in far:
+        slot_of[e] = tm.far_slot(e)
+    tier = [tm.Stack(s.qtype, s.blocks[[cached]].contiguous(), s.k, TILES, far=s.blocks) for s in stacks]
+    again, _, y_tier = run(tier, x, ids, prompt, slot_of.to(DEVICE))
+    done = (ids != skipped).cpu()
+    assert_same_bits(per_pair(again, y_tier)[done], per_pair(routing, y)[done])
+
+
 def block_stack(qtype: Q, seed: int, n: int, k: int) -> tuple[LinearStack, LinearStack]:
     """A stack kept in its blocks (as the store keeps it on CUDA) and the same stack dense on the CPU."""
     blocks = random_blocks(qtype, E * n, k, torch.Generator().manual_seed(seed)).to(DEVICE)

@@ -2,8 +2,10 @@
 gate and up together (their SwiGLU applied in the same launch), each expert's weights read from its blocks.
 
 The experts of a layer are stacks of the file's blocks, uint8 `[slots, n, row_bytes]` (`Stack`); an expert
-id is looked up through a slot table (`slot_of[expert] -> slot`, int32 on the device), so a cache of slots
-can stand in for the whole expert tensor. A window's routed pairs are sorted by expert (`Routing`, on
+id is looked up through a slot table (`slot_of[expert]`, int32 on the device), so a cache of slots can
+stand in for the whole expert tensor: `slot >= 0` reads the stack's slot, `SKIP` (-1) leaves the pair's
+output row unwritten (another device computes it), `far_slot(i)` (-2 - i) reads entry i of the stack's
+`far` tensor (the expert tier's copy of every expert in pinned host memory, read over PCIe). A window's routed pairs are sorted by expert (`Routing`, on
 the device, no host sync):
 
 - decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
@@ -60,8 +62,17 @@ def _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE: tl.constexpr,
     return acc
 
 
+@triton.jit
+def _expert_at(w, far, slot, expert_bytes):
+    """The expert's blocks: slot `slot` of the stack, or entry -2 - slot of `far` (slot <= -2)."""
+    base = w + slot * expert_bytes
+    if slot < -1:
+        base = far + (-2 - slot) * expert_bytes
+    return base
+
+
 @triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
-def _moe_matvec_kernel(w, w2, slot_of, experts, src, x, y, pairs, n, k, row_bytes, expert_bytes, row_bytes2,
+def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, y, pairs, n, k, row_bytes, expert_bytes, row_bytes2,
                        expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                        QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr, GATED: tl.constexpr,
                        R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
@@ -69,15 +80,15 @@ def _moe_matvec_kernel(w, w2, slot_of, experts, src, x, y, pairs, n, k, row_byte
     p = tl.program_id(1)
     e = tl.load(experts + p)
     before = tl.load(experts + p - 1, mask=p > 0, other=-1)
-    if e != before:  # the first pair of its expert's run; the run's other pairs follow it
+    slot = tl.load(slot_of + e).to(tl.int64)
+    if (e != before) & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
-        slot = tl.load(slot_of + e).to(tl.int64)
-        acc = _matvec_run(w + slot * expert_bytes, x, src, p, count, rows, n, k, row_bytes, QTYPE, GROUP,
-                          HAS_MIN, R, BK, ROWS)
+        acc = _matvec_run(_expert_at(w, wf, slot, expert_bytes), x, src, p, count, rows, n, k, row_bytes, QTYPE,
+                          GROUP, HAS_MIN, R, BK, ROWS)
         if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
-            up = _matvec_run(w2 + slot * expert_bytes2, x, src, p, count, rows, n, k, row_bytes2, QTYPE2, GROUP2,
-                             HAS_MIN2, R, BK, ROWS)
+            up = _matvec_run(_expert_at(w2, wf2, slot, expert_bytes2), x, src, p, count, rows, n, k, row_bytes2,
+                             QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS)
             acc = acc * tl.sigmoid(acc) * up
         r = tl.arange(0, ROWS)[:, None]
         out = y + (p + r).to(tl.int64) * n + rows[None, :]
@@ -104,25 +115,25 @@ def _gemm_tile(w, xs_at, live, rows, n, k, row_bytes, acc, x_dtype: tl.constexpr
 
 
 @triton.jit
-def _moe_gemm_kernel(w, w2, slot_of, tile_expert, padded, src, x, y, n, k, row_bytes, expert_bytes, row_bytes2,
-                     expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, QTYPE2: tl.constexpr,
+def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, x, y, n, k, row_bytes, expert_bytes,
+                     row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, QTYPE2: tl.constexpr,
                      GROUP2: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr):
     t = tl.program_id(0)
     e = tl.load(tile_expert + t)
-    if e >= 0:  # tiles past the window's last one have no expert
+    slot = tl.load(slot_of + e, mask=e >= 0, other=-1).to(tl.int64)
+    if slot != -1:  # tiles past the window's last one have no expert
         ps = tl.load(padded + t * BM + tl.arange(0, BM))  # sorted pair positions, -1 where padded
         live = (ps >= 0)[:, None]
         xrow = tl.load(src + ps, mask=ps >= 0, other=0).to(tl.int64)
         xs_at = x + xrow[:, None] * k
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
-        slot = tl.load(slot_of + e).to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc = _gemm_tile(w + slot * expert_bytes, xs_at, live, rows, n, k, row_bytes, acc, x.dtype.element_ty,
+        acc = _gemm_tile(_expert_at(w, wf, slot, expert_bytes), xs_at, live, rows, n, k, row_bytes, acc, x.dtype.element_ty,
                          QTYPE, GROUP, BN, BK)
         if GATED:
             up = tl.zeros((BM, BN), dtype=tl.float32)
-            up = _gemm_tile(w2 + slot * expert_bytes2, xs_at, live, rows, n, k, row_bytes2, up,
+            up = _gemm_tile(_expert_at(w2, wf2, slot, expert_bytes2), xs_at, live, rows, n, k, row_bytes2, up,
                             x.dtype.element_ty, QTYPE2, GROUP2, BN, BK)
             acc = acc * tl.sigmoid(acc) * up
         out = y + ps.to(tl.int64)[:, None] * n + rows[None, :]
@@ -150,20 +161,33 @@ class Tiles:
         return cls(4 if gated else 8, min(wide, triton.next_power_of_2(k)), 64, 64, 64)
 
 
+SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
+
+
+def far_slot(index: int) -> int:
+    """The slot table entry that reads entry `index` of the stack's `far` tensor."""
+    return -2 - index
+
+
 class Stack:
     """One projection of a layer's experts: `qtype` blocks, uint8 `[slots, n, row_bytes(qtype, k)]` on the
-    kernels' device, checked once."""
+    kernels' device, and optionally `far`, uint8 `[entries, n, row_bytes]` the kernels read in place
+    (pinned host memory on CUDA: every read crosses PCIe), checked once."""
 
-    def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, tiles: Tiles | None = None):
+    def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, tiles: Tiles | None = None,
+                 far: torch.Tensor | None = None):
         if qtype not in SUPPORTED:
             names = ", ".join(t.name for t in SUPPORTED)
             raise ValueError(f"{Q(qtype).name} has no Triton kernel (supported: {names})")
-        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != row_bytes(qtype, k):
-            raise ValueError(f"blocks must be uint8 [slots, n, {row_bytes(qtype, k)}] for {qtype.name} with "
-                             f"k={k}, got {blocks.dtype} {tuple(blocks.shape)}")
-        if not blocks.is_contiguous():
-            raise ValueError("blocks must be contiguous")
+        for name, t in (("blocks", blocks), ("far", blocks if far is None else far)):
+            if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[1:] != blocks.shape[1:] or \
+                    t.shape[2] != row_bytes(qtype, k):
+                raise ValueError(f"{name} must be uint8 [slots, n, {row_bytes(qtype, k)}] for {qtype.name} with "
+                                 f"k={k}, got {t.dtype} {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
         self.qtype, self.blocks, self.k = qtype, blocks, k
+        self.far = blocks if far is None else far
         self.slots, self.n, self.row_bytes = blocks.shape
         self.expert_bytes = self.n * self.row_bytes
         self._tiles = tiles  # None: from the shape
@@ -257,7 +281,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
                              f"chunks with gemm_m")
         grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
-        _moe_matvec_kernel[grid](w.blocks, other.blocks, slot_of, routing.experts, src, x, y, pairs, w.n, w.k,
+        _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, x, y, pairs, w.n, w.k,
                                  *sizes, **w.type_args(), **other.type_args("2"), GATED=gated,
                                  R=tiles.matvec_rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS,
                                  num_warps=tiles.matvec_warps, **_FUSED)
@@ -267,7 +291,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
                              f"stack.gemm_m)")
         grid = (routing.tile_expert.numel(), triton.cdiv(w.n, tiles.gemm_n))
         args = {key: v for key, v in (w.type_args() | other.type_args("2")).items() if not key.startswith("HAS")}
-        _moe_gemm_kernel[grid](w.blocks, other.blocks, slot_of, routing.tile_expert, routing.padded, src, x, y,
+        _moe_gemm_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.tile_expert, routing.padded, src, x, y,
                                w.n, w.k, *sizes, **args, GATED=gated, BM=tiles.gemm_m, BN=tiles.gemm_n,
                                BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED)
     return y

@@ -33,7 +33,8 @@ class Model:
     tier: Tier | None = None  # the expert tier, when `engine.tier.install_tier` put one in place
 
     def __init__(self, g: GGUFFile, hyper: Hyper, device: torch.device, dtype: torch.dtype, sessions: int,
-                 context: int, max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None):
+                 context: int, max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
+                 host_experts: bool = False):
         self.hyper = hyper
         self.placement = placement or Placement.single(device, hyper.layers)
         self.handoff: Handoff = LocalHandoff()
@@ -41,7 +42,7 @@ class Model:
         last = self.placement.last.device
         self.dtype = dtype
         self.context = context
-        self.w = WeightStore(g, device, dtype)
+        self.w = WeightStore(g, device, dtype, host_experts)
         self.token_embd = self.w.linear("token_embd")
         self.output_norm = self.w.vector("output_norm", last)
         if self.w.has("output"):

@@ -18,13 +18,15 @@ class Qwen3Moe(Model):
     arch = "qwen3moe"
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None):
+                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
+                 host_experts: bool = False):
         hyper = Hyper.from_gguf(g)
-        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype, placement)
+        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype, placement, host_experts)
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device)
         self.scale = default_scale(hyper.head_dim)
-        for i, b in enumerate(self.blk):
-            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, self.placement.device_of(i))
+        for i, b in enumerate(self.blk):  # the expert tier (engine/tier) puts its own in place of these
+            device = self.w.experts_device if self.w.host_experts else self.placement.device_of(i)
+            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
+
+import torch
 
 from engine.experts import ExpertStats
+from engine.gguf_file import GGUFFile
+from engine.hyper import Hyper
 from engine.loading import log
-from engine.memory import MIB
+from engine.memory import MIB, free_bytes
 from engine.models.base import Model
-from engine.tier import FIXED, AdaptPolicy, RoutingProfile, TierError, install_tier, parse_expert_cache
+from engine.tier import FIXED, AdaptPolicy, RoutingProfile, Tier, TierError, install_tier, parse_expert_cache
+from engine.tier.sizing import VRAM_RESERVE_MIB, auto_slots, cache_bytes, slot_bytes
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -24,6 +30,27 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt-min-gain", type=float, default=1.5, help="count ratio a swap must clear")
     p.add_argument("--adapt-async", type=int, default=0, choices=(0, 1))
     p.add_argument("--pcie-frac", type=float, default=-1.0, help="share of misses read over PCIe (-1: engine's choice)")
+    p.add_argument("--vram-reserve-mib", type=int, default=VRAM_RESERVE_MIB,
+                   help="VRAM left free beside the expert cache by --expert-cache auto")
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """What the tier asks of loading: routed experts kept in host memory (the GPU tier), and the VRAM bytes
+    an explicit cache size takes (before the batch slots are fitted)."""
+
+    host_experts: bool = False
+    taken: int = 0
+
+
+def plan_tier(args: argparse.Namespace, g: GGUFFile, device: torch.device) -> TierPlan:
+    h = Hyper.from_gguf(g)
+    if args.expert_cache is None or device.type != "cuda" or not h.experts:
+        return TierPlan()
+    cache = parse_expert_cache(args.expert_cache)
+    taken = 0 if cache == "auto" else cache_bytes(min(cache, h.layers * h.experts),
+                                                    slot_bytes(g, h.layers, h.experts))
+    return TierPlan(host_experts=True, taken=taken)
 
 
 def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float | str]:
@@ -39,29 +66,61 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
         if args.expert_profile or args.expert_profile_save:
             raise TierError("--expert-profile/--expert-profile-save need an expert tier (--expert-cache on a MoE model)")
         return {}
+    h = model.hyper
+    gpu = model.device.type == "cuda"
     if cache == "auto":
-        why = ("the tier's GPU part is not built yet" if model.device.type == "cuda"
-               else "no VRAM to size a cache from on the CPU (--expert-cache N runs the simulated tier)")
-        log(f"--expert-cache auto: every expert stays resident: {why}")
-        return {}
+        if not gpu:
+            log("--expert-cache auto: every expert stays resident: no VRAM to size a cache from on the CPU "
+                "(--expert-cache N runs the simulated tier)")
+            return {}
+        free, _ = free_bytes(model.device)
+        cache = auto_slots(free, args.vram_reserve_mib, slot_bytes(model.w.g, h.layers, h.experts), h.experts)
+        log(f"--expert-cache auto: {cache} slots fit in {free / MIB:.0f} MiB free less the "
+            f"{args.vram_reserve_mib} MiB reserve")
     save_dir = os.path.dirname(args.expert_profile_save or "") or "."
     if args.expert_profile_save and not os.path.isdir(save_dir):
         raise TierError(f"--expert-profile-save {args.expert_profile_save}: no directory {save_dir}")
-    h = model.hyper
     if cache > h.layers * h.experts:
         log(f"--expert-cache {cache}: the model has {h.layers * h.experts} routed experts; caching all of them")
     profile = RoutingProfile.load(args.expert_profile) if args.expert_profile else None
-    tier = install_tier(model, min(cache, h.layers * h.experts), policy, profile)
-    if args.pcie_frac > 0:
+    pcie = max(args.pcie_frac, 0.0) if gpu else 0.0
+    tier = install_tier(model, min(cache, h.layers * h.experts), policy, profile, pcie_frac=pcie)
+    if gpu:
+        pcie = choose_pcie(tier, args.pcie_frac)
+    elif args.pcie_frac > 0:
         log(f"--pcie-frac {args.pcie_frac:g}: the simulated tier has no PCIe link; misses run on the CPU (pcie_frac=0)")
     if args.adapt_async:
-        log("--adapt-async 1: the simulated tier has no copy stream; rounds run blocking before the next window")
+        log("--adapt-async 1: rounds run blocking (" + ("their copies are queued on the compute stream before the "
+            "next window; the host does not wait for them" if gpu else "the simulated tier has no copy stream") + ")")
     mode = "static" if policy.every == 0 else "fixed" if not policy.adapts else f"every {policy.every} windows"
-    log(f"expert tier (simulated: slots in host RAM, cached experts and misses on the CPU): {tier.slots} slots "
-        f"for {tier.experts_total} experts ({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
+    where = ("VRAM slots, misses over PCIe or on the CPU beside the GPU" if gpu
+             else "simulated: slots in host RAM, cached experts and misses on the CPU")
+    log(f"expert tier ({where}): {tier.slots} slots for {tier.experts_total} experts "
+        f"({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
         f"seeded {'from ' + args.expert_profile if profile else 'from the first windows'}, adaptation {mode}")
-    return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": 0, "adapt_every": policy.every,
+    return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": pcie, "adapt_every": policy.every,
             "adapt_async": 0, "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
+
+
+def choose_pcie(tier: Tier, asked: float) -> float:
+    """The GPU tier's share of misses read over PCIe: as asked, or measured (-1); prompt chunks stream their
+    misses over PCIe unless the GPU cannot read host memory here."""
+    from engine.tier.gpu_experts import measure_pcie_frac  # imports Triton
+
+    empty = next((layer for layer in tier.layers if layer.slots.cached() == 0), None)
+    if empty is None:  # every layer holds experts: nothing to time, and few misses to share
+        share, why = max(asked, 0.0), "every layer's slots are seeded; not measured"
+    else:
+        share, why = measure_pcie_frac(empty)
+        if share == 0.0 and "cannot read" in why:
+            for layer in tier.layers:
+                layer.streams = False
+    if asked >= 0 and "cannot read" not in why:
+        share, why = asked, "as asked"
+    for layer in tier.layers:
+        layer.pcie_frac = share
+    log(f"--pcie-frac {asked:g}: {share:g} ({why})")
+    return share
 
 
 def finish_tier(args: argparse.Namespace, model: Model, served: ExpertStats) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +27,10 @@ from engine.models.base import Model
 from engine.tier.experts import TieredExperts
 from engine.tier.policy import AdaptPolicy, Swap, plan_round
 from engine.tier.profile import RoutingProfile
-from engine.tier.slots import LayerSlots
+from engine.tier.slots import LayerSlots, SlotTable
+
+if TYPE_CHECKING:
+    from engine.tier.gpu_experts import GpuTieredExperts
 
 SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
 WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
@@ -37,11 +41,11 @@ class TierError(ValueError):
 
 
 class Tier:
-    mode = "simulated"  # cache slots in host RAM, cached experts and misses both on the CPU
-
-    def __init__(self, layers: list[TieredExperts], policy: AdaptPolicy):
+    def __init__(self, layers: list[TieredExperts] | list[GpuTieredExperts], policy: AdaptPolicy,
+                 mode: str = "simulated"):
         self.layers = layers
         self.policy = policy
+        self.mode = mode  # gpu: VRAM slots, misses over PCIe or on the CPU; simulated: host slots, all on the CPU
         self.windows = 0
         self.rounds = 0
         self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
@@ -129,19 +133,19 @@ def split_slots(total: int, layers: int, experts: int) -> list[int]:
     return [min(experts, base + (i < extra)) for i in range(layers)]
 
 
-def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: RoutingProfile | None = None) -> Tier:
-    """Replace the model's per-layer experts by `TieredExperts` over a cache of `slots` slots in all
-    (see `split_slots`), seeded from `profile` when given; sets and returns `model.tier`."""
+def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: RoutingProfile | None = None,
+                 pcie_frac: float = 0.0) -> Tier:
+    """Replace the model's per-layer experts by tiered ones over a cache of `slots` slots in all (see
+    `split_slots`), seeded from `profile` when given; sets and returns `model.tier`. On CUDA the slots
+    are in VRAM (`GpuTieredExperts`: the model must have kept its experts in host memory,
+    `load_model(host_experts=True)`), on the CPU they are simulated (`TieredExperts`)."""
     h = model.hyper
     if not h.experts:
         raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
-    if model.device.type != "cpu":
-        raise TierError("--expert-cache: the tier's GPU part (VRAM slots, CPU misses beside the GPU) is not "
-                        "built yet; --device cpu runs the simulated tier")
     stacks = []
     for i, b in enumerate(model.blk):
         ex = getattr(b, "experts", None)
-        if isinstance(ex, TieredExperts):
+        if isinstance(getattr(ex, "slots", None), SlotTable):  # a tier installed before
             stacks.append(ex.slots.host)
         elif isinstance(ex, ResidentExperts):
             stacks.append((ex.gate, ex.up, ex.down))
@@ -149,10 +153,22 @@ def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: Routing
             raise TierError(f"--expert-cache: layer {i} of this {model.arch} model has no SwiGLU expert stacks "
                             "the tier can cache")
     per_layer = split_slots(slots, len(stacks), h.experts)
-    layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
+    if model.device.type == "cuda":
+        from engine.tier.gpu_experts import GpuTieredExperts  # imports Triton, so only when it is used
+        from engine.tier.gpu_slots import GpuLayerSlots
+
+        try:
+            layers = [GpuTieredExperts(GpuLayerSlots(*s, n, model.device), pcie_frac)
+                      for s, n in zip(stacks, per_layer, strict=True)]
+        except ValueError as exc:
+            raise TierError(f"--expert-cache: {exc}") from None
+        mode = "gpu"
+    else:
+        layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
+        mode = "simulated"
     for b, layer in zip(model.blk, layers, strict=True):
         b.experts = layer
-    tier = Tier(layers, policy)
+    tier = Tier(layers, policy, mode)
     tier.seed(profile)
     model.tier = tier
     return tier

@@ -1,0 +1,49 @@
+"""`GpuLayerSlots`: one layer's expert cache in VRAM for the fused MoE kernel.
+
+Each projection's slots are one uint8 stack `[slots, n, row_bytes]` on the device, in the file's
+blocks, and the layer's host stack (pinned) is the kernel's `far` tensor: an expert the table marks
+`far_slot(e)` is read from host memory over PCIe in place. `fill` copies an expert's blocks from the
+pinned host stack into its slot on the current CUDA stream, so the copy is ordered before the next
+window's kernels and the host never waits for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels import triton_moe
+from engine.tier.slots import SlotTable
+from engine.weights import LinearStack
+
+
+def host_blocks(stack: LinearStack) -> torch.Tensor:
+    """The stack's blocks in host memory (as `WeightStore(host_experts=True)` keeps them)."""
+    if stack.blocks is None or stack.qtype is None or stack.blocks.device.type != "cpu":
+        raise ValueError("the GPU expert tier needs the expert stacks in host memory in their blocks "
+                         "(a type the CPU and GPU kernels both read)")
+    return stack.blocks
+
+
+class GpuLayerSlots(SlotTable):
+    def __init__(self, gate: LinearStack, up: LinearStack, down: LinearStack, slots: int, device: torch.device,
+                 tiles: triton_moe.Tiles | None = None):
+        super().__init__(host_blocks(gate).shape[0], slots)
+        self.host = (gate, up, down)
+        self.device = device
+        # at least one slot's buffer: the kernel takes a stack's pointer even when the table never points at it
+        self.buffers = tuple(torch.empty((max(slots, 1), *host_blocks(s).shape[1:]), dtype=torch.uint8, device=device)
+                             for s in self.host)
+        self.stacks = tuple(triton_moe.Stack(s.qtype, buf, s.experts[0].in_features, tiles, far=host_blocks(s))
+                            for s, buf in zip(self.host, self.buffers, strict=True))
+
+    def nbytes(self) -> int:
+        return self.size * sum(b[0].numel() for b in self.buffers)
+
+    def fill(self, slot: int, expert: int) -> None:
+        for buf, stack in zip(self.buffers, self.host, strict=True):
+            buf[slot].copy_(stack.blocks[expert], non_blocking=True)
+
+    @staticmethod
+    def expert_bytes(gate: LinearStack, up: LinearStack, down: LinearStack) -> int:
+        """One slot's bytes: an expert's three matrices."""
+        return sum(host_blocks(s)[0].numel() for s in (gate, up, down))

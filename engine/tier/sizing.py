@@ -1,0 +1,36 @@
+"""How many VRAM cache slots fit: a slot's bytes from the file, `--expert-cache auto` from free VRAM."""
+
+from __future__ import annotations
+
+from engine.gguf_file import GGUFFile
+from engine.memory import MIB
+
+PROJECTIONS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+VRAM_RESERVE_MIB = 700  # left free beside the cache for activations and the CUDA context (upstream's default)
+
+
+def slot_bytes(g: GGUFFile, layers: int, experts: int) -> list[int]:
+    """Per layer, the bytes of one expert's three matrices in the file's format (one cache slot)."""
+    out = []
+    for i in range(layers):
+        total = 0
+        for name in PROJECTIONS:
+            info = g.tensors.get(f"blk.{i}.{name}.weight")
+            if info is None:
+                raise ValueError(f"{g.path}: layer {i} has no {name} tensor: the tier caches SwiGLU expert stacks")
+            total += info.nbytes // experts
+        out.append(total)
+    return out
+
+
+def cache_bytes(slots: int, per_layer: list[int]) -> int:
+    """Bytes `slots` slots spread over the layers take (an upper bound: every layer's share at its largest)."""
+    return -(-slots // len(per_layer)) * sum(per_layer)
+
+
+def auto_slots(free: int, reserve_mib: int, per_layer: list[int], experts: int) -> int:
+    """`--expert-cache auto`: the slots that fit in `free` bytes less the reserve, at most every expert;
+    each layer gets the same share, so whole rounds of one slot per layer."""
+    usable = max(0, free - reserve_mib * MIB)
+    per_round = sum(per_layer)  # one slot in every layer
+    return min(experts, usable // per_round) * len(per_layer)

@@ -1,0 +1,123 @@
+"""The GPU expert tier's layer (engine/tier/gpu_experts.py, gpu_slots.py) at small shapes: in Triton's
+interpreter on the CPU (CI, the "VRAM" slots then in host memory too), compiled on a GPU, where the
+host stacks are pinned and the kernel reads them over PCIe. Cached experts, misses read in place
+(`far`) and misses on the CPU, each counted; kernel-computed pairs bit for bit the resident kernel's."""
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
+
+pytest.importorskip("triton")
+
+from engine.experts import ResidentExperts  # noqa: E402
+from engine.experts_blocks import BlockExperts  # noqa: E402
+from engine.kernels import cpu as cpu_kernels  # noqa: E402
+from engine.kernels import triton_moe as tm  # noqa: E402
+from engine.kernels.triton_blocks import random_blocks  # noqa: E402
+from engine.linear_gpu import GpuBlockLinear  # noqa: E402
+from engine.tier.gpu_experts import GpuTieredExperts  # noqa: E402
+from engine.tier.gpu_slots import GpuLayerSlots  # noqa: E402
+from engine.weights import BlockLinear, LinearStack  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+              pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need a C compiler")]
+
+E, H, FF = 6, 256, 256
+TILES = tm.Tiles(matvec_rows=256, matvec_k=256, gemm_m=8, gemm_n=256, gemm_k=256) if DEVICE == "cpu" else None
+DECODE_IDS = [[1, 3], [3, 0], [4, 1]]
+PROMPT_IDS = [[r % E, (r + 2) % E] for r in range(18)]  # more rows than a decode window: a prompt chunk
+
+
+def stacks(seed: int) -> tuple[list[LinearStack], list[LinearStack]]:
+    """gate, up (Q4_K) and down (Q6_K) in host memory as the store keeps them for the tier, and the same
+    blocks on the device as the resident kernel reads them."""
+    host, device = [], []
+    for i, (qtype, n, k) in enumerate(((Q.Q4_K, FF, H), (Q.Q4_K, FF, H), (Q.Q6_K, H, FF))):
+        blocks = random_blocks(qtype, E * n, k, torch.Generator().manual_seed(seed + i)).view(E, n, -1)
+        pinned = blocks.pin_memory() if DEVICE == "cuda" else blocks
+        host.append(LinearStack([BlockLinear(qtype, pinned[e], k) for e in range(E)], None, blocks.numel(), pinned, qtype))
+        on = blocks.to(DEVICE)
+        device.append(LinearStack([GpuBlockLinear(qtype, on[e], k, torch.device(DEVICE)) for e in range(E)], None,
+                                  blocks.numel(), on, qtype))
+    return host, device
+
+
+@pytest.fixture(scope="module")
+def layer():
+    host, device = stacks(21)
+    resident = BlockExperts(*device, torch.device(DEVICE), TILES)
+    return host, resident
+
+
+def inputs(rows: list[list[int]], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(len(rows), H, generator=gen) / 16).to(DEVICE, torch.float32)
+    weights = torch.rand(len(rows), 2, generator=gen).to(DEVICE)
+    return x, weights, torch.tensor(rows, device=DEVICE)
+
+
+def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float) -> GpuTieredExperts:
+    slots = GpuLayerSlots(*host, len(cached), torch.device(DEVICE), TILES)
+    for slot, expert in enumerate(cached):
+        slots.load(slot, expert)
+    return GpuTieredExperts(slots, pcie_frac)
+
+
+@pytest.mark.parametrize("rows", [DECODE_IDS, PROMPT_IDS], ids=["decode", "prompt"])
+def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows):
+    host, resident = layer
+    x, weights, ids = inputs(rows, 1)
+    tier = tiered(host, [3, 1], pcie_frac=1.0)
+    got = tier(x, weights, ids)
+    assert torch.equal(got, resident(x, weights, ids))
+    s = tier.stats()
+    cached = sum(e in (3, 1) for row in rows for e in row)
+    assert (s.lookups, s.vram, s.pcie, s.cpu) == (len(rows) * 2, cached, len(rows) * 2 - cached, 0)
+
+
+def test_misses_on_the_cpu_are_patched_in(layer):
+    host, resident = layer
+    x, weights, ids = inputs(DECODE_IDS, 2)
+    tier = tiered(host, [3], pcie_frac=0.0)
+    got = tier(x, weights, ids)
+    want = ResidentExperts(*host, torch.device("cpu"))(x.cpu(), weights.cpu(), ids.cpu())
+    assert torch.allclose(got.cpu(), want, rtol=1e-3, atol=1e-3 * want.abs().max().item()), (got.cpu() - want).abs().max()
+    s = tier.stats()
+    assert (s.lookups, s.vram, s.pcie, s.cpu) == (6, 2, 0, 4) and s.cpu_us > 0
+    assert tier.routed.tolist() == [1, 2, 0, 2, 1, 0]
+
+
+def test_a_share_of_misses_over_pcie_most_routed_first(layer):
+    host, _ = layer
+    tier = tiered(host, [], pcie_frac=0.5)
+    counts = torch.tensor([1, 2, 0, 2, 1, 0])
+    assert tier.split_misses([0, 1, 3, 4], counts, rows=3) == ([1, 3], [0, 4])
+    assert tier.split_misses([0, 1, 3, 4], counts, rows=17) == ([0, 1, 3, 4], [])  # a chunk streams its misses
+    tier.streams = False
+    assert tier.split_misses([0, 1], counts, rows=17) == ([1], [0])
+
+
+def test_swaps_change_what_the_cache_serves(layer):
+    host, resident = layer
+    x, weights, ids = inputs(DECODE_IDS, 3)
+    tier = tiered(host, [0, 2], pcie_frac=1.0)
+    tier.slots.load(1, 1)  # expert 2 out, expert 1 in
+    assert tier.slots.expert_at == [0, 1] and tier.slots.slot_of.tolist() == [0, 1, -1, -1, -1, -1]
+    assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))
+    assert tier.stats().vram == 3  # expert 1 twice, expert 0 once
+    with pytest.raises(ValueError, match="already cached"):
+        tier.slots.load(0, 1)
+
+
+def test_slots_need_host_blocks(layer):
+    _, device = stacks(5)
+    if DEVICE == "cpu":
+        pytest.skip("on the CPU the device's stacks are host stacks")
+    with pytest.raises(ValueError, match="host memory"):
+        GpuLayerSlots(*device, 2, torch.device(DEVICE), TILES)
