@@ -42,8 +42,9 @@ class Stage:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """The stage's device as CUDA's current device while its kernels are launched (Triton launches
-        on the current device, not the tensors'); nothing to do on the CPU."""
-        if self.device.type != "cuda":
+        on the current device, not the tensors'); nothing to do on the CPU or on an unsplit engine's
+        `cuda` (no index: the current device already)."""
+        if self.device.type != "cuda" or self.device.index is None:
             yield
             return
         with torch.cuda.device(self.device):
