@@ -103,8 +103,6 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
         kv_dtype = pick_kv_dtype(args.kv, device, dtype)
         placement = plan_stages(args.layer_split, Hyper.from_gguf(g).layers, device)
         plan = plan_tier(args, g, device)
-        if plan.host_experts and placement.split:
-            raise ValueError("--expert-cache with --layer-split: the GPU expert tier runs on one GPU for now")
         slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, placement,
                           plan.host_experts, plan.taken)
         groups, groups_note = plan_groups(args.batch_groups, slots, len(placement.stages))
