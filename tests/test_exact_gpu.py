@@ -8,6 +8,7 @@ import torch
 
 from engine.check import Driver
 from engine.scenarios import cases
+from engine.tier import FIXED, AdaptPolicy, RoutingProfile, install_tier
 from strata_desk.testmodel import write_test_model
 
 pytestmark = [
@@ -37,6 +38,29 @@ def test_batch_equals_solo_run_after_run(driver, case, keys):
     with torch.inference_mode():
         failures = [f"run {run}: {f}" for run in range(RUNS) for f in CASES[case](driver, keys).failures]
     assert failures == []
+
+
+@pytest.fixture(scope="module")
+def tier_driver(model):
+    """Half the experts in VRAM slots, seeded from a profile and fixed, misses on the CPU (upstream's exact
+    settings: --adapt-every 1000000 --pcie-frac 0)."""
+    if "bf16" in model.name:
+        pytest.skip("the GPU tier's slots hold blocks the kernels read: the Q4_K_M mix")
+    d = Driver.load(str(model), slots=8, device="cuda", exact=True, prefill=16, host_experts=True)
+    h = d.model.hyper
+    profile = RoutingProfile("q30", [[(e * 37) % h.experts for e in range(h.experts)]] * h.layers)
+    install_tier(d.model, h.layers * h.experts // 2, AdaptPolicy(every=FIXED), profile, pcie_frac=0.0)
+    return d
+
+
+@pytest.mark.parametrize("keys", ["", SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_batch_equals_solo_with_the_gpu_expert_tier(tier_driver, case, keys):
+    with torch.inference_mode():
+        failures = [f"run {run}: {f}" for run in range(2) for f in CASES[case](tier_driver, keys).failures]
+    assert failures == []
+    served = tier_driver.model.expert_stats()
+    assert served.vram and served.cpu and not served.pcie  # both sides served entries
 
 
 @pytest.mark.parametrize("mode", ["default", "exact"])

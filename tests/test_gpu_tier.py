@@ -22,7 +22,7 @@ from engine.kernels import triton_moe as tm  # noqa: E402
 from engine.kernels.triton_blocks import random_blocks  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 from engine.tier.gpu_experts import GpuTieredExperts  # noqa: E402
-from engine.tier.gpu_slots import GpuLayerSlots  # noqa: E402
+from engine.tier.gpu_slots import GpuLayerSlots, Staging  # noqa: E402
 from engine.weights import BlockLinear, LinearStack  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
@@ -62,18 +62,19 @@ def inputs(rows: list[list[int]], seed: int) -> tuple[torch.Tensor, torch.Tensor
     return x, weights, torch.tensor(rows, device=DEVICE)
 
 
-def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float) -> GpuTieredExperts:
+def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float, staged: bool = False) -> GpuTieredExperts:
     slots = GpuLayerSlots(*host, len(cached), torch.device(DEVICE), TILES)
     for slot, expert in enumerate(cached):
         slots.load(slot, expert)
-    return GpuTieredExperts(slots, pcie_frac)
+    return GpuTieredExperts(slots, pcie_frac, staging=Staging([slots]) if staged else None)
 
 
-@pytest.mark.parametrize("rows", [DECODE_IDS, PROMPT_IDS], ids=["decode", "prompt"])
-def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows):
+@pytest.mark.parametrize(("rows", "staged"), [(DECODE_IDS, False), (PROMPT_IDS, False), (PROMPT_IDS, True)],
+                         ids=["decode", "prompt-in-place", "prompt-staged"])
+def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, staged):
     host, resident = layer
     x, weights, ids = inputs(rows, 1)
-    tier = tiered(host, [3, 1], pcie_frac=1.0)
+    tier = tiered(host, [3, 1], pcie_frac=1.0, staged=staged)
     got = tier(x, weights, ids)
     assert torch.equal(got, resident(x, weights, ids))
     s = tier.stats()

@@ -195,6 +195,10 @@ class Stack:
     def tiles(self, gated: bool) -> Tiles:
         return self._tiles or Tiles.for_stack(self.qtype, self.k, gated)
 
+    def with_far(self, far: torch.Tensor) -> Stack:
+        """The same stack reading its far entries from `far`."""
+        return Stack(self.qtype, self.blocks, self.k, self._tiles, far)
+
     @property
     def gemm_m(self) -> int:
         """Pairs per GEMM tile (what `Routing.of` pads each expert's pairs to for this stack)."""

@@ -16,7 +16,7 @@ from engine.loading import log
 from engine.memory import MIB, free_bytes
 from engine.models.base import Model
 from engine.tier import FIXED, AdaptPolicy, RoutingProfile, Tier, TierError, install_tier, parse_expert_cache
-from engine.tier.sizing import VRAM_RESERVE_MIB, auto_slots, cache_bytes, slot_bytes
+from engine.tier.sizing import VRAM_RESERVE_MIB, auto_slots, cache_bytes, slot_bytes, staging_bytes
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -48,8 +48,10 @@ def plan_tier(args: argparse.Namespace, g: GGUFFile, device: torch.device) -> Ti
     if args.expert_cache is None or device.type != "cuda" or not h.experts:
         return TierPlan()
     cache = parse_expert_cache(args.expert_cache)
-    taken = 0 if cache == "auto" else cache_bytes(min(cache, h.layers * h.experts),
-                                                    slot_bytes(g, h.layers, h.experts))
+    per_layer = slot_bytes(g, h.layers, h.experts)
+    taken = staging_bytes(per_layer, h.experts)
+    if cache != "auto":
+        taken += cache_bytes(min(cache, h.layers * h.experts), per_layer)
     return TierPlan(host_experts=True, taken=taken)
 
 
@@ -74,9 +76,11 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
                 "(--expert-cache N runs the simulated tier)")
             return {}
         free, _ = free_bytes(model.device)
-        cache = auto_slots(free, args.vram_reserve_mib, slot_bytes(model.w.g, h.layers, h.experts), h.experts)
-        log(f"--expert-cache auto: {cache} slots fit in {free / MIB:.0f} MiB free less the "
-            f"{args.vram_reserve_mib} MiB reserve")
+        per_layer = slot_bytes(model.w.g, h.layers, h.experts)
+        staging = staging_bytes(per_layer, h.experts)
+        cache = auto_slots(free - staging, args.vram_reserve_mib, per_layer, h.experts)
+        log(f"--expert-cache auto: {cache} slots fit in {free / MIB:.0f} MiB free less the prompt chunks' "
+            f"staging ({staging / MIB:.0f} MiB) and the {args.vram_reserve_mib} MiB reserve")
     save_dir = os.path.dirname(args.expert_profile_save or "") or "."
     if args.expert_profile_save and not os.path.isdir(save_dir):
         raise TierError(f"--expert-profile-save {args.expert_profile_save}: no directory {save_dir}")

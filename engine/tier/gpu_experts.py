@@ -4,7 +4,9 @@ Per call (a decode window or a prompt chunk) the routing comes back to the host 
 what decides who computes each routed expert.
 - cached experts: the fused MoE kernel over the layer's VRAM slots (`GpuLayerSlots`);
 - misses: a `pcie_frac` share of them (the most routed first; every miss of a prompt chunk, which
-  streams experts) the same kernel reads from pinned host memory over PCIe; the rest run on the CPU
+  streams experts) cross PCIe: copied whole into VRAM (`Staging`, DMA at the link's speed) and read
+  there by the same kernel, or without staging read by the kernel in place in pinned host memory
+  (small scattered reads: a fraction of the link's speed); the rest run on the CPU
   with the CPU kernels over the same host blocks, while the GPU works on the others (its kernels are
   queued before the CPU starts). Their outputs are copied up and patched in before the rows combine.
 
@@ -21,12 +23,14 @@ import torch
 from engine.experts import Experts, ExpertStats, combine, swiglu
 from engine.kernels import triton_moe
 from engine.kernels.triton_blocks import MATVEC_ROWS
-from engine.tier.gpu_slots import GpuLayerSlots
+from engine.tier.gpu_slots import GpuLayerSlots, Staging
 
 
 class GpuTieredExperts(Experts):
-    def __init__(self, slots: GpuLayerSlots, pcie_frac: float = 0.0, streams: bool = True):
+    def __init__(self, slots: GpuLayerSlots, pcie_frac: float = 0.0, streams: bool = True,
+                 staging: Staging | None = None):
         self.slots = slots
+        self.staging = staging  # where prompt chunks copy their misses (None: the kernel reads host memory)
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
         self.streams = streams  # prompt chunks read their misses over PCIe (else on the CPU)
         self.routed = torch.zeros(slots.experts, dtype=torch.int64)  # entries per expert, every call (the profile)
@@ -55,7 +59,10 @@ class GpuTieredExperts(Experts):
         # read before the GPU work is queued: a read after it would wait for it
         x_host = x.float().cpu() if on_cpu else None
         self.table.copy_(table)
-        gate, up, down = self.slots.stacks
+        if far and self.staging is not None:
+            gate, up, down = self.staging.stage(self.slots, far)
+        else:
+            gate, up, down = self.slots.stacks
         routing = triton_moe.Routing.of(ids, self.slots.experts, None if n <= MATVEC_ROWS else gate.gemm_m)
         h = triton_moe.swiglu(gate, up, x.contiguous(), routing, self.table)
         y = triton_moe.project(down, h, routing, self.table)

@@ -43,7 +43,28 @@ class GpuLayerSlots(SlotTable):
         for buf, stack in zip(self.buffers, self.host, strict=True):
             buf[slot].copy_(stack.blocks[expert], non_blocking=True)
 
-    @staticmethod
-    def expert_bytes(gate: LinearStack, up: LinearStack, down: LinearStack) -> int:
-        """One slot's bytes: an expert's three matrices."""
-        return sum(host_blocks(s)[0].numel() for s in (gate, up, down))
+
+
+class Staging:
+    """VRAM a window or prompt chunk copies its missed experts into before the kernel reads them: whole experts by
+    DMA at the link's speed, where the kernel's own reads of host memory reach a fraction of it (they are
+    small and scattered). One buffer per projection, big enough for every expert of any layer; the
+    layers use it in turn, their copies and kernels ordered on one stream."""
+
+    def __init__(self, layers: list[GpuLayerSlots]):
+        device = layers[0].device
+        self.buffers = [torch.empty(max(layer.host[p].blocks.numel() for layer in layers), dtype=torch.uint8,
+                                    device=device) for p in range(3)]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def stage(self, slots: GpuLayerSlots, experts: list[int]) -> tuple[triton_moe.Stack, ...]:
+        """Copy `experts` of the layer into the buffers; the layer's stacks reading their far entries there."""
+        out = []
+        for buf, host, stack in zip(self.buffers, slots.host, slots.stacks, strict=True):
+            view = buf[: host.blocks.numel()].view(host.blocks.shape)
+            for e in experts:
+                view[e].copy_(host.blocks[e], non_blocking=True)
+            out.append(stack.with_far(view))
+        return tuple(out)

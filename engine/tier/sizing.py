@@ -28,6 +28,12 @@ def cache_bytes(slots: int, per_layer: list[int]) -> int:
     return -(-slots // len(per_layer)) * sum(per_layer)
 
 
+def staging_bytes(per_layer: list[int], experts: int) -> int:
+    """VRAM prompt chunks copy their missed experts into (`engine.tier.gpu_slots.Staging`): every expert
+    of the largest layer."""
+    return experts * max(per_layer)
+
+
 def auto_slots(free: int, reserve_mib: int, per_layer: list[int], experts: int) -> int:
     """`--expert-cache auto`: the slots that fit in `free` bytes less the reserve, at most every expert;
     each layer gets the same share, so whole rounds of one slot per layer."""

@@ -155,13 +155,14 @@ def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: Routing
     per_layer = split_slots(slots, len(stacks), h.experts)
     if model.device.type == "cuda":
         from engine.tier.gpu_experts import GpuTieredExperts  # imports Triton, so only when it is used
-        from engine.tier.gpu_slots import GpuLayerSlots
+        from engine.tier.gpu_slots import GpuLayerSlots, Staging
 
         try:
-            layers = [GpuTieredExperts(GpuLayerSlots(*s, n, model.device), pcie_frac)
-                      for s, n in zip(stacks, per_layer, strict=True)]
+            slot_sets = [GpuLayerSlots(*s, n, model.device) for s, n in zip(stacks, per_layer, strict=True)]
         except ValueError as exc:
             raise TierError(f"--expert-cache: {exc}") from None
+        staging = Staging(slot_sets)
+        layers = [GpuTieredExperts(s, pcie_frac, staging=staging) for s in slot_sets]
         mode = "gpu"
     else:
         layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
