@@ -143,11 +143,11 @@ def grouped_driver(tiny_model_q8):
 
 
 @pytest.mark.parametrize("groups", [2, 4])
-@pytest.mark.parametrize("case", list(cases([8], 12)))
+@pytest.mark.parametrize("case", list(cases([2, 4, 8], 12)))
 def test_grouped_batch_equals_solo(grouped_driver, case, groups):
     grouped_driver.groups = groups
     grouped_driver.reset()
-    assert cases([8], 12)[case](grouped_driver, "").failures == []
+    assert cases([2, 4, 8], 12)[case](grouped_driver, "").failures == []
 
 
 def test_group_windows(grouped_driver):
