@@ -22,7 +22,6 @@ Models never call `F.linear` on raw tensors and never see a weight's device or f
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -270,10 +269,6 @@ class WeightStore:
         kernels = {"cpu": ("CPU", cpu_kernels), "cuda": ("GPU", gpu_kernels)}.get(self.device.type)
         reason = kernels[1].unavailable_reason() if kernels else None
         return text + (f"; {kernels[0]} kernels unavailable ({reason}): matrices dequantized" if reason else "")
-
-    def on(self, device: torch.device | str) -> Callable[[str], bool]:
-        """A `bytes` predicate: the tensors placed on `device`."""
-        return lambda name: self.placed[name][2] == str(device)
 
     def split(self, predicate=lambda name: True) -> dict[str, int]:
         """Bytes placed per device, in the order the devices were first used (a layer split's stages, the
