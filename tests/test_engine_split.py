@@ -18,6 +18,7 @@ from engine.__main__ import main as engine_main
 from engine.batch import Span
 from engine.check import Driver, bgen
 from engine.check import main as check_main
+from engine.gguf_file import GGUFFile
 from engine.loading import open_model, planned_on
 from engine.loop import EngineLoop
 from engine.memory import memory_split
@@ -121,6 +122,22 @@ def test_split_placement_and_memory(tiny_model):
     cuda = plan_stages("2", 4, CUDA, visible=2)
     on = [planned_on(g, cuda, d, torch.bfloat16) for d in cuda.devices()]
     assert sum(on) == planned_bytes(g, CUDA, torch.bfloat16) and min(on) > 0
+
+
+def test_slots_fit_on_every_stage(tiny_model, monkeypatch):
+    """Each GPU of a split holds its stage's weights and its layers' KV: the slots are what the tightest fits."""
+    from engine import loading
+
+    g = GGUFFile(str(tiny_model))
+    cuda = plan_stages("1", 4, CUDA, visible=2)  # one layer on the first card, three on the second
+    dtype, kv = torch.bfloat16, torch.float16
+    second = cuda.stages[1]
+    per_session = loading.session_bytes(g, 256, 16, kv, second.layers)
+    assert 0 < per_session == 3 * loading.session_bytes(g, 256, 16, kv, cuda.stages[0].layers)
+    room = planned_on(g, cuda, second.device, dtype) + loading.RESERVE + 4 * per_session  # the solo session + 3
+    monkeypatch.setattr(loading, "free_bytes", lambda d: (room if d in (second.device, CUDA) else 1 << 40, 1 << 40))
+    assert loading.fit_slots(8, g, 256, dtype, CUDA, 16, kv, cuda) == 3
+    assert loading.fit_slots(8, g, 256, dtype, CUDA, 16, kv, plan_stages("", 4, CUDA)) < 3  # one card of that size
 
 
 @pytest.fixture(scope="module")
