@@ -4,7 +4,7 @@ batch = solo through the stages with and without group windows, the engine's INF
 
 What only a GPU exercises (checked by `strata-desk check --layer-split ... --batch-groups ...` on two
 GPUs): the copies between devices (`LocalHandoff`, `Batch.to`, the rope tables), `Stage.active`,
-the tied head's copy on the last stage and the per-device slot fitting.
+the tied head's copy on the last stage (tests/test_engine_split_gpu.py has those, for two GPUs).
 """
 
 import functools
