@@ -13,6 +13,7 @@ import torch
 from engine import __version__
 from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
+from engine.hyper import Hyper
 from engine.kernels import cpu as cpu_kernels
 from engine.kv import KV_DTYPES
 from engine.loading import DTYPES, fit_slots, log, model_context, pick_device, pick_dtype, pick_kv_dtype
@@ -21,6 +22,7 @@ from engine.memory import MIB
 from engine.models import architecture_of, load_model
 from engine.models.base import Model
 from engine.parking import ParkingStore
+from engine.placement import plan_groups, plan_stages
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
@@ -28,9 +30,8 @@ from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 # Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
 GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking; the
-# adapt options only tune a tier (--expert-cache) and pcie_frac only the GPU tier; one device runs
-# every layer (no layer split yet).
-UNSUPPORTED = ("batch_groups", "batch_mtp", "adapt_async", "layer_split")
+# adapt options only tune a tier (--expert-cache) and pcie_frac only the GPU tier.
+UNSUPPORTED = ("batch_mtp", "adapt_async")
 TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain")
 GPU_TIER_ONLY = ("pcie_frac",)
 
@@ -57,10 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
                    help="CPU decode products with quantized weights: activations rounded to int16 per 32 "
                         "values (faster) or float32 (the reference's arithmetic)")
-    p.add_argument("--batch-groups", default="auto")
+    p.add_argument("--batch-groups", default="auto",
+                   help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")
     add_tier_flags(p)
-    p.add_argument("--layer-split", default="")
+    p.add_argument("--layer-split", default="",
+                   help="the first layer of each later stage ('24', '12,24,36'), or auto (every visible GPU); "
+                        "stage k on cuda:k, or every stage on the CPU with --device cpu")
+    p.add_argument("--trim-stage-weights", action="store_true",
+                   help="each stage holds only its own layers' weights (always so here: accepted for upstream)")
     p.add_argument("--conversation-cache-mib", type=_non_negative, default=P.CONVERSATION_CACHE_MIB,
                    help="host RAM for parked conversations, MiB (0 = off)")
     p.add_argument("--conversation-cache-slots", type=_non_negative, default=P.CONVERSATION_CACHE_SLOTS,
@@ -79,7 +85,7 @@ def unsupported_by_tier(model: Model) -> tuple[str, ...]:
     return () if model.tier.mode == "gpu" else GPU_TIER_ONLY
 
 
-def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool], Runner] = Runner,
+def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool, int], Runner] = Runner,
          make_loop: Callable[..., EngineLoop] = EngineLoop) -> int:
     """Load, announce, serve. `make_runner`/`make_loop` build the Runner and the EngineLoop (the test
     harness, engine/harness.py, passes subclasses that add its switches)."""
@@ -95,10 +101,13 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
         architecture_of(g)
         context = model_context(g, args.max_context)
         kv_dtype = pick_kv_dtype(args.kv, device, dtype)
+        placement = plan_stages(args.layer_split, Hyper.from_gguf(g).layers, device)
         plan = plan_tier(args, g, device)
-        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, plan.host_experts, plan.taken)
+        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, placement,
+                          plan.host_experts, plan.taken)
+        groups, groups_note = plan_groups(args.batch_groups, slots, len(placement.stages))
         model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill,
-                           kv_dtype=kv_dtype, host_experts=plan.host_experts)
+                           kv_dtype=kv_dtype, placement=placement, host_experts=plan.host_experts)
         tier_info = setup_tier(args, model)
     except (GGUFError, ValueError, RuntimeError, OSError) as exc:
         log(f"cannot load {args.model}: {exc}")
@@ -110,8 +119,16 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
     log(f"loaded {g.architecture} from {args.model} in {load_s:.1f} s on {device} ({dtype}); "
         f"{h.layers} layers, weights {placed_text(model)} ({model.w.describe()}), "
         f"{slots} batch slots, context {context}")
-    if args.layer_split:
-        log(f"layer split {args.layer_split}: not supported yet, every layer runs on {device}")
+    stage_mib = [model.w.bytes(lambda name, s=s: placement.tensor_stage(name) is s) / MIB for s in placement.stages]
+    if placement.split:
+        log("layer split: " + ", ".join(f"stage {s.index}: layers {s.label()}, weights {mib:.0f} MiB"
+                                         for s, mib in zip(placement.stages, stage_mib, strict=True)))
+    elif args.layer_split:
+        log(f"--layer-split {args.layer_split}: one device ({device}), every layer on it")
+    if args.trim_stage_weights:
+        log("--trim-stage-weights: each stage already holds only its own layers' weights")
+    if groups_note:
+        log(groups_note)
     if h.experts and not tier_info:
         log("expert tier: every expert resident in device memory; the adapt options have no effect")
     info: dict[str, int | float | str] = {
@@ -119,20 +136,22 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool]
         "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "kv": str(kv_dtype).removeprefix("torch."), "cpu_activations": args.cpu_activations,
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
-        "weights_mib": round(model.w.split().get(str(device), 0) / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
+        "weights_mib": round(sum(model.w.split().get(str(d), 0) for d in placement.devices()) / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact),
         "tier": (model.tier.mode if model.tier else "resident") if h.experts else "dense",
         "unsupported": ",".join(UNSUPPORTED + unsupported_by_tier(model)), **tier_info,
         "generated": int(GENERATED_KEY in g.metadata),
+        "layer_split": placement.describe() if placement.split else "-",
+        "stage_weights_mib": ",".join(f"{mib:.0f}" for mib in stage_mib) if placement.split else "-",
         "conversation_cache_mib": args.conversation_cache_mib, "conversation_cache_slots": args.conversation_cache_slots,
     }
     if plan.host_experts:
         info["host_experts_mib"] = round(model.w.split().get("cpu", 0) / MIB)
     if args.batch:
-        info.update(batch_slots=slots, slot_cache=1, batch_groups=1)
+        info.update(batch_slots=slots, slot_cache=1, batch_groups=groups)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
     parking = ParkingStore(args.conversation_cache_mib * MIB, args.conversation_cache_slots, pin=device.type == "cuda")
-    loop = make_loop(make_runner(model, slots, args.exact), stop_token_ids(g.metadata), args.prefill, share,
+    loop = make_loop(make_runner(model, slots, args.exact, groups), stop_token_ids(g.metadata), args.prefill, share,
                      parking=parking if parking.enabled else None)
     loop.emit(P.Info(info))
     loop.emit(P.Ready(context, stop=True))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.placement import on_device
+
 
 @dataclass(frozen=True)
 class Span:
@@ -33,6 +35,13 @@ class Batch:
     positions: torch.Tensor  # [N] position of every row
     last: torch.Tensor  # [len(spans)] index of each span's last row
     sessions: torch.Tensor  # [len(spans)] session of each span
+
+    def to(self, device: torch.device) -> Batch:
+        """The same rows with their indices on `device` (a later stage of a layer split), copied without
+        a host wait; the batch itself when it is there already."""
+        if on_device(self.tokens, device):
+            return self
+        return Batch(self.spans, *(t.to(device, non_blocking=True) for t in (self.tokens, self.positions, self.last, self.sessions)))
 
     @property
     def single_rows(self) -> bool:

@@ -108,6 +108,19 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
     return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served)
 
 
+def handoff_us(model: Model, rows: int, reps: int = 100) -> float:
+    """Microseconds one hand-off of `rows` hidden rows takes from the first stage to the second, waited
+    for (the most it can cost a token; in a pipeline it overlaps other work)."""
+    src, dst = model.placement.stages[:2]
+    x = torch.zeros(rows, model.hyper.hidden, dtype=model.dtype, device=src.device)
+    sync(src.device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        model.handoff.move(x, src, dst)
+        sync(dst.device)
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
 @dataclass
 class Peer:
     """llama.cpp's figures on the same file, from its `llama-bench` (JSON output)."""
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
                    "adapts during them)")
     add_tier_flags(p)
+    p.add_argument("--layer-split", default="", help="as the engine's: '24', '12,24,36' or auto; also prints the "
+                   "hand-off's cost between stages")
     p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
                    "print its figures beside ours")
     args = p.parse_args(argv)
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     plan = plan_tier(args, GGUFFile(args.model), pick_device(args.device))
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context,
-                          host_experts=plan.host_experts)
+                          layer_split=args.layer_split, host_experts=plan.host_experts)
     setup_tier(args, model)
     device, dtype = model.device, model.dtype
     sync(device)
@@ -180,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")
     print(f"device       {device} {name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
     print(f"load         {load_s:.2f} s")
+    if model.placement.split:
+        stages = model.placement.stages
+        rows = max(args.slots, 1)
+        print(f"layer split  {model.placement.describe()}; hand-off {handoff_us(model, 1):.1f} us for one row, "
+              f"{handoff_us(model, rows):.1f} us for {rows} rows ({model.hyper.hidden * dtype.itemsize} bytes a row), "
+              f"{len(stages) - 1} per token")
     print(f"prefill      {r.prefill_tok_s:.1f} tok/s ({args.prompt} tokens, one chunk)")
     print(f"decode       {r.decode_tok_s:.1f} tok/s (one row)")
     print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")

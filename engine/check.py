@@ -19,6 +19,7 @@ from engine import protocol as P
 from engine.loading import open_model
 from engine.loop import EngineLoop
 from engine.models.base import Model
+from engine.placement import plan_groups
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 
@@ -29,22 +30,23 @@ class Driver:
     """One model, any number of scripted runs; each run starts with empty sessions."""
 
     def __init__(self, model: Model, stop_ids: frozenset[int], slots: int, exact: bool = True, prefill: int = 16,
-                 decode_share: float = 0.5):
+                 decode_share: float = 0.5, groups: int = 1):
         self.model, self.stop_ids, self.slots = model, stop_ids, slots
-        self.exact, self.prefill, self.decode_share = exact, prefill, decode_share
+        self.exact, self.prefill, self.decode_share, self.groups = exact, prefill, decode_share, groups
         self.lines: list[str] = []
         self.hooks: list[Hook] = []
         self.server = self._fresh()
 
     @classmethod
     def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, dtype: str | None = None,
-             kv: str | None = None, host_experts: bool = False, **kw) -> Driver:
+             kv: str | None = None, layer_split: str = "", host_experts: bool = False, **kw) -> Driver:
         g, model = open_model(path, device, dtype, slots, context, max_chunk=kw.get("prefill", 16), kv=kv,
-                              host_experts=host_experts)
+                              layer_split=layer_split, host_experts=host_experts)
         return cls(model, stop_token_ids(g.metadata), slots, **kw)
 
     def _fresh(self) -> EngineLoop:
-        return EngineLoop(Runner(self.model, self.slots, self.exact), self.stop_ids, self.prefill, self.decode_share, out=self)
+        return EngineLoop(Runner(self.model, self.slots, self.exact, self.groups), self.stop_ids, self.prefill,
+                          self.decode_share, out=self)
 
     def reset(self) -> None:
         """Forget every held session (a fresh engine, the model kept)."""
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1, help="run everything this many times (kernels must not vary run to run)")
     p.add_argument("--default-mode", action="store_true",
                    help="also count how many tokens equal solo without --exact (a figure, not a pass)")
+    p.add_argument("--layer-split", default="", help="as the engine's: '24', '12,24,36' or auto")
+    p.add_argument("--batch-groups", default="1", help="as the engine's: G pipeline groups of the slots, or auto")
     args = p.parse_args(argv)
     try:
         counts = sorted({int(n) for n in args.slots.split(",")})
@@ -180,7 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     if counts[0] < 1 or args.runs < 1:
         p.error("--slots and --runs must be at least 1")
     slots = max(counts + ([3] if args.interleave else []))
-    driver = Driver.load(args.model, slots, args.device)
+    try:
+        driver = Driver.load(args.model, slots, args.device, layer_split=args.layer_split)
+        model = driver.model
+        groups, note = plan_groups(args.batch_groups, slots, len(model.placement.stages))
+    except ValueError as exc:
+        p.error(str(exc))
+    if note:
+        print(note, flush=True)
+    driver.groups = groups
+    driver.reset()
     cases = scenarios.cases(counts, args.max_new, args.interleave)
     failed = 0
     with torch.inference_mode():
@@ -190,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                 failed += bool(failures)
                 print(f"{'FAIL' if failures else 'PASS'} run {run}: {name}" + "".join(f"\n  {f}" for f in failures), flush=True)
         if args.default_mode:
-            loose = Driver(driver.model, driver.stop_ids, slots, exact=False)
+            loose = Driver(driver.model, driver.stop_ids, slots, exact=False, groups=groups)
             for run in range(1, args.runs + 1):
                 equal, total = agreement(loose, sample_prompts(driver.model.hyper.vocab, slots, seed=slots), args.max_new, args.keys)
                 print(f"default mode run {run}: {equal} of {total} tokens equal to solo ({slots} slots)", flush=True)
-    mode = f"{driver.model.device}, exact mode, {'sampled: ' + args.keys if args.keys else 'greedy'}"
+    where = model.placement.describe() if model.placement.split else str(model.device)
+    mode = f"{where}, {groups} groups, exact mode, {'sampled: ' + args.keys if args.keys else 'greedy'}"
     total = args.runs * len(cases)
     print(f"{'PASS' if not failed else 'FAIL'}: {total - failed} of {total} runs gave batch tokens equal to solo tokens ({mode})")
     return 1 if failed else 0

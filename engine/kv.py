@@ -12,19 +12,26 @@ from __future__ import annotations
 import torch
 
 from engine.hyper import ring_lengths
+from engine.placement import on_device
 
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 class KVCache:
     """Keys and values of every layer for `sessions` sessions: `[sessions, kv_heads, length, head_dim]`,
-    `length` per layer from `ring_lengths`."""
+    `length` per layer from `ring_lengths`; each layer on `device`, or on its own device from `devices`
+    (a layer split: its stage's)."""
 
     def __init__(self, windows: tuple[int | None, ...], sessions: int, kv_heads: int, context: int, head_dim: int,
-                 max_chunk: int, dtype: torch.dtype, device: torch.device):
+                 max_chunk: int, dtype: torch.dtype, device: torch.device,
+                 devices: list[torch.device] | None = None):
         self.lengths = ring_lengths(windows, context, max_chunk)
-        self.k = [torch.zeros((sessions, kv_heads, n, head_dim), dtype=dtype, device=device) for n in self.lengths]
-        self.v = [torch.zeros((sessions, kv_heads, n, head_dim), dtype=dtype, device=device) for n in self.lengths]
+        on = devices or [device] * len(self.lengths)
+        if len(on) != len(self.lengths):
+            raise ValueError(f"{len(on)} devices for {len(self.lengths)} layers")
+        shapes = [((sessions, kv_heads, n, head_dim), d) for n, d in zip(self.lengths, on, strict=True)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=d) for shape, d in shapes]
+        self.v = [torch.zeros(shape, dtype=dtype, device=d) for shape, d in shapes]
         self.sessions = sessions
         self.context = context
         self.max_chunk = max_chunk
@@ -35,8 +42,9 @@ class KVCache:
         positions = sum(ring_lengths(windows, context, max_chunk))
         return 2 * positions * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
-    def session_bytes(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+    def session_bytes(self, device: torch.device | None = None) -> int:
+        """One session's bytes (on `device` only, when given)."""
+        return sum(t[0].numel() * t.element_size() for t in self.k + self.v if device is None or on_device(t, device))
 
     def usable_prefix(self, held: int, n: int) -> int:
         """Of the first `n` positions of a session that wrote `held`, how many a read can continue

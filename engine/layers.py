@@ -41,14 +41,24 @@ class Rope:
         self.sin = angles.sin().float().to(device)
         self.neox = neox
         self._positions: torch.Tensor | None = None
+        self._copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin on `device`: the tables, or a copy made once for a later stage of a layer split."""
+        if device == self.cos.device:
+            return self.cos, self.sin
+        if device not in self._copies:
+            self._copies[device] = (self.cos.to(device), self.sin.to(device))
+        return self._copies[device]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N]."""
         if cpu_ops.usable(x):
             return cpu_ops.rope(x, positions, self.cos, self.sin, self.neox)
-        if positions is not self._positions:  # every layer of a forward rotates the same positions
+        if positions is not self._positions:  # every layer of a stage rotates the same positions
             self._positions = positions
-            self._cos, self._sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+            cos, sin = self._tables(positions.device)
+            self._cos, self._sin = cos[positions][:, None, :], sin[positions][:, None, :]
         cos, sin = self._cos, self._sin
         if self.neox:
             x1, x2 = x.float().chunk(2, dim=-1)

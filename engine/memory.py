@@ -18,18 +18,22 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
 
 
 def memory_split(model, n_slots: int) -> list[dict]:
-    kv = model.kv
-    per_session = sum(t[0].numel() * t.element_size() for t in kv.k + kv.v)
-    free, total = free_bytes(model.device)
-    name = str(model.device) if model.device.type == "cpu" else f"cuda:{model.device.index or 0}"
-    here = str(model.device)
-    cache = model.tier.cache_bytes() if model.tier is not None and model.tier.mode == "gpu" else 0
-    return [{
-        "device": name,
-        "total_mib": total // MIB,
-        "weights_mib": (model.w.split().get(here, 0) + cache) // MIB,
-        "experts_mib": (model.w.split(lambda n: "_exps" in n).get(here, 0) + cache) // MIB,
-        "slots_mib": per_session * n_slots // MIB,
-        "kv_mib": per_session // MIB,
-        "free_mib": free // MIB,
-    }]
+    """One entry per device the model uses (a layer split: each stage's), with the weights and KV it holds;
+    the GPU expert tier's cache counts on the model's (first) device."""
+    tier_cache = model.tier.cache_bytes() if model.tier is not None and model.tier.mode == "gpu" else 0
+    weights, experts = model.w.split(), model.w.split(lambda n: "_exps" in n)
+    out = []
+    for device in model.placement.devices():
+        cache = tier_cache if device == model.device else 0
+        per_session = model.kv.session_bytes(device)
+        free, total = free_bytes(device)
+        out.append({
+            "device": str(device) if device.type == "cpu" else f"cuda:{device.index or 0}",
+            "total_mib": total // MIB,
+            "weights_mib": (weights.get(str(device), 0) + cache) // MIB,
+            "experts_mib": (experts.get(str(device), 0) + cache) // MIB,
+            "slots_mib": per_session * n_slots // MIB,
+            "kv_mib": per_session // MIB,
+            "free_mib": free // MIB,
+        })
+    return out

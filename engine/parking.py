@@ -133,8 +133,8 @@ class ParkingStore:
         """Write the first `n` positions of a `take`n entry into session `session`."""
         t0 = time.perf_counter()
         kv.load(session, entry.k, entry.v, n)
-        if kv.k[0].device.type == "cuda":
-            torch.cuda.synchronize(kv.k[0].device)  # the time reported is the copy's, not its launch
+        for device in {t.device for t in kv.k if t.device.type == "cuda"}:  # a layer split: every stage's
+            torch.cuda.synchronize(device)  # the time reported is the copy's, not its launch
         ms = (time.perf_counter() - t0) * 1000
         self.restores += 1
         self.restore_ms_last = ms

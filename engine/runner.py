@@ -44,9 +44,16 @@ class Row:
 
 
 class Runner:
-    def __init__(self, model: Model, n_slots: int, exact: bool):
+    """`groups`: the slots in that many groups of consecutive slots (`--batch-groups`), each decoded in
+    its own window; the solo session goes with the last group."""
+
+    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1):
+        if groups < 1 or (n_slots and n_slots % groups):
+            raise ValueError(f"{groups} groups do not divide {n_slots} slots")
         self.model = model
         self.exact = exact
+        self.groups = groups
+        self.group_size = max(1, n_slots // groups)
         self.sessions = [Session(i) for i in range(n_slots + 1)]
         self.batches = BatchBuilder(model.device, max(model.kv.max_chunk, n_slots + 1), n_slots + 1)
         cpu_kernels.set_threads(torch.get_num_threads())
@@ -156,6 +163,9 @@ class Runner:
         """Each row's next token (logits [rows, vocab]), read back to the host once."""
         return sample_rows(logits, draws)
 
+    def group_of(self, session: Session) -> int:
+        return min(session.index // self.group_size, self.groups - 1)
+
     def decode_window(self, rows: list[Row]) -> tuple[list[int], ExpertStats]:
         """`decode` as a decode window of the engine: the routed entries it served, counted, and the expert
         tier (when there is one) told of the window, so that it adapts."""
@@ -173,14 +183,32 @@ class Runner:
         """One decode step: every row feeds its token, then samples its next one.
 
         Exact mode computes every row with the arithmetic of a step of one, so a row's result does
-        not depend on the other rows; otherwise the rows share each matrix product.
+        not depend on the other rows; otherwise the rows of a group share each matrix product. The
+        groups' windows are issued one after the other and sampled together at the end: on a layer
+        split over GPUs nothing waits for the host in between, so stage k works on one group's window
+        while stage k + 1 works on the one before.
         """
         spans = [Span(r.session.index, len(r.session.tokens), 1) for r in rows]
         tokens = [r.token for r in rows]
         if self.exact and len(rows) > 1:
             logits = torch.cat([self.forward([span], [token]) for span, token in zip(spans, tokens, strict=True)])
+        elif self.groups > 1:
+            logits = self._group_windows(rows, spans, tokens)
         else:
             logits = self.forward(spans, tokens)
         for r in rows:
             r.session.tokens.append(r.token)
         return self.sample(logits, [Draw.after(r.sampling, r.seed, r.session.tokens) for r in rows])
+
+    def _group_windows(self, rows: list[Row], spans: list[Span], tokens: list[int]) -> torch.Tensor:
+        """One forward per group with rows; the logits in the rows' order."""
+        members: dict[int, list[int]] = {}
+        for j, r in enumerate(rows):
+            members.setdefault(self.group_of(r.session), []).append(j)
+        pieces: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for group in sorted(members):
+            js = members[group]
+            logits = self.forward([spans[j] for j in js], [tokens[j] for j in js])
+            for k, j in enumerate(js):
+                pieces[j] = logits[k : k + 1]
+        return torch.cat(pieces)

@@ -154,14 +154,16 @@ class Block:
 
 
 class WeightStore:
-    """The model's weights on one device, placed by the format policy, with their bytes counted as
-    they are placed (`bytes`, `expert_bytes`, `split`). With `host_experts` (the expert tier on a GPU)
-    the routed expert stacks stay in host memory in their blocks, pinned for copies to the GPU."""
+    """The model's weights, placed by the format policy on `device` (or the device a call names: a
+    layer split puts each layer on its stage's), with their bytes counted per device as they are placed
+    (`bytes`, `expert_bytes`, `split`). With `host_experts` (the expert tier on a GPU) the routed
+    expert stacks stay in host memory in their blocks, pinned for copies to the GPU."""
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False):
         self.g = g
         self.device = device
         self.dtype = dtype
+        self.host_experts = host_experts
         self.experts_device = torch.device("cpu") if host_experts else device
         # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ..., device)
         self.placed: dict[str, tuple[int, str, str]] = {}
@@ -178,9 +180,9 @@ class WeightStore:
         return name + ".weight" in self.g.tensors or name in self.g.tensors
 
     def _count(self, info: TensorInfo, nbytes: int, kept: bool, dtype: torch.dtype | None = None,
-               device: torch.device | None = None) -> None:
+               device: torch.device | None = None, key: str | None = None) -> None:
         fmt = f"{info.qtype.name} blocks" if kept else str(dtype or self.dtype).removeprefix("torch.")
-        self.placed[info.name] = (nbytes, fmt, str(device or self.device))
+        self.placed[key or info.name] = (nbytes, fmt, str(device or self.device))
 
     def _blocks(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
@@ -189,37 +191,40 @@ class WeightStore:
     def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
         return load_tensor(self.g, info.name, dtype, device or self.device)
 
-    def vector(self, name: str) -> torch.Tensor:
+    def vector(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """A norm weight or a router, float32."""
+        device = device or self.device
         info = self._info(name)
-        t = self._dense(info, torch.float32)
-        self._count(info, t.numel() * 4, kept=False, dtype=torch.float32)
+        t = self._dense(info, torch.float32, device)
+        self._count(info, t.numel() * 4, kept=False, dtype=torch.float32, device=device)
         return t
 
-    def linear(self, name: str) -> Linear:
+    def linear(self, name: str, device: torch.device | None = None, key: str | None = None) -> Linear:
+        """A matrix; `key` counts it under another name (a tied head's copy on the last stage of a split)."""
+        device = device or self.device
         info = self._info(name, dims=2)
-        kept = keeps_blocks(info, self.device)
-        if kept and self.device.type == "cuda":
-            from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
-
-            lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], self.device)
-        elif kept:
-            lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
-                              int16=False if name in HEADS else None)
-        else:
-            lin = DenseLinear(self._dense(info, self.dtype))
-        self._count(info, lin.nbytes, kept)
-        return lin
-
-    def stack(self, name: str) -> LinearStack:
-        info = self._info(name, dims=3)  # [experts, out, in]
-        device = self.experts_device
         kept = keeps_blocks(info, device)
         if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
-            blocks = self._blocks(info).to(self.device)
-            experts: list[Linear] = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], self.device)
+            lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], device)
+        elif kept:
+            lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
+                              int16=False if name in HEADS else None)
+        else:
+            lin = DenseLinear(self._dense(info, self.dtype, device))
+        self._count(info, lin.nbytes, kept, device=device, key=key)
+        return lin
+
+    def stack(self, name: str, device: torch.device | None = None) -> LinearStack:
+        info = self._info(name, dims=3)  # [experts, out, in]
+        device = self.experts_device if self.host_experts else device or self.device
+        kept = keeps_blocks(info, device)
+        if kept and device.type == "cuda":
+            from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
+
+            blocks = self._blocks(info).to(device)
+            experts: list[Linear] = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device)
                                      for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
@@ -233,8 +238,8 @@ class WeightStore:
         self._count(info, stack.nbytes, kept, device=device)
         return stack
 
-    def block(self, i: int) -> Block:
-        """Layer `i`'s tensors by kind: vectors, matrices, expert stacks."""
+    def block(self, i: int, device: torch.device | None = None) -> Block:
+        """Layer `i`'s tensors by kind (vectors, matrices, expert stacks), on `device` (default: the store's)."""
         prefix = f"blk.{i}."
         block = Block()
         for full in self.g.tensors:
@@ -243,11 +248,11 @@ class WeightStore:
             name = full.removesuffix(".weight")
             info = self.g.tensors[full]
             if is_vector(info):
-                part = self.vector(name)
+                part = self.vector(name, device)
             elif len(info.shape) == 3:
-                part = self.stack(name)
+                part = self.stack(name, device)
             else:
-                part = self.linear(name)
+                part = self.linear(name, device)
             setattr(block, name.removeprefix(prefix), part)
         return block
 
@@ -266,7 +271,8 @@ class WeightStore:
         return text + (f"; {kernels[0]} kernels unavailable ({reason}): matrices dequantized" if reason else "")
 
     def split(self, predicate=lambda name: True) -> dict[str, int]:
-        """Bytes placed per device (the model's device, and the host with `host_experts`)."""
+        """Bytes placed per device, in the order the devices were first used (a layer split's stages, the
+        host with `host_experts`)."""
         out: dict[str, int] = {}
         for name, (n, _, device) in self.placed.items():
             if predicate(name):

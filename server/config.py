@@ -59,7 +59,7 @@ class RunConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the engine, e.g. '0,1'")
     layer_split: str | None = Field(
-        None, description="layer split across GPUs, e.g. '24' (not supported yet: the engine runs every layer on one device)"
+        None, description="layer split across GPUs: the first layer of each later GPU, e.g. '24' or '12,24,36', or 'auto'"
     )
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
     prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")

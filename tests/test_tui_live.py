@@ -187,9 +187,10 @@ async def test_live_settings_validation(tmp_path: Path) -> None:
         await set_field("batch_groups", "3")
         assert "must divide parallel" in message("batch_groups")
         assert apply_button.disabled
-        # an engine that does not report pipelined groups: groups above 1 are marked, not ignored
+        # the engine runs pipelined groups (INFO batch_groups); without a layer split they run in turn
         await set_field("batch_groups", "2")
-        assert "not supported by this engine yet" in message("batch_groups")
+        assert "not supported by this engine yet" not in message("batch_groups")
+        assert message("batch_groups").startswith("no layer split")
         await set_field("batch_groups", "auto")
         assert message("batch_groups").startswith("no layer split")
         assert not apply_button.disabled

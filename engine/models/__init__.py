@@ -10,6 +10,7 @@ from engine.models.gemma3 import Gemma3
 from engine.models.hashlm import HashLM
 from engine.models.llama import Llama
 from engine.models.qwen3moe import Qwen3Moe
+from engine.placement import Placement
 from engine.quants import check_supported
 
 ARCHITECTURES: dict[str, type[Model]] = {
@@ -28,11 +29,15 @@ def architecture_of(g: GGUFFile) -> type[Model]:
 
 
 def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-               max_chunk: int = 512, kv_dtype: torch.dtype | None = None, host_experts: bool = False) -> Model:
-    """The model with KV for `sessions` sessions; reads feed at most `max_chunk` rows per forward;
-    `host_experts`: a MoE model's routed experts stay in host memory (the expert tier on a GPU)."""
+               max_chunk: int = 512, kv_dtype: torch.dtype | None = None, placement: Placement | None = None,
+               host_experts: bool = False) -> Model:
+    """The model with KV for `sessions` sessions; reads feed at most `max_chunk` rows per forward; its
+    layers placed as `placement` says (default: all on `device`); `host_experts`: a MoE model's routed
+    experts stay in host memory (the expert tier on a GPU)."""
     cls = architecture_of(g)
     if host_experts and cls is not Qwen3Moe:
         raise GGUFError(f"{g.path}: the expert tier needs a MoE model with SwiGLU expert stacks (qwen3moe)")
+    if host_experts and placement is not None and placement.split:
+        raise ValueError("the GPU expert tier (--expert-cache) with a layer split: not built yet (one GPU only)")
     extra = {"host_experts": True} if host_experts else {}
-    return cls(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype, **extra)
+    return cls(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype, placement, **extra)

@@ -13,6 +13,7 @@ from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
 from engine.kv import KVCache
 from engine.layers import Rope, attend, rms_norm
+from engine.placement import Handoff, LocalHandoff, Placement
 from engine.weights import WeightStore
 
 if TYPE_CHECKING:
@@ -24,24 +25,35 @@ class Model:
 
     Weights are attributes named like their GGUF tensors: `token_embd`, `output_norm`, `output` and
     `blk[i].attn_q` ..., placed by the `WeightStore` (`self.w`), which also counts their bytes.
+    With a layer split (`placement`) each layer's weights and KV live on its stage's device, the
+    embedding on the first stage's (`device`), the final norm and the head on the last stage's.
     """
 
     arch = ""
     tier: Tier | None = None  # the expert tier, when `engine.tier.install_tier` put one in place
 
     def __init__(self, g: GGUFFile, hyper: Hyper, device: torch.device, dtype: torch.dtype, sessions: int,
-                 context: int, max_chunk: int, kv_dtype: torch.dtype, host_experts: bool = False):
+                 context: int, max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
+                 host_experts: bool = False):
         self.hyper = hyper
-        self.device = device
+        self.placement = placement or Placement.single(device, hyper.layers)
+        self.handoff: Handoff = LocalHandoff()
+        self.device = device = self.placement.first.device
+        last = self.placement.last.device
         self.dtype = dtype
         self.context = context
         self.w = WeightStore(g, device, dtype, host_experts)
         self.token_embd = self.w.linear("token_embd")
-        self.output_norm = self.w.vector("output_norm")
-        self.output = self.w.linear("output") if self.w.has("output") else self.token_embd  # tied head
-        self.blk = [self.w.block(i) for i in range(hyper.layers)]
-        self.kv = KVCache(hyper.windows, sessions, hyper.kv_heads, context, hyper.head_dim,
-                          max_chunk, kv_dtype, device)
+        self.output_norm = self.w.vector("output_norm", last)
+        if self.w.has("output"):
+            self.output = self.w.linear("output", last)
+        elif last == device:
+            self.output = self.token_embd  # tied head
+        else:  # a tied head on another stage's device: a copy there, counted as the head
+            self.output = self.w.linear("token_embd", last, key="output.weight")
+        self.blk = [self.w.block(i, self.placement.device_of(i)) for i in range(hyper.layers)]
+        self.kv = KVCache(hyper.windows, sessions, hyper.kv_heads, context, hyper.head_dim, max_chunk, kv_dtype,
+                          device, devices=[self.placement.device_of(i) for i in range(hyper.layers)])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embd.lookup(tokens).to(self.dtype)
@@ -64,15 +76,27 @@ class Model:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Feed the batch's rows into their sessions' caches; returns each span's last row after
-        the final norm, [len(spans), hidden]."""
-        x = self.embed(batch.tokens)
-        for i in range(self.hyper.layers):
-            x = self.block(i, x, batch)
-        return rms_norm(x[batch.last], self.output_norm, self.hyper.eps)
+        the final norm, [len(spans), hidden]. Stage after stage: each gets the batch's indices on its
+        device (copied once per device) and the hidden state from the stage before (`handoff`)."""
+        stages = self.placement.stages
+        copies = {self.device: batch}
+        with stages[0].active():
+            x = self.embed(batch.tokens)
+        for before, stage in zip((None, *stages), stages, strict=False):
+            if stage.device not in copies:
+                copies[stage.device] = batch.to(stage.device)
+            rows = copies[stage.device]
+            if before is not None:
+                x = self.handoff.move(x, before, stage)
+            with stage.active():
+                for i in stage.layers:
+                    x = self.block(i, x, rows)
+        return rms_norm(x[rows.last], self.output_norm, self.hyper.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of `forward`'s rows, [rows, vocab]."""
-        return self.output(hidden).float()
+        with self.placement.last.active():
+            return self.output(hidden).float()
 
     def expert_stats(self) -> ExpertStats:
         """Routed entries served so far, summed over the layers (counted by each layer's `Experts`)."""

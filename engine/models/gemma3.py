@@ -14,6 +14,7 @@ from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
 from engine.layers import Rope, rms_norm
 from engine.models.base import Model
+from engine.placement import Placement
 
 LOCAL_ROPE_BASE = 10_000.0  # not in the GGUF metadata: Gemma 3's sliding layers use this base
 
@@ -22,8 +23,8 @@ class Gemma3(Model):
     arch = "gemma3"
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-                 max_chunk: int, kv_dtype: torch.dtype):
-        super().__init__(g, Hyper.from_gguf(g), device, dtype, sessions, context, max_chunk, kv_dtype)
+                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None):
+        super().__init__(g, Hyper.from_gguf(g), device, dtype, sessions, context, max_chunk, kv_dtype, placement)
         h = self.hyper
         self.rope_full = Rope(h.head_dim, h.rope_base, context, device)
         self.rope_local = Rope(h.head_dim, LOCAL_ROPE_BASE, context, device)

@@ -22,14 +22,15 @@ from engine.gguf_file import GGUFFile
 from engine.hashlm import ALPHABET, ARCH, END, END_ODDS, STATE_BYTES, Rule, letter_draw, weight
 from engine.hyper import Hyper
 from engine.models.base import Model
+from engine.placement import Placement
 
 
 class HashLM(Model):
     arch = ARCH
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-                 max_chunk: int, kv_dtype: torch.dtype):
-        super().__init__(g, Hyper.from_gguf(g), device, dtype, sessions, context, max_chunk, kv_dtype)
+                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None):
+        super().__init__(g, Hyper.from_gguf(g), device, dtype, sessions, context, max_chunk, kv_dtype, placement)
         self.rule = Rule.from_metadata(g.metadata)
         self.weights = weight(torch.arange(context, device=device))
         self.alphabet = torch.tensor(list(ALPHABET), device=device)

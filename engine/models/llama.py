@@ -12,6 +12,7 @@ from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
 from engine.layers import Rope, default_scale, rms_norm
 from engine.models.base import Model
+from engine.placement import Placement
 
 
 def check_runnable(g: GGUFFile, hyper: Hyper) -> None:
@@ -29,10 +30,10 @@ class Llama(Model):
     arch = "llama"
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-                 max_chunk: int, kv_dtype: torch.dtype):
+                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None):
         hyper = Hyper.from_gguf(g)
         check_runnable(g, hyper)
-        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype)
+        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype, placement)
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device, neox=False)
         self.scale = default_scale(hyper.head_dim)
 

@@ -11,19 +11,22 @@ from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
 from engine.layers import Rope, default_scale, rms_norm
 from engine.models.base import Model
+from engine.placement import Placement
 
 
 class Qwen3Moe(Model):
     arch = "qwen3moe"
 
     def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
-                 max_chunk: int, kv_dtype: torch.dtype, host_experts: bool = False):
+                 max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
+                 host_experts: bool = False):
         hyper = Hyper.from_gguf(g)
-        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype, host_experts)
+        super().__init__(g, hyper, device, dtype, sessions, context, max_chunk, kv_dtype, placement, host_experts)
         self.rope = Rope(hyper.head_dim, hyper.rope_base, context, device)
         self.scale = default_scale(hyper.head_dim)
-        for b in self.blk:  # the expert tier (engine/tier) puts its own in place of these
-            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, self.w.experts_device)
+        for i, b in enumerate(self.blk):  # the expert tier (engine/tier) puts its own in place of these
+            device = self.w.experts_device if self.w.host_experts else self.placement.device_of(i)
+            b.experts = resident_experts(b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, device)
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper
