@@ -8,7 +8,16 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from server.scheduler import EV_DONE, EV_ERROR, EV_PROGRESS, EV_TOKEN, Job
+from server.events import (
+    DoneEvent,
+    ErrorEvent,
+    KeepaliveEvent,
+    ProgressEvent,
+    ReplyEvent,
+    TextEvent,
+    TokenEvent,
+)
+from server.scheduler import Job
 from server.tokens import TokenizerLike
 
 SSE_HEADERS = [
@@ -73,8 +82,9 @@ class TextAssembler:
 
 
 async def reply_events(job: Job, assembler: TextAssembler, on_stop: Callable[[], None],
-                       keepalive_s: float) -> AsyncIterator[tuple]:
-    """Yields ("text", str), ("keepalive",), ("done", finish) or ("error", status, message).
+                       keepalive_s: float) -> AsyncIterator[ReplyEvent]:
+    """The job's events as text: `TextEvent`s, `KeepaliveEvent`s, then one `DoneEvent` (finish "stop"
+    when a stop string matched) or `ErrorEvent`.
 
     Tokens that are already queued are taken together, so a busy server sends fewer, larger chunks.
     """
@@ -83,35 +93,33 @@ async def reply_events(job: Job, assembler: TextAssembler, on_stop: Callable[[],
         try:
             ev = await asyncio.wait_for(out.get(), keepalive_s) if out.empty() else out.get_nowait()
         except TimeoutError:
-            yield ("keepalive",)
+            yield KeepaliveEvent()
             continue
         text: list[str] = []
         progressed = False
-        end: tuple | None = None
+        end: DoneEvent | ErrorEvent | None = None
         while True:
-            kind = ev[0]
-            if kind == EV_TOKEN:
-                if not assembler.stopped:
-                    text.append(assembler.push(ev[1]))
-                    if assembler.stopped:
-                        on_stop()
-            elif kind == EV_PROGRESS:
-                progressed = True
-            elif kind == EV_DONE:
-                text.append(assembler.finish())
-                end = ("done", "stop" if assembler.stopped else ev[1])
-                break
-            elif kind == EV_ERROR:
-                end = ("error", ev[1], ev[2])
-                break
-            if out.empty():
+            match ev:
+                case TokenEvent(token):
+                    if not assembler.stopped:
+                        text.append(assembler.push(token))
+                        if assembler.stopped:
+                            on_stop()
+                case ProgressEvent():
+                    progressed = True
+                case DoneEvent(finish):
+                    text.append(assembler.finish())
+                    end = DoneEvent("stop" if assembler.stopped else finish)
+                case ErrorEvent():
+                    end = ev
+            if end is not None or out.empty():
                 break
             ev = out.get_nowait()
         joined = "".join(text)
         if joined:
-            yield ("text", joined)
+            yield TextEvent(joined)
         elif progressed:
-            yield ("keepalive",)
+            yield KeepaliveEvent()
         if end is not None:
             yield end
             return
