@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.chat_template import ChatTemplate
+from engine.protocol import Logprob
 from server import chat_page
 from server import openai_api as api
 from server.access_log import AccessLog
@@ -247,7 +248,8 @@ async def _generate(request: Request, chat: bool) -> Response:
 
     events = reply_events(job, assembler, on_stop, st.config.keepalive_s)
     if body.stream:
-        gen = _stream(cid, model, parser, job, assembler, events, body.include_usage())
+        gen = _stream(cid, model, parser, job, assembler, events, body.include_usage(),
+                      st.tokenizer.token_bytes)  # type: ignore[union-attr]
         return SSEResponse(gen, lambda: st.scheduler.cancel(job, "disconnect"))  # type: ignore[return-value]
     return await _collect(request, st, cid, model, parser, job, assembler, events)
 
@@ -261,6 +263,7 @@ async def _collect(request: Request, st: ServerState, cid: str, model: str, pars
                    assembler: TextAssembler, events: AsyncIterator[ReplyEvent]) -> Response:
     """One JSON body; `parser` None: a completion's plain text."""
     parts: list[str] = []
+    logprobs: list[tuple[int, Logprob]] = []
     end: DoneEvent | ErrorEvent | None = None
 
     async def consume() -> None:
@@ -268,6 +271,7 @@ async def _collect(request: Request, st: ServerState, cid: str, model: str, pars
         async for ev in events:
             if isinstance(ev, TextEvent):
                 parts.append(ev.text)
+                logprobs.extend(ev.logprobs)
             elif isinstance(ev, DoneEvent | ErrorEvent):
                 end = ev
 
@@ -287,19 +291,30 @@ async def _collect(request: Request, st: ServerState, cid: str, model: str, pars
         return JSONResponse(api.completion_response(cid, model, text, api.finish_reason(end.finish), use, tim))
     message = api.chat_message(parser.feed(text) + parser.finish())
     finish = api.finish_reason(end.finish, called="tool_calls" in message)
-    return JSONResponse(api.chat_response(cid, model, message, finish, use, tim))
+    asked = job.sampling.logprobs >= 0
+    content = api.logprobs_content(logprobs, st.tokenizer.token_bytes) if asked else None  # type: ignore[union-attr]
+    return JSONResponse(api.chat_response(cid, model, message, finish, use, tim, content))
 
 
 async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, assembler: TextAssembler,
-                  events: AsyncIterator[ReplyEvent], include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE chunks; `parser` None: a completion's plain text."""
+                  events: AsyncIterator[ReplyEvent], include_usage: bool,
+                  spell: Callable[[int], bytes]) -> AsyncIterator[bytes]:
+    """SSE chunks; `parser` None: a completion's plain text. Tokens' logprobs (when asked) ride on the
+    next chunk sent, the finish chunk at the latest."""
     created = int(time.time())
     called = False
+    pending: list[tuple[int, Logprob]] = []
+
+    def with_logprobs(chunk: dict[str, Any]) -> dict[str, Any]:
+        if pending:
+            chunk["choices"][0]["logprobs"] = api.logprobs_content(pending, spell)
+            pending.clear()
+        return chunk
 
     def chunks(pieces: list[Piece]) -> list[bytes]:
         nonlocal called
         called |= any(isinstance(p, ToolCall) for p in pieces)
-        return [sse(api.chat_chunk(cid, created, model, api.chat_delta(p))) for p in pieces]
+        return [sse(with_logprobs(api.chat_chunk(cid, created, model, api.chat_delta(p)))) for p in pieces]
 
     if parser is not None:
         yield sse(api.chat_chunk(cid, created, model, {"role": "assistant", "content": ""}))
@@ -307,7 +322,8 @@ async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, as
         match ev:
             case TextEvent(text) if parser is None:
                 yield sse(api.completion_chunk(cid, created, model, text))
-            case TextEvent(text):
+            case TextEvent(text, logprobs):
+                pending.extend(logprobs)
                 for chunk in chunks(parser.feed(text)):
                     yield chunk
             case KeepaliveEvent():
@@ -322,7 +338,7 @@ async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, as
                 else:
                     for chunk in chunks(parser.finish()):
                         yield chunk
-                    last = api.chat_chunk(cid, created, model, {}, api.finish_reason(finish, called))
+                    last = with_logprobs(api.chat_chunk(cid, created, model, {}, api.finish_reason(finish, called)))
                 last["timings"] = api.timings(job)
                 yield sse(last)
                 if include_usage:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.protocol import Logprob
 from server.errors import RequestFailed
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A token the engine produced for the request."""
+    """A token the engine produced for the request (with its log-probabilities when the request asked)."""
 
     id: int
+    logprob: Logprob | None = None
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,11 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class TextEvent:
-    """Detokenized text safe to send (what could still become a stop string is held back)."""
+    """Detokenized text safe to send (what could still become a stop string is held back), and the
+    log-probabilities of the reply's tokens taken since the last `TextEvent` (when asked)."""
 
     text: str
+    logprobs: tuple[tuple[int, Logprob], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,10 @@ Rules (the seed's "batch slots" page):
 
 Every decision is taken in `_schedule()`, a plain method called after each state change; the engine
 lines of a GEN/BGEN are read by that request's task from the control queue, those of a slot from the
-slot's queue.
+slot's queue. Each GEN/BGEN sent is a `Segment` of its job; when its DONE (or BDONE) is read,
+`Segment.end` says what follows (`SegmentEnd`: finished, preempted, yielded, back to solo). What the
+request's HTTP route hears comes as `server.events.JobEvent`s on `Job.out`; a failure's HTTP status
+is its error's class (`server.errors`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from engine.protocol import (
     Done,
     Err,
     Gen,
+    Logprob,
     Progress,
     Resume,
     Sampling,
@@ -454,7 +458,7 @@ class Scheduler:
                 item = await control.get()
                 t = type(item)
                 if t is Token:
-                    self._token(job, seg, item.id)
+                    self._token(job, seg, item.id, item.logprob)
                     if seg.tokens == 1:
                         job.state = "decoding"
                         if self.slots and self.waiting:
@@ -560,7 +564,7 @@ class Scheduler:
                 item = await q.get()
                 if type(item) is BToken:
                     slot.generated += 1
-                    self._token(job, seg, item.id)
+                    self._token(job, seg, item.id, item.logprob)
                 elif type(item) is BDone:
                     bdone = item
                     break
@@ -581,12 +585,12 @@ class Scheduler:
             self._requeue(job, end)
         self._schedule()
 
-    def _token(self, job: Job, seg: Segment, token: int) -> None:
+    def _token(self, job: Job, seg: Segment, token: int, logprob: Logprob | None) -> None:
         job.generated.append(token)
         seg.tokens += 1
         if job.first_token_at is None:
             job.first_token_at = time.monotonic()
-        job.out.put_nowait(TokenEvent(token))
+        job.out.put_nowait(TokenEvent(token, logprob))
         if self.on_tokens is not None:
             self.on_tokens(1)
 

@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from engine.protocol import Logprob
 from server.events import (
     DoneEvent,
     ErrorEvent,
@@ -36,7 +37,7 @@ class TextAssembler:
 
     def __init__(self, tokenizer: TokenizerLike, stops: list[str]):
         self._decoder = tokenizer.stream_decoder()
-        self._skip = tokenizer.stop_ids
+        self.skip = tokenizer.stop_ids  # end tokens: no text, and no entry in logprobs
         self.stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
@@ -48,7 +49,7 @@ class TextAssembler:
         if self.stopped:
             return ""
         self.tokens += 1
-        if token_id in self._skip:
+        if token_id in self.skip:
             return ""
         piece = self._decoder.push(token_id)
         if not piece:
@@ -96,12 +97,15 @@ async def reply_events(job: Job, assembler: TextAssembler, on_stop: Callable[[],
             yield KeepaliveEvent()
             continue
         text: list[str] = []
+        logprobs: list[tuple[int, Logprob]] = []
         progressed = False
         end: DoneEvent | ErrorEvent | None = None
         while True:
             match ev:
-                case TokenEvent(token):
+                case TokenEvent(token, logprob):
                     if not assembler.stopped:
+                        if logprob is not None and token not in assembler.skip:
+                            logprobs.append((token, logprob))
                         text.append(assembler.push(token))
                         if assembler.stopped:
                             on_stop()
@@ -116,8 +120,8 @@ async def reply_events(job: Job, assembler: TextAssembler, on_stop: Callable[[],
                 break
             ev = out.get_nowait()
         joined = "".join(text)
-        if joined:
-            yield TextEvent(joined)
+        if joined or logprobs:
+            yield TextEvent(joined, tuple(logprobs))
         elif progressed:
             yield KeepaliveEvent()
         if end is not None:
