@@ -1,5 +1,6 @@
 """Log-probabilities: the protocol's `logprobs` key and `T`/`BT` fields, `sample_rows`' log-softmax of the
-penalized logits (the tokens unchanged), the engine loop's lines alone and in slots, and a token's bytes."""
+penalized logits (the tokens unchanged), the engine loop's lines alone and in slots. A token's bytes:
+tests/test_tokenizer.py; through the server with the `openai` package: tests/test_server_api.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from engine import protocol as P
 from engine.check import Driver, bgen, collect, gen
 from engine.hashlm import write_hashlm
 from engine.sampling import Draw, Pick, logprob_of, sample_rows
-from engine.tokenizer import Tokenizer
-from server.tokens import ByteTokenizer
 
 
 def test_lines_round_trip_and_the_key_is_checked():
@@ -73,11 +72,3 @@ def test_every_token_line_carries_them_alone_and_in_slots(driver):
     for t in tokens:
         assert t.logprob is not None and len(t.logprob.top) == 2 and t.logprob.value <= 0
         assert t.logprob.top[0] == (t.id, t.logprob.value)  # greedy: the chosen token is the most likely
-
-
-def test_token_bytes_spell_the_text(tiny_model):
-    text = "Grüße, 世界! Tabs\tand  spaces ✓"
-    tokenizer = Tokenizer.from_gguf(tiny_model)  # byte-level BPE
-    assert b"".join(tokenizer.token_bytes(i) for i in tokenizer.encode(text, add_special=False)) == text.encode()
-    byte = ByteTokenizer()
-    assert b"".join(byte.token_bytes(i) for i in byte.encode(text + "<|im_end|>")) == (text + "<|im_end|>").encode()
