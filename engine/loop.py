@@ -26,7 +26,7 @@ from engine.memory import memory_split
 from engine.models.base import Model
 from engine.parking import ParkingStore
 from engine.runner import Row, Runner, Session
-from engine.sampling import Draw
+from engine.sampling import Draw, logprob_of
 
 STATS_INTERVAL_S = 0.25
 
@@ -209,7 +209,7 @@ class EngineLoop:
         job.decode_started = time.perf_counter()
         token = self.runner.sample(logits[None], [Draw.after(job.sampling, job.seed, job.session.tokens)])[0]
         job.generated = 1
-        self.emit(P.Token(token))
+        self.emit(P.Token(token, logprob_of(token)))
         finish = self.finish_reason(job, token)
         if job.slot is None:
             if finish:
@@ -266,10 +266,10 @@ class EngineLoop:
             job.experts += served
             job.generated += 1
             if job.slot is None:
-                self.emit(P.Token(token))
+                self.emit(P.Token(token, logprob_of(token)))
             else:
                 job.slot_tokens += 1
-                self.emit(P.BToken(job.slot, token))
+                self.emit(P.BToken(job.slot, token, logprob_of(token)))
             job.next_token = token
             finish = self.finish_reason(job, token)
             if finish:

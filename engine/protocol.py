@@ -13,10 +13,11 @@ from typing import Any
 
 FINISH_REASONS = ("stop", "length", "cancel")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "presence_penalty",
-                 "frequency_penalty", "repeat_last_n")
+                 "frequency_penalty", "repeat_last_n", "logprobs")
 MAX_SLOTS = 8  # batch slots the engine runs at most (a window holds 8 slot rows, as upstream's)
 TOP_K_MAX = 64  # the engine keeps at most this many candidates, as upstream does
 CONTEXT_SLACK = 8  # prompt + max_new + CONTEXT_SLACK must fit the context (upstream's rule)
+TOP_LOGPROBS_MAX = 20  # alternatives a token's log-probabilities name at most (OpenAI's top_logprobs limit)
 # parked conversations by default (--conversation-cache-mib/-slots; docs/config.md says why)
 CONVERSATION_CACHE_MIB = 2048
 CONVERSATION_CACHE_SLOTS = 8
@@ -38,6 +39,9 @@ class Sampling:
     generated; -1 = all of it, 0 = none): a token seen there has its logit divided by
     `repeat_penalty` (multiplied when <= 0), then lowered by `presence_penalty` and by
     `frequency_penalty` times its count.
+
+    `logprobs` >= 0 asks for each token's log-probability and the `logprobs` most likely tokens'
+    (-1, the default: none); they are the penalized logits' log-softmax, before temperature.
     """
 
     temperature: float = 0.0
@@ -49,6 +53,7 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64
+    logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +88,8 @@ class Sampling:
                 raise ProtocolError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repeat_last_n < -1:
             raise ProtocolError(f"repeat_last_n must be >= -1 (-1 = the whole context), got {self.repeat_last_n}")
+        if not (-1 <= self.logprobs <= TOP_LOGPROBS_MAX):
+            raise ProtocolError(f"logprobs must be in [-1, {TOP_LOGPROBS_MAX}] (-1 = none), got {self.logprobs}")
         return self
 
     def to_keys(self) -> list[str]:
@@ -98,7 +105,7 @@ class Sampling:
             keys.append(f"min_p={self.min_p:g}")
         if self.seed > 0:
             keys.append(f"seed={self.seed}")
-        for name in ("repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"):
+        for name in ("repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n", "logprobs"):
             value = getattr(self, name)
             if value != getattr(Sampling, name):
                 keys.append(f"{name}={value:g}")
@@ -261,8 +268,30 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A chosen token's log-probability and the most likely tokens' `(id, logprob)`, best first."""
+
+    value: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def fields(self) -> str:
+        """` <value> [<id>:<logprob>,...]`: what a `T`/`BT` line carries after the token id."""
+        head = f" {self.value:.6g}"
+        return head + (" " + ",".join(f"{i}:{lp:.6g}" for i, lp in self.top) if self.top else "")
+
+    @classmethod
+    def parse(cls, parts: list[str]) -> Logprob | None:
+        if not parts:
+            return None
+        top = tuple((int(i), float(lp)) for i, _, lp in (t.partition(":") for t in parts[1].split(","))) \
+            if len(parts) > 1 else ()
+        return cls(float(parts[0]), top)
+
+
+@dataclass(frozen=True)
 class Token:
     id: int
+    logprob: Logprob | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +323,7 @@ class BAdm:
 class BToken:
     slot: int
     id: int
+    logprob: Logprob | None = None
 
 
 @dataclass(frozen=True)
@@ -341,9 +371,9 @@ def parse_reply(line: str) -> Reply:
     p = rest.split()
     try:
         if verb == "T":
-            return Token(int(p[0]))
+            return Token(int(p[0]), Logprob.parse(p[1:]))
         if verb == "BT":
-            return BToken(int(p[0]), int(p[1]))
+            return BToken(int(p[0]), int(p[1]), Logprob.parse(p[2:]))
         if verb == "PP":
             return Progress(int(p[0]), int(p[1]), float(p[2]), float(p[3]))
         if verb == "DONE":
@@ -373,10 +403,10 @@ def parse_reply(line: str) -> Reply:
 
 def format_reply(reply: Reply) -> str:
     match reply:
-        case Token(i):
-            return f"T {i}"
-        case BToken(slot, i):
-            return f"BT {slot} {i}"
+        case Token(i, lp):
+            return f"T {i}" + (lp.fields() if lp else "")
+        case BToken(slot, i, lp):
+            return f"BT {slot} {i}" + (lp.fields() if lp else "")
         case Progress(read, total, ms, tok_s):
             return f"PP {read} {total} {ms:.1f} {tok_s:.1f}"
         case Done():

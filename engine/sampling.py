@@ -4,6 +4,10 @@ The uniform number for the token at position `p` of a request with seed `s` is P
 by `s` with counter `p`: a row draws the same number alone or in any batch, on any device, so a
 sampled request's tokens depend only on its seed, its logits and its positions. Penalties change a
 row's own logits from its own recent tokens (elementwise), so they keep that property.
+
+A row whose request asked for log-probabilities (`Sampling.logprobs` >= 0) gets its token as a
+`Pick`: an int that also carries its `Logprob` (the penalized logits' log-softmax), so every caller
+that only wants the id is unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import ops as cpu_ops
-from engine.protocol import TOP_K_MAX, Sampling
+from engine.protocol import TOP_K_MAX, Logprob, Sampling
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -30,6 +34,22 @@ def philox_uniform(seed: int, position: int) -> float:
         c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & _MASK, p1 & _MASK, ((p0 >> 32) ^ c3 ^ k1) & _MASK, p0 & _MASK
         k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
     return ((c0 << 21) ^ (c1 >> 11)) / float(1 << 53)
+
+
+class Pick(int):
+    """A chosen token id with its `Logprob`, for a request that asked for log-probabilities."""
+
+    logprob: Logprob
+
+    def __new__(cls, token: int, logprob: Logprob) -> Pick:
+        pick = super().__new__(cls, token)
+        pick.logprob = logprob
+        return pick
+
+
+def logprob_of(token: int) -> Logprob | None:
+    """The log-probabilities a chosen token carries (a `Pick`), else None."""
+    return token.logprob if isinstance(token, Pick) else None
 
 
 @dataclass(frozen=True)
@@ -59,7 +79,23 @@ def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     sampled = [i for i, d in enumerate(draws) if not d.sampling.greedy]
     if sampled:
         chosen[sampled] = _sample(logits[sampled], [draws[i] for i in sampled])
-    return chosen.tolist()
+    ids: list[int] = chosen.tolist()
+    asked = [i for i, d in enumerate(draws) if d.sampling.logprobs >= 0]
+    if asked:
+        for i, logprob in zip(asked, _logprobs(logits[asked], [ids[i] for i in asked],
+                                               [draws[i].sampling.logprobs for i in asked]), strict=True):
+            ids[i] = Pick(ids[i], logprob)
+    return ids
+
+
+def _logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int]) -> list[Logprob]:
+    """Each row's chosen token's log-probability and its `tops[row]` most likely tokens', one host read."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None])[:, 0]
+    top_lp, top_ids = torch.topk(lp, max(tops), dim=-1) if max(tops) else (lp[:, :0], lp[:, :0].long())
+    values, top_lp, top_ids = values.tolist(), top_lp.tolist(), top_ids.tolist()
+    return [Logprob(values[r], tuple(zip(top_ids[r][:n], top_lp[r][:n], strict=True)))
+            for r, n in enumerate(tops)]
 
 
 def penalize(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:

@@ -13,6 +13,7 @@ Python, so `_implied_merges` does it with rolling hashes in numpy.
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -84,6 +85,14 @@ def bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_of() -> dict[str, int]:
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -168,6 +177,15 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (for some tokens a part of a UTF-8 character)."""
+        piece = self.id_to_token(token_id) or ""
+        if self.model == "gpt2":  # byte-level: each character spells one byte (added tokens: their text)
+            byte_of = _byte_of()
+            return bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else piece.encode()
+        fallback = _BYTE_FALLBACK.fullmatch(piece)  # SentencePiece: a byte token, else "\u2581" for a space
+        return bytes([int(fallback[1], 16)]) if fallback else piece.replace("\u2581", " ").encode()
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)

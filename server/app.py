@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +18,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.chat_template import ChatTemplate
+from engine.protocol import Logprob
 from server import chat_page
 from server import openai_api as api
 from server.access_log import AccessLog
 from server.auth import Guard
 from server.chat_prompt import render_chat
 from server.config import RunConfig
-from server.engine_client import EngineDied, EngineSupervisor, default_log_path, say
+from server.engine_client import EngineDied, EngineLaunch, default_log_path, say
+from server.errors import RequestFailed
+from server.events import DoneEvent, ErrorEvent, KeepaliveEvent, ReplyEvent, TextEvent
 from server.metrics import Metrics
 from server.metrics_schema import Activity, Concurrency, StatusView, Timings
 from server.openai_api import ApiError
 from server.reply_parser import Piece, ReplyParser
-from server.scheduler import Job, QueueFull, Scheduler
+from server.scheduler import Job, Scheduler
 from server.streaming import KEEPALIVE, SSEResponse, TextAssembler, reply_events, sse
 from server.tokens import TokenizerLike, encode_prompt, load_vocabulary
 from server.tool_calls import ToolCall
@@ -44,13 +47,12 @@ class ServerState:
         self.api_key = api_key
         self.started = time.time()
         self.metrics = Metrics(config, config_path)
-        log = log_path or default_log_path(config.log, config.served_name)
-        self.supervisor = EngineSupervisor(config.engine_command_line(), config.engine_env(), log,
-                                           config.engine_silence_s, config.prefill, on_stats=self.metrics.on_stats)
-        self.scheduler = Scheduler(self.supervisor, config.queue_limit, on_finish=self._finished,
-                                   on_tokens=self.metrics.on_tokens)
-        self.metrics.scheduler = self.scheduler
-        self.metrics.supervisor = self.supervisor
+        launch = EngineLaunch(config.engine_command_line(), config.engine_env(),
+                              log_path or default_log_path(config.log, config.served_name),
+                              config.engine_silence_s, config.prefill)
+        self.scheduler = Scheduler(launch, config.queue_limit, on_finish=self._finished,
+                                   on_tokens=self.metrics.on_tokens, on_stats=self.metrics.on_stats)
+        self.supervisor = self.scheduler.sup
         self.tokenizer: TokenizerLike | None = None
         self.template: ChatTemplate | None = None
         self.vocab_error: str | None = None
@@ -198,13 +200,13 @@ async def status(request: Request) -> JSONResponse:
 
 async def metrics_json(request: Request) -> Response:
     st = _state(request)
-    snap = st.metrics.snapshot(all_requests=request.query_params.get("requests") == "all")
+    snap = st.metrics.snapshot(st.scheduler, all_requests=request.query_params.get("requests") == "all")
     return Response(snap.model_dump_json(), media_type="application/json")
 
 
 async def metrics_prometheus(request: Request) -> Response:
     st = _state(request)
-    return Response(st.metrics.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(st.metrics.prometheus(st.scheduler), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def chat_completions(request: Request) -> Response:
@@ -229,8 +231,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         request.state.summary = lambda: st.job_summary(job)
         try:
             st.scheduler.submit(job)
-        except QueueFull as exc:
-            raise ApiError(503, f"the server is busy: {exc}; try again later", code="queue_full") from None
+        except RequestFailed as exc:
+            raise ApiError(exc.status, str(exc), code=exc.code) from None
     except ApiError as exc:
         headers = {"Retry-After": "2"} if exc.status == 503 else None
         return error(exc.status, exc.message, exc.param, exc.code, headers)
@@ -246,7 +248,8 @@ async def _generate(request: Request, chat: bool) -> Response:
 
     events = reply_events(job, assembler, on_stop, st.config.keepalive_s)
     if body.stream:
-        gen = _stream(cid, model, parser, job, assembler, events, body.include_usage())
+        gen = _stream(cid, model, parser, job, assembler, events, body.include_usage(),
+                      st.tokenizer.token_bytes)  # type: ignore[union-attr]
         return SSEResponse(gen, lambda: st.scheduler.cancel(job, "disconnect"))  # type: ignore[return-value]
     return await _collect(request, st, cid, model, parser, job, assembler, events)
 
@@ -257,17 +260,19 @@ def _usage(job: Job, assembler: TextAssembler) -> dict[str, Any]:
 
 
 async def _collect(request: Request, st: ServerState, cid: str, model: str, parser: ReplyParser | None, job: Job,
-                   assembler: TextAssembler, events: AsyncIterator[tuple]) -> Response:
+                   assembler: TextAssembler, events: AsyncIterator[ReplyEvent]) -> Response:
     """One JSON body; `parser` None: a completion's plain text."""
     parts: list[str] = []
-    end: tuple | None = None
+    logprobs: list[tuple[int, Logprob]] = []
+    end: DoneEvent | ErrorEvent | None = None
 
     async def consume() -> None:
         nonlocal end
         async for ev in events:
-            if ev[0] == "text":
-                parts.append(ev[1])
-            elif ev[0] in ("done", "error"):
+            if isinstance(ev, TextEvent):
+                parts.append(ev.text)
+                logprobs.extend(ev.logprobs)
+            elif isinstance(ev, DoneEvent | ErrorEvent):
                 end = ev
 
     work = asyncio.create_task(consume())
@@ -278,59 +283,70 @@ async def _collect(request: Request, st: ServerState, cid: str, model: str, pars
         await work
     gone.cancel()
     assert end is not None
-    if end[0] == "error":
-        return error(end[1], end[2], code="engine_error")
+    if isinstance(end, ErrorEvent):
+        return error(end.error.status, str(end.error), code=end.error.code)
     text = "".join(parts)
     use, tim = _usage(job, assembler), api.timings(job)
     if parser is None:
-        return JSONResponse(api.completion_response(cid, model, text, api.finish_reason(end[1]), use, tim))
+        return JSONResponse(api.completion_response(cid, model, text, api.finish_reason(end.finish), use, tim))
     message = api.chat_message(parser.feed(text) + parser.finish())
-    finish = api.finish_reason(end[1], called="tool_calls" in message)
-    return JSONResponse(api.chat_response(cid, model, message, finish, use, tim))
+    finish = api.finish_reason(end.finish, called="tool_calls" in message)
+    asked = job.sampling.logprobs >= 0
+    content = api.logprobs_content(logprobs, st.tokenizer.token_bytes) if asked else None  # type: ignore[union-attr]
+    return JSONResponse(api.chat_response(cid, model, message, finish, use, tim, content))
 
 
 async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, assembler: TextAssembler,
-                  events: AsyncIterator[tuple], include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE chunks; `parser` None: a completion's plain text."""
+                  events: AsyncIterator[ReplyEvent], include_usage: bool,
+                  spell: Callable[[int], bytes]) -> AsyncIterator[bytes]:
+    """SSE chunks; `parser` None: a completion's plain text. Tokens' logprobs (when asked) ride on the
+    next chunk sent, the finish chunk at the latest."""
     created = int(time.time())
     called = False
+    pending: list[tuple[int, Logprob]] = []
+
+    def with_logprobs(chunk: dict[str, Any]) -> dict[str, Any]:
+        if pending:
+            chunk["choices"][0]["logprobs"] = api.logprobs_content(pending, spell)
+            pending.clear()
+        return chunk
 
     def chunks(pieces: list[Piece]) -> list[bytes]:
         nonlocal called
         called |= any(isinstance(p, ToolCall) for p in pieces)
-        return [sse(api.chat_chunk(cid, created, model, api.chat_delta(p))) for p in pieces]
+        return [sse(with_logprobs(api.chat_chunk(cid, created, model, api.chat_delta(p)))) for p in pieces]
 
     if parser is not None:
         yield sse(api.chat_chunk(cid, created, model, {"role": "assistant", "content": ""}))
     async for ev in events:
-        kind = ev[0]
-        if kind == "text":
-            if parser is None:
-                yield sse(api.completion_chunk(cid, created, model, ev[1]))
-            else:
-                for chunk in chunks(parser.feed(ev[1])):
+        match ev:
+            case TextEvent(text) if parser is None:
+                yield sse(api.completion_chunk(cid, created, model, text))
+            case TextEvent(text, logprobs):
+                pending.extend(logprobs)
+                for chunk in chunks(parser.feed(text)):
                     yield chunk
-        elif kind == "keepalive":
-            yield KEEPALIVE
-        elif kind == "error":
-            yield sse(api.error_body(ev[1], ev[2], None, "engine_error"))
-            yield sse("[DONE]")
-            return
-        elif kind == "done":
-            if parser is None:
-                last = api.completion_chunk(cid, created, model, "", api.finish_reason(ev[1]))
-            else:
-                for chunk in chunks(parser.finish()):
-                    yield chunk
-                last = api.chat_chunk(cid, created, model, {}, api.finish_reason(ev[1], called))
-            last["timings"] = api.timings(job)
-            yield sse(last)
-            if include_usage:
-                obj = "chat.completion.chunk" if parser is not None else "text_completion"
-                yield sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                           "usage": _usage(job, assembler)})
-            yield sse("[DONE]")
-            return
+            case KeepaliveEvent():
+                yield KEEPALIVE
+            case ErrorEvent(failure):
+                yield sse(api.error_body(failure.status, str(failure), None, failure.code))
+                yield sse("[DONE]")
+                return
+            case DoneEvent(finish):
+                if parser is None:
+                    last = api.completion_chunk(cid, created, model, "", api.finish_reason(finish))
+                else:
+                    for chunk in chunks(parser.finish()):
+                        yield chunk
+                    last = with_logprobs(api.chat_chunk(cid, created, model, {}, api.finish_reason(finish, called)))
+                last["timings"] = api.timings(job)
+                yield sse(last)
+                if include_usage:
+                    obj = "chat.completion.chunk" if parser is not None else "text_completion"
+                    yield sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+                               "usage": _usage(job, assembler)})
+                yield sse("[DONE]")
+                return
 
 
 async def _not_found(request: Request, exc: Exception) -> JSONResponse:

@@ -6,8 +6,9 @@ everything else goes to the control queue (read by whoever sent the running GEN/
 goes to the log file and a ring buffer of the last lines. When stdout closes, an `EngineDied` is put
 in every queue, so every waiting reader learns it at once.
 
-`EngineSupervisor` keeps one current process, starts a fresh one when asked after a death, and runs
-the silence watchdog.
+`EngineSupervisor` keeps one current process (started from an `EngineLaunch`), starts a fresh one when
+asked after a death, and runs the silence watchdog. It tells its `EngineWatcher` (the scheduler) when an
+engine is ready or died, and asks it whether a request is running or reading a prompt.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import platformdirs
+from typing import Any, Protocol
 
 from engine.protocol import BDone, BToken, Info, ProtocolError, Ready, Stats, parse_reply
+from server.app_dirs import log_dir
 
 LOG_RING = 200
 
@@ -44,12 +44,14 @@ def say(msg: str) -> None:
 
 class EngineProcess:
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path | None, narrate: bool = True,
-                 on_stats: Callable[[dict[str, Any]], None] | None = None):
+                 on_stats: Callable[[dict[str, Any]], None] | None = None,
+                 on_death: Callable[[EngineProcess], None] | None = None):
         self.command = command
         self.env = env
         self.log_path = log_path
         self.narrate = narrate
         self.on_stats = on_stats
+        self.on_death = on_death
         self.state = "starting"  # starting | ready | dead | stopped
         self.info: dict[str, Any] = {}
         self.context = 0
@@ -61,7 +63,6 @@ class EngineProcess:
         self.control: asyncio.Queue = asyncio.Queue()
         self.slot_queues: list[asyncio.Queue] = []
         self.last_line_at = time.monotonic()
-        self.on_death: Callable[[EngineProcess], None] | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -237,25 +238,46 @@ class EngineProcess:
             self._log_fh = None
 
 
+@dataclass(frozen=True)
+class EngineLaunch:
+    """How to run the engine: its command line, environment and log file, and the watchdog's allowance
+    (`silence_s`, 0 = off; more while a prompt of `prefill`-token chunks is read)."""
+
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path | None
+    silence_s: float
+    prefill: int = 512
+
+
+class EngineWatcher(Protocol):
+    """What the supervisor tells about the engine, and asks about the work on it (the scheduler)."""
+
+    def engine_ready(self, engine: EngineProcess) -> None: ...
+
+    def engine_died(self, engine: EngineProcess) -> None: ...
+
+    def busy(self) -> bool:
+        """A request is on the engine (the watchdog only watches then)."""
+        ...
+
+    def reading(self) -> tuple[bool, float]:
+        """Whether a prompt is being read, and the seconds its last chunk took."""
+        ...
+
+
 class EngineSupervisor:
     """Owns the current engine process: (re)starts it on demand, and the silence watchdog."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path | None, silence_s: float,
-                 prefill: int = 512, on_stats: Callable[[dict[str, Any]], None] | None = None):
-        self.command = command
-        self.env = env
-        self.log_path = log_path
-        self.silence_s = silence_s
-        self.prefill = prefill
+    def __init__(self, launch: EngineLaunch, watcher: EngineWatcher,
+                 on_stats: Callable[[dict[str, Any]], None] | None = None):
+        self.launch = launch
+        self.watcher = watcher
         self.on_stats = on_stats
         self.engine: EngineProcess | None = None
         self.restarts = 0
         self.starts = 0
         self.last_error: str | None = None
-        self.on_ready: Callable[[EngineProcess], None] | None = None
-        self.on_death: Callable[[EngineProcess], None] | None = None
-        self.busy: Callable[[], bool] = lambda: False
-        self.reading: Callable[[], tuple[bool, float]] = lambda: (False, 0.0)
         self._lock = asyncio.Lock()
         self._watchdog: asyncio.Task | None = None
 
@@ -277,10 +299,10 @@ class EngineSupervisor:
                 self.restarts += 1
                 say("restarting the engine")
             else:
-                say("starting the engine: " + " ".join(self.command))
+                say("starting the engine: " + " ".join(self.launch.command))
             self.starts += 1
-            engine = EngineProcess(self.command, self.env, self.log_path, on_stats=self.on_stats)
-            engine.on_death = self._died
+            engine = EngineProcess(self.launch.command, self.launch.env, self.launch.log_path, on_stats=self.on_stats,
+                                   on_death=self._died)
             self.engine = engine
             ticker = asyncio.create_task(self._still_starting(engine))
             try:
@@ -298,8 +320,7 @@ class EngineSupervisor:
                 say(f"parallel requests: the engine runs {n} batch slots")
             if self._watchdog is None or self._watchdog.done():
                 self._watchdog = asyncio.create_task(self._watch())
-            if self.on_ready is not None:
-                self.on_ready(engine)
+            self.watcher.engine_ready(engine)
             return engine
 
     async def _still_starting(self, engine: EngineProcess, every_s: float = 10.0) -> None:
@@ -310,30 +331,30 @@ class EngineSupervisor:
 
     def _died(self, engine: EngineProcess) -> None:
         self.last_error = engine.death
-        if engine is self.engine and self.on_death is not None:
+        if engine is self.engine:
             say(f"the engine died: {(engine.death or '').splitlines()[0]}")
-            self.on_death(engine)
+            self.watcher.engine_died(engine)
 
     def allowance(self) -> float:
         """Seconds of silence allowed now (upstream's rule: more while a prompt chunk is read)."""
-        if self.silence_s <= 0:
+        if self.launch.silence_s <= 0:
             return float("inf")
-        reading, last_chunk_s = self.reading()
+        reading, last_chunk_s = self.watcher.reading()
         if reading:
-            return max(self.silence_s, self.prefill / 50.0, 3.0 * last_chunk_s)
-        return self.silence_s
+            return max(self.launch.silence_s, self.launch.prefill / 50.0, 3.0 * last_chunk_s)
+        return self.launch.silence_s
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(min(0.25, max(self.silence_s / 4, 0.05)) if self.silence_s > 0 else 1.0)
+            await asyncio.sleep(min(0.25, max(self.launch.silence_s / 4, 0.05)) if self.launch.silence_s > 0 else 1.0)
             engine = self.engine
-            if engine is None or not engine.alive or not self.busy():
+            if engine is None or not engine.alive or not self.watcher.busy():
                 continue
             silent = time.monotonic() - engine.last_line_at
             if silent > self.allowance():
                 say(f"the engine was silent for {silent:.0f} s during a request: ending it")
                 engine.kill(f"the engine was silent for {silent:.1f} s during a request "
-                            f"(engine_silence_s = {self.silence_s:g}) and was stopped by the watchdog")
+                            f"(engine_silence_s = {self.launch.silence_s:g}) and was stopped by the watchdog")
 
     async def shutdown(self) -> None:
         if self._watchdog is not None:
@@ -343,11 +364,7 @@ class EngineSupervisor:
 
 
 def default_log_path(config_log: str | None, model_name: str) -> Path:
+    """The engine's log: the config's `log`, else `strata-<model>.log` in the log dir (`server.app_dirs`)."""
     if config_log:
         return Path(config_log).expanduser()
-    # the same place strata_desk.paths.log_dir() names (the server cannot import strata_desk)
-    home = os.environ.get("STRATA_DESK_HOME")
-    base = Path(home) / "logs" if home else Path(platformdirs.user_log_dir("strata-desk"))
-    return base / f"strata-{model_name}.log"
-
-
+    return log_dir() / f"strata-{model_name}.log"

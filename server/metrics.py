@@ -51,8 +51,6 @@ class Metrics:
         self.output_tokens_live = 0  # counter of every token streamed (Prometheus)
         self._decode_rates: collections.deque[float] = collections.deque(maxlen=50)
         self._prefill_rates: collections.deque[float] = collections.deque(maxlen=50)
-        self.scheduler: Scheduler | None = None
-        self.supervisor: EngineSupervisor | None = None
 
     # -- feeding ------------------------------------------------------------------------------
     def on_tokens(self, n: int) -> None:
@@ -124,11 +122,11 @@ class Metrics:
                 rates.append((len(j.generated) - 1) / (mono - j.first_token_at))
         return sum(rates) / len(rates) if rates else 0.0
 
-    def snapshot(self, all_requests: bool = False) -> MetricsSnapshot:
+    def snapshot(self, sch: Scheduler, all_requests: bool = False) -> MetricsSnapshot:
+        """Everything /metrics says, with the live part read from the scheduler and its supervisor."""
         now = time.time()
         mono = time.monotonic()
-        sup, sch = self.supervisor, self.scheduler
-        assert sup is not None and sch is not None
+        sup = sch.sup
         eng = sup.engine
         engine = EngineView(
             state=("ready" if sup.ready else (eng.state if eng else "starting")),  # type: ignore[arg-type]
@@ -137,7 +135,7 @@ class Metrics:
             version=str(eng.info.get("engine")) if eng and "engine" in eng.info else None,
             pid=eng.pid if eng else None, restarts=sup.restarts,
             started_at=eng.started_at if eng else None, ready_s=eng.ready_s if eng else None,
-            last_error=sup.last_error, log_path=str(sup.log_path) if sup.log_path else None,
+            last_error=sup.last_error, log_path=str(sup.launch.log_path) if sup.launch.log_path else None,
             info=dict(eng.info) if eng else {})
         live = self._live(sch, sup, mono)
         rows = list(self.rows) if all_requests else list(self.rows)[:12]
@@ -183,7 +181,7 @@ class Metrics:
             prefill_tok_s_mean=round(prefill_mean, 2),
             prompt_read=reader.prompt_read if reader else 0, prompt_total=reader.prompt_total if reader else 0,
             generated=len(solo.generated) if solo else 0, max_tokens=solo.max_new if solo else 0,
-            elapsed_s=round(mono - solo.segment_at, 3) if solo else 0.0,
+            elapsed_s=round(mono - solo.segment.started, 3) if solo and solo.segment else 0.0,
             parallel=max(1, len(sch.slots)), waiting_for_slot=waiting_for_slot, slots=slots)
 
     def _devices(self) -> list[GpuInfo]:
@@ -238,21 +236,22 @@ class Metrics:
         return ConfigView(path=self.config_path, api_key_set=bool(self.config.api_key), **data)
 
     # -- Prometheus ---------------------------------------------------------------------------
-    def prometheus(self) -> bytes:
+    def prometheus(self, sch: Scheduler) -> bytes:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
+        registry.register(_Collector(self, sch))
         return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, sch: Scheduler):
         self.m = metrics
+        self.sch = sch
 
     def describe(self) -> list:
         return []
 
     def collect(self):  # noqa: C901 - one flat list of families
-        snap = self.m.snapshot()
+        snap = self.m.snapshot(self.sch)
         t = snap.totals
 
         def gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -16,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.protocol import CONTEXT_SLACK, Sampling
+from engine.protocol import CONTEXT_SLACK, TOP_LOGPROBS_MAX, Logprob, Sampling
 from server.config import SamplingFields
 from server.reply_parser import Piece, Text
 from server.tool_calls import ToolCall
@@ -55,8 +56,6 @@ class _Body(SamplingFields):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
-    logprobs: bool | int | None = None  # chat: a boolean; completions: a number
-    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
     grammar: str | None = None  # llama.cpp's
@@ -72,7 +71,7 @@ class _Body(SamplingFields):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("logprobs", "top_logprobs", "logit_bias", "grammar", "json_schema")
+    @field_validator("logit_bias", "grammar", "json_schema")
     @classmethod
     def _refuse(cls, v: Any, info: ValidationInfo) -> Any:
         if v:
@@ -87,6 +86,10 @@ class _Body(SamplingFields):
             raise ValueError(f"response_format {kind!r} is not supported yet (it needs constrained decoding); "
                              "ask for JSON in the prompt, or leave response_format out")
         return v
+
+    def logprobs_asked(self) -> int:
+        """`Sampling.logprobs`: -1 = none, n >= 0 = each token's log-probability and n alternatives."""
+        return -1
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -180,6 +183,18 @@ class ChatRequest(_Body):
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def logprobs_asked(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -207,6 +222,14 @@ class CompletionRequest(_Body):
     prompt: str | list[int] | list[str]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None  # the legacy completions' number of alternatives
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("logprobs is not supported on /v1/completions; /v1/chat/completions has them")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -278,7 +301,7 @@ def sampling_of(body: _Body, defaults: Any) -> Sampling:
                     repeat_penalty=float(pick("repeat_penalty", 1.0)),
                     presence_penalty=float(pick("presence_penalty", 0.0)),
                     frequency_penalty=float(pick("frequency_penalty", 0.0)),
-                    repeat_last_n=int(pick("repeat_last_n", 64)))
+                    repeat_last_n=int(pick("repeat_last_n", 64)), logprobs=body.logprobs_asked())
 
 
 def budget(prompt_tokens: int, asked: int | None, context: int, default_max: int | None) -> int:
@@ -347,6 +370,17 @@ def timings(job: Any) -> dict[str, Any]:
             "predicted_per_second": round(predicted_n / (dm / 1000), 2) if dm > 0 else 0.0}
 
 
+def logprobs_content(tokens: Sequence[tuple[int, Logprob]], spell: Callable[[int], bytes]) -> dict[str, Any]:
+    """A choice's `logprobs` (`{"content": [...], "refusal": None}`) for the reply's tokens; `spell`: a token's bytes."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        raw = spell(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**one(token, lp.value), "top_logprobs": [one(i, v) for i, v in lp.top]}
+                        for token, lp in tokens], "refusal": None}
+
+
 def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
@@ -357,9 +391,10 @@ def completion_chunk(cid: str, created: int, model: str, text: str, finish: str 
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
-def chat_response(cid: str, model: str, message: dict[str, Any], finish: str, use: dict, tim: dict) -> dict[str, Any]:
+def chat_response(cid: str, model: str, message: dict[str, Any], finish: str, use: dict, tim: dict,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": use, "timings": tim}
 
 

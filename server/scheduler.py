@@ -23,16 +23,21 @@ Rules (the seed's "batch slots" page):
 
 Every decision is taken in `_schedule()`, a plain method called after each state change; the engine
 lines of a GEN/BGEN are read by that request's task from the control queue, those of a slot from the
-slot's queue.
+slot's queue. Each GEN/BGEN sent is a `Segment` of its job; when its DONE (or BDONE) is read,
+`Segment.end` says what follows (`SegmentEnd`: finished, preempted, yielded, back to solo). What the
+request's HTTP route hears comes as `server.events.JobEvent`s on `Job.out`; a failure's HTTP status
+is its error's class (`server.errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.protocol import (
@@ -45,6 +50,7 @@ from engine.protocol import (
     Done,
     Err,
     Gen,
+    Logprob,
     Progress,
     Resume,
     Sampling,
@@ -53,20 +59,49 @@ from engine.protocol import (
     Yielded,
     format_command,
 )
-from server.engine_client import EngineDied, EngineProcess, EngineSupervisor, say
+from server.engine_client import EngineDied, EngineLaunch, EngineProcess, EngineSupervisor, say
+from server.errors import EngineRefused, EngineUnavailable, InternalError, QueueFull, RequestFailed
+from server.events import DoneEvent, ErrorEvent, JobEvent, ProgressEvent, TokenEvent
 
 MAX_YIELDS = 2
 MAX_RETURNS_TO_SOLO = 2
 
-# events put on Job.out
-EV_TOKEN = 0  # (EV_TOKEN, id)
-EV_PROGRESS = 1  # (EV_PROGRESS, read, total)
-EV_DONE = 2  # (EV_DONE, finish)
-EV_ERROR = 3  # (EV_ERROR, status, message)
+
+class SegmentEnd(enum.Enum):
+    """How a GEN/BGEN ended, decided when its DONE (or BDONE) is read."""
+
+    FINISHED = "finished"  # the reply is over (or its client left): the job ends
+    PREEMPTED = "preempted"  # a solo GEN stopped for a newcomer: the job goes on in a slot, first in line
+    YIELDED = "yielded"  # a read gave way (BYIELD): last in line, later into the slot holding its part read
+    BACK_TO_SOLO = "back_to_solo"  # alone in its slot, stopped (BSTOP): goes on as GEN, first in line
 
 
-class QueueFull(Exception):
-    pass
+@dataclass(eq=False)
+class Segment:
+    """One GEN (`slot` None) or BGEN the scheduler sent for a job, from sending it to its DONE or BDONE."""
+
+    slot: int | None
+    prompt_tokens: int  # prompt + what the job generated before this segment
+    started: float = field(default_factory=time.monotonic)
+    tokens: int = 0  # produced in this segment
+    admitted: bool = False  # BADM 1 read: a BGEN goes on in its slot, its lines on the slot's queue
+    stop_sent: bool = False  # STOP sent (solo or admission)
+    yield_sent: bool = False  # BYIELD sent
+    asked: SegmentEnd | None = None  # why the scheduler ended it early (preempted, yielded, back to solo)
+
+    @property
+    def mode(self) -> str:
+        """solo (GEN), admit (a BGEN before its BADM: the control lines) or slot (after BADM 1)."""
+        return "solo" if self.slot is None else "slot" if self.admitted else "admit"
+
+    def end(self, job: Job, finish: str) -> SegmentEnd:
+        """What the scheduler asked for, when the engine cancelled the segment for it and the job was not
+        cancelled by its client; else the job is over."""
+        if self.asked is None or job.cancelled or finish != "cancel":
+            return SegmentEnd.FINISHED
+        if self.asked is SegmentEnd.YIELDED or job.remaining > 0:
+            return self.asked
+        return SegmentEnd.FINISHED
 
 
 _ids = itertools.count(1)
@@ -79,7 +114,7 @@ class Job:
     sampling: Sampling = field(default_factory=Sampling)
     endpoint: str = "chat"
     id: str = field(default_factory=lambda: f"{next(_ids)}")
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[JobEvent] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     wall: float = field(default_factory=time.time)
@@ -88,16 +123,9 @@ class Job:
     error: str | None = None
     # where it runs
     state: str = "waiting"  # waiting | reading | decoding | done
-    mode: str | None = None  # solo | admit | slot
+    segment: Segment | None = None  # the GEN/BGEN running now (None while waiting or done)
     slot: int | None = None
     reserved_slot: int | None = None
-    seg_ids: int = 0  # tokens of the current segment's prompt
-    seg_tokens: int = 0  # tokens produced in the current segment
-    stop_sent: bool = False
-    yield_sent: bool = False
-    preempted: bool = False
-    yielded: bool = False
-    to_solo: bool = False
     yields: int = 0
     returns_to_solo: int = 0
     paths: list[str] = field(default_factory=list)
@@ -111,7 +139,6 @@ class Job:
     hits: int = 0
     lookups: int = 0
     first_token_at: float | None = None
-    segment_at: float = 0.0  # when its current GEN/BGEN was sent (monotonic)
     finished_at: float | None = None
     last_chunk_s: float = 0.0
     prefill_tok_s: float = 0.0
@@ -123,6 +150,11 @@ class Job:
     @property
     def remaining(self) -> int:
         return self.max_new - len(self.generated)
+
+    @property
+    def mode(self) -> str | None:
+        """Its segment's mode (solo, admit, slot), None while it waits or after it ended."""
+        return self.segment.mode if self.segment is not None else None
 
 
 @dataclass(eq=False)
@@ -142,11 +174,16 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, supervisor: EngineSupervisor, queue_limit: int, on_finish=None, on_tokens=None):
-        self.sup = supervisor
+    """Decides which request runs where; the watcher of its `EngineSupervisor` (`self.sup`), which it
+    builds from `launch`. `on_finish(job)` and `on_tokens(n)` feed the figures, `on_stats` gets STATS."""
+
+    def __init__(self, launch: EngineLaunch, queue_limit: int, on_finish: Callable[[Job], None] | None = None,
+                 on_tokens: Callable[[int], None] | None = None,
+                 on_stats: Callable[[dict], None] | None = None):
+        self.sup = EngineSupervisor(launch, self, on_stats)
         self.queue_limit = queue_limit
-        self.on_finish = on_finish  # callback(job) when a job ends (metrics)
-        self.on_tokens = on_tokens  # callback(n) for token rate
+        self.on_finish = on_finish
+        self.on_tokens = on_tokens
         self.waiting: collections.deque[Job] = collections.deque()
         self.control_job: Job | None = None
         self.slots: list[Slot] = []
@@ -156,10 +193,6 @@ class Scheduler:
         self.solo_enabled = os.environ.get("STRATA_PARALLEL_SOLO", "1") != "0"
         self._starting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        supervisor.on_ready = self._engine_ready
-        supervisor.on_death = self._engine_died
-        supervisor.busy = lambda: bool(self.running)
-        supervisor.reading = self._reading
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -168,7 +201,8 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) >= self.queue_limit:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (queue_limit {self.queue_limit})")
+            raise QueueFull(f"the server is busy: {len(self.waiting)} requests are waiting "
+                            f"(queue_limit {self.queue_limit}); try again later")
         self.waiting.append(job)
         self._schedule()
 
@@ -185,20 +219,21 @@ class Scheduler:
             self._schedule()
             return
         engine = self.sup.engine
-        if engine is None or not engine.alive:
+        seg = job.segment
+        if engine is None or not engine.alive or seg is None:
             return
         try:
-            if job.mode in ("solo", "admit") and not job.stop_sent:
-                job.stop_sent = True
+            if seg.mode in ("solo", "admit") and not seg.stop_sent:
+                seg.stop_sent = True
                 engine.send(format_command(Stop()))
-            elif job.mode == "slot" and job.slot is not None and not self.slots[job.slot].stopping:
-                self.slots[job.slot].stopping = True
-                engine.send(format_command(BStop(job.slot)))
+            elif seg.mode == "slot" and not self.slots[seg.slot].stopping:
+                self.slots[seg.slot].stopping = True
+                engine.send(format_command(BStop(seg.slot)))
         except EngineDied:
             pass
 
-    # -- engine life --------------------------------------------------------------------------
-    def _engine_ready(self, engine: EngineProcess) -> None:
+    # -- the supervisor's watcher ---------------------------------------------------------------
+    def engine_ready(self, engine: EngineProcess) -> None:
         n = engine.info.get("batch_slots", 0)
         n = n if isinstance(n, int) and n >= 2 else 0
         self.slots = [Slot(i) for i in range(n)]
@@ -206,7 +241,7 @@ class Scheduler:
         self.groups = g if isinstance(g, int) and g >= 1 and n and n % g == 0 else 1
         self.control_job = None
 
-    def _engine_died(self, engine: EngineProcess) -> None:
+    def engine_died(self, engine: EngineProcess) -> None:
         # the jobs reading queues learn it from the EngineDied put in every queue; forget the slots
         self.control_job = None
         for s in self.slots:
@@ -216,9 +251,12 @@ class Scheduler:
         if self.waiting:
             asyncio.get_running_loop().call_soon(self._schedule)
 
-    def _reading(self) -> tuple[bool, float]:
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def reading(self) -> tuple[bool, float]:
         job = self.control_job
-        if job is None or job.seg_tokens:
+        if job is None or (job.segment is not None and job.segment.tokens):
             return False, 0.0
         return True, job.last_chunk_s
 
@@ -228,7 +266,7 @@ class Scheduler:
         except EngineDied as exc:
             for job in list(self.waiting):
                 self.waiting.remove(job)
-                self._fail(job, 503, f"the engine could not be started: {exc}")
+                self._fail(job, EngineUnavailable(f"the engine could not be started: {exc}"))
         finally:
             self._starting = None
         self._schedule()
@@ -242,8 +280,8 @@ class Scheduler:
             return
         cj = self.control_job
         if cj is not None:
-            if self.slots and self.waiting:
-                self._maybe_preempt(engine, cj)
+            if self.slots and self.waiting and cj.segment is not None:
+                self._maybe_preempt(engine, cj, cj.segment)
             return
         if not self.waiting:
             self._maybe_return_to_solo(engine)
@@ -266,17 +304,17 @@ class Scheduler:
     def _solo_ok(self, job: Job) -> bool:
         return job.reserved_slot is None and (job.remaining > 1 or not job.generated)
 
-    def _maybe_preempt(self, engine: EngineProcess, cj: Job) -> None:
-        if cj.stop_sent or cj.cancelled:
+    def _maybe_preempt(self, engine: EngineProcess, cj: Job, seg: Segment) -> None:
+        if seg.stop_sent or cj.cancelled:
             return
-        if cj.seg_tokens == 0:  # still reading its prompt: give way to a much shorter one?
-            if cj.yield_sent or cj.yields >= MAX_YIELDS:
+        if seg.tokens == 0:  # still reading its prompt: give way to a much shorter one?
+            if seg.yield_sent or cj.yields >= MAX_YIELDS:
                 return
             shortest = min(len(w.context) for w in self.waiting)
-            if shortest * 2 >= cj.seg_ids:
+            if shortest * 2 >= seg.prompt_tokens:
                 return
-            if cj.mode == "admit":
-                slot = cj.slot
+            if seg.mode == "admit":
+                slot = seg.slot
             else:
                 free = self._free_slots()
                 if not free:
@@ -284,10 +322,10 @@ class Scheduler:
                 pick = next((s for s in free if not s.held), None) or min(free, key=lambda s: s.last_used)
                 pick.reserved_for, cj.reserved_slot = cj, pick.index
                 slot = pick.index
-            cj.yield_sent = True
+            seg.yield_sent = True
             self._send(engine, format_command(BYield(slot)))
-        elif cj.mode == "solo":  # someone arrived: the solo request goes on in a slot
-            cj.stop_sent = cj.preempted = True
+        elif seg.mode == "solo":  # someone arrived: the solo request goes on in a slot
+            seg.stop_sent, seg.asked = True, SegmentEnd.PREEMPTED
             self._send(engine, format_command(Stop()))
 
     def _maybe_return_to_solo(self, engine: EngineProcess) -> None:
@@ -299,11 +337,12 @@ class Scheduler:
         s = active[0]
         job = s.job
         assert job is not None
-        if s.stopping or job.mode != "slot" or job.to_solo or job.cancelled:
+        seg = job.segment
+        if s.stopping or seg is None or seg.mode != "slot" or seg.asked is not None or job.cancelled:
             return
         if job.returns_to_solo >= MAX_RETURNS_TO_SOLO or job.remaining <= 1:
             return
-        job.to_solo = True
+        seg.asked = SegmentEnd.BACK_TO_SOLO
         s.stopping = True
         self._send(engine, format_command(BStop(s.index)))
 
@@ -361,7 +400,7 @@ class Scheduler:
                     s.reserved_for = job  # nobody gets the slot before its BDONE is read
                     self._send(engine, format_command(BStop(s.index)))
                     asyncio.get_running_loop().create_task(self._drain_slot(engine, s, job))
-        self._fail(job, 500, f"internal server error: {exc!r}")
+        self._fail(job, InternalError(f"internal server error: {exc!r}"))
         self._schedule()
 
     async def _drain_slot(self, engine: EngineProcess, slot: Slot, job: Job) -> None:
@@ -380,39 +419,37 @@ class Scheduler:
         except EngineDied:
             pass
 
+    def _begin(self, job: Job, slot: Slot | None) -> tuple[Segment, str]:
+        """The job's new segment, and its GEN or BGEN line."""
+        ids = job.context
+        seg = Segment(None if slot is None else slot.index, len(ids))
+        job.segment, job.state = seg, "reading"
+        job.segments += 1
+        if slot is None:
+            job.paths.append("solo")
+            return seg, format_command(Gen(job.remaining, tuple(ids), job.sampling))
+        job.slot = slot.index
+        job.paths.append("slot")
+        slot.job, slot.reserved_for = job, None
+        job.reserved_slot = None
+        slot.started, slot.generated, slot.stopping = time.monotonic(), 0, False
+        gs = max(1, len(self.slots) // self.groups)
+        self.last_group = slot.index // gs
+        return seg, format_command(BGen(slot.index, job.remaining, tuple(ids), job.sampling))
+
     async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None) -> None:
         """One GEN (slot None) or BGEN: send it and read the control lines to DONE (and BADM)."""
-        ids = job.context
-        job.seg_ids, job.seg_tokens = len(ids), 0
-        job.stop_sent = job.yield_sent = job.preempted = job.yielded = job.to_solo = False
-        job.state = "reading"
-        job.segments += 1
-        job.segment_at = time.monotonic()
         control = engine.control
         while not control.empty():  # nothing stale may reach this request
             item = control.get_nowait()
             if isinstance(item, EngineDied):
                 control.put_nowait(item)
                 break
-        max_new = job.remaining
-        if slot is None:
-            job.mode = "solo"
-            job.paths.append("solo")
-            line = format_command(Gen(max_new, tuple(ids), job.sampling))
-        else:
-            job.mode = "admit"
-            job.slot = slot.index
-            job.paths.append("slot")
-            slot.job, slot.reserved_for = job, None
-            job.reserved_slot = None
-            slot.started, slot.generated, slot.stopping = time.monotonic(), 0, False
-            gs = max(1, len(self.slots) // self.groups)
-            self.last_group = slot.index // gs
-            line = format_command(BGen(slot.index, max_new, tuple(ids), job.sampling))
+        seg, line = self._begin(job, slot)
+        ids = job.context
         if job.cancelled:  # gone while it waited for its turn
-            job.stop_sent = True
+            seg.stop_sent = True
         done: Done | None = None
-        continues = False
         try:
             engine.send(line)
             if job.cancelled:
@@ -421,8 +458,8 @@ class Scheduler:
                 item = await control.get()
                 t = type(item)
                 if t is Token:
-                    self._token(job, item.id)
-                    if job.seg_tokens == 1:
+                    self._token(job, seg, item.id, item.logprob)
+                    if seg.tokens == 1:
                         job.state = "decoding"
                         if self.slots and self.waiting:
                             self._schedule()
@@ -431,12 +468,12 @@ class Scheduler:
                     job.prompt_total = item.total
                     job.last_chunk_s = item.ms / 1000
                     job.prefill_tok_s = item.tok_s
-                    job.out.put_nowait((EV_PROGRESS, item.read, item.total))
+                    job.out.put_nowait(ProgressEvent(item.read, item.total))
                 elif t is Resume:
                     if job.segments == 1:
                         job.reused = item.reused
                 elif t is Yielded:
-                    job.yielded = True
+                    seg.asked = SegmentEnd.YIELDED
                     job.yields += 1
                     job.reserved_slot = item.slot
                     s = self.slots[item.slot] if 0 <= item.slot < len(self.slots) else None
@@ -449,51 +486,58 @@ class Scheduler:
                     if slot is None:
                         break
                 elif t is BAdm:
-                    continues = item.continues
+                    seg.admitted = item.continues
                     break
                 elif t is Err:
-                    raise _EngineError(item.message)
+                    raise EngineRefused(f"engine error: {item.message}")
                 elif isinstance(item, EngineDied):
                     raise item
         except EngineDied as exc:
             self._release_control(job, slot)
-            self._fail(job, 503, f"the engine stopped during this request: {exc}")
+            self._fail(job, EngineUnavailable(f"the engine stopped during this request: {exc}"))
             return
-        except _EngineError as exc:
+        except EngineRefused as exc:
             self._release_control(job, slot)
-            status = 400 if "context" in str(exc) else 500
-            self._fail(job, status, f"engine error: {exc}")
+            self._fail(job, exc)
             self._schedule()
             return
         assert done is not None
-        finish = done.finish
         # -- after the control lines
-        if slot is not None and continues:
-            job.mode = "slot"
+        if slot is not None and seg.admitted:
             self.control_job = None
             slot.generated = 1
             if job.cancelled and not slot.stopping:
                 slot.stopping = True
                 self._send(engine, format_command(BStop(slot.index)))
             self._schedule()
-            await self._run_slot(engine, job, slot)
+            await self._run_slot(engine, job, slot, seg)
             return
         self._release_control(job, slot)
-        if job.yielded and not job.cancelled and finish == "cancel":
-            job.state, job.mode, job.slot = "waiting", None, None
-            self.running.discard(job)
-            self.waiting.append(job)  # after everyone waiting now
-        elif job.preempted and not job.cancelled and finish == "cancel" and job.remaining > 0:
-            job.state, job.mode = "waiting", None
-            self.running.discard(job)
-            self.waiting.appendleft(job)  # it goes on in a slot, first
-        else:
+        end = seg.end(job, done.finish)
+        if end is SegmentEnd.FINISHED:
             if job.reserved_slot is not None:
                 self._unreserve(job)
             if slot is not None:
                 slot.held = job.context
-            self._finish(job, job.cancelled or ("length" if finish == "cancel" and job.remaining <= 0 else finish))
+            length = done.finish == "cancel" and job.remaining <= 0
+            self._finish(job, job.cancelled or ("length" if length else done.finish))
+        else:
+            self._requeue(job, end)
         self._schedule()
+
+    def _requeue(self, job: Job, end: SegmentEnd) -> None:
+        """Back in line after a segment ended early: a yielded read after everyone waiting now, the others first."""
+        job.state, job.segment = "waiting", None
+        self.running.discard(job)
+        if end is SegmentEnd.PREEMPTED:
+            self.waiting.appendleft(job)  # it goes on in a slot, first
+            return
+        job.slot = None
+        if end is SegmentEnd.YIELDED:
+            self.waiting.append(job)
+        else:
+            job.returns_to_solo += 1
+            self.waiting.appendleft(job)
 
     def _release_control(self, job: Job, slot: Slot | None) -> None:
         if self.control_job is job:
@@ -501,7 +545,8 @@ class Scheduler:
         if slot is not None and slot.job is job:
             slot.job = None
             slot.last_used = time.monotonic()
-        if job.reserved_slot is not None and not job.yielded:
+        yielded = job.segment is not None and job.segment.asked is SegmentEnd.YIELDED
+        if job.reserved_slot is not None and not yielded:
             self._unreserve(job)
 
     def _unreserve(self, job: Job) -> None:
@@ -511,7 +556,7 @@ class Scheduler:
                 s.reserved_for = None
         job.reserved_slot = None
 
-    async def _run_slot(self, engine: EngineProcess, job: Job, slot: Slot) -> None:
+    async def _run_slot(self, engine: EngineProcess, job: Job, slot: Slot, seg: Segment) -> None:
         q = engine.slot_queues[slot.index]
         bdone: BDone | None = None
         try:
@@ -519,35 +564,33 @@ class Scheduler:
                 item = await q.get()
                 if type(item) is BToken:
                     slot.generated += 1
-                    self._token(job, item.id)
+                    self._token(job, seg, item.id, item.logprob)
                 elif type(item) is BDone:
                     bdone = item
                     break
                 elif isinstance(item, EngineDied):
                     raise item
         except EngineDied as exc:
-            self._fail(job, 503, f"the engine stopped during this request: {exc}")
+            self._fail(job, EngineUnavailable(f"the engine stopped during this request: {exc}"))
             return
         job.decode_ms += bdone.ms
         slot.job = None
         slot.stopping = False
         slot.held = job.context[:-1]
         slot.last_used = time.monotonic()
-        if job.to_solo and not job.cancelled and bdone.finish == "cancel" and job.remaining > 0:
-            job.returns_to_solo += 1
-            job.state, job.mode, job.slot = "waiting", None, None
-            self.running.discard(job)
-            self.waiting.appendleft(job)
-        else:
+        end = seg.end(job, bdone.finish)
+        if end is SegmentEnd.FINISHED:
             self._finish(job, job.cancelled or bdone.finish)
+        else:
+            self._requeue(job, end)
         self._schedule()
 
-    def _token(self, job: Job, token: int) -> None:
+    def _token(self, job: Job, seg: Segment, token: int, logprob: Logprob | None) -> None:
         job.generated.append(token)
-        job.seg_tokens += 1
+        seg.tokens += 1
         if job.first_token_at is None:
             job.first_token_at = time.monotonic()
-        job.out.put_nowait((EV_TOKEN, token))
+        job.out.put_nowait(TokenEvent(token, logprob))
         if self.on_tokens is not None:
             self.on_tokens(1)
 
@@ -560,31 +603,28 @@ class Scheduler:
             job.reused = max(job.reused, d.reused)
             job.prompt_total = d.prompt_tokens
 
+    def _end(self, job: Job) -> None:
+        job.state, job.segment = "done", None
+        job.finished_at = time.monotonic()
+        self.running.discard(job)
+
     def _finish(self, job: Job, finish: str) -> None:
         if job.state == "done":
             return
-        job.state, job.mode = "done", None
+        self._end(job)
         job.finish = finish
-        job.finished_at = time.monotonic()
-        self.running.discard(job)
-        job.out.put_nowait((EV_DONE, finish))
+        job.out.put_nowait(DoneEvent(finish))
         if self.on_finish is not None:
             self.on_finish(job)
 
-    def _fail(self, job: Job, status: int, message: str) -> None:
+    def _fail(self, job: Job, error: RequestFailed) -> None:
         if job.state == "done":
             return
-        job.state, job.mode = "done", None
+        self._end(job)
         job.finish = "error"
-        job.error = message
-        job.finished_at = time.monotonic()
-        self.running.discard(job)
+        job.error = str(error)
         if job.slot is not None and job.slot < len(self.slots) and self.slots[job.slot].job is job:
             self.slots[job.slot].job = None
-        job.out.put_nowait((EV_ERROR, status, message))
+        job.out.put_nowait(ErrorEvent(error))
         if self.on_finish is not None:
             self.on_finish(job)
-
-
-class _EngineError(Exception):
-    pass

@@ -8,7 +8,17 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from server.scheduler import EV_DONE, EV_ERROR, EV_PROGRESS, EV_TOKEN, Job
+from engine.protocol import Logprob
+from server.events import (
+    DoneEvent,
+    ErrorEvent,
+    KeepaliveEvent,
+    ProgressEvent,
+    ReplyEvent,
+    TextEvent,
+    TokenEvent,
+)
+from server.scheduler import Job
 from server.tokens import TokenizerLike
 
 SSE_HEADERS = [
@@ -27,7 +37,7 @@ class TextAssembler:
 
     def __init__(self, tokenizer: TokenizerLike, stops: list[str]):
         self._decoder = tokenizer.stream_decoder()
-        self._skip = tokenizer.stop_ids
+        self.skip = tokenizer.stop_ids  # end tokens: no text, and no entry in logprobs
         self.stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
@@ -39,7 +49,7 @@ class TextAssembler:
         if self.stopped:
             return ""
         self.tokens += 1
-        if token_id in self._skip:
+        if token_id in self.skip:
             return ""
         piece = self._decoder.push(token_id)
         if not piece:
@@ -73,8 +83,9 @@ class TextAssembler:
 
 
 async def reply_events(job: Job, assembler: TextAssembler, on_stop: Callable[[], None],
-                       keepalive_s: float) -> AsyncIterator[tuple]:
-    """Yields ("text", str), ("keepalive",), ("done", finish) or ("error", status, message).
+                       keepalive_s: float) -> AsyncIterator[ReplyEvent]:
+    """The job's events as text: `TextEvent`s, `KeepaliveEvent`s, then one `DoneEvent` (finish "stop"
+    when a stop string matched) or `ErrorEvent`.
 
     Tokens that are already queued are taken together, so a busy server sends fewer, larger chunks.
     """
@@ -83,35 +94,36 @@ async def reply_events(job: Job, assembler: TextAssembler, on_stop: Callable[[],
         try:
             ev = await asyncio.wait_for(out.get(), keepalive_s) if out.empty() else out.get_nowait()
         except TimeoutError:
-            yield ("keepalive",)
+            yield KeepaliveEvent()
             continue
         text: list[str] = []
+        logprobs: list[tuple[int, Logprob]] = []
         progressed = False
-        end: tuple | None = None
+        end: DoneEvent | ErrorEvent | None = None
         while True:
-            kind = ev[0]
-            if kind == EV_TOKEN:
-                if not assembler.stopped:
-                    text.append(assembler.push(ev[1]))
-                    if assembler.stopped:
-                        on_stop()
-            elif kind == EV_PROGRESS:
-                progressed = True
-            elif kind == EV_DONE:
-                text.append(assembler.finish())
-                end = ("done", "stop" if assembler.stopped else ev[1])
-                break
-            elif kind == EV_ERROR:
-                end = ("error", ev[1], ev[2])
-                break
-            if out.empty():
+            match ev:
+                case TokenEvent(token, logprob):
+                    if not assembler.stopped:
+                        if logprob is not None and token not in assembler.skip:
+                            logprobs.append((token, logprob))
+                        text.append(assembler.push(token))
+                        if assembler.stopped:
+                            on_stop()
+                case ProgressEvent():
+                    progressed = True
+                case DoneEvent(finish):
+                    text.append(assembler.finish())
+                    end = DoneEvent("stop" if assembler.stopped else finish)
+                case ErrorEvent():
+                    end = ev
+            if end is not None or out.empty():
                 break
             ev = out.get_nowait()
         joined = "".join(text)
-        if joined:
-            yield ("text", joined)
+        if joined or logprobs:
+            yield TextEvent(joined, tuple(logprobs))
         elif progressed:
-            yield ("keepalive",)
+            yield KeepaliveEvent()
         if end is not None:
             yield end
             return

@@ -29,6 +29,7 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str, add_special: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
     def stream_decoder(self) -> StreamDecoder: ...
 
 
@@ -86,6 +87,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         stream = self.stream_decoder()
         return "".join(stream.push(i) for i in ids) + stream.flush()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else _SPECIAL_NAMES.get(token_id, "").encode()
 
     def stream_decoder(self) -> _ByteStream:
         return _ByteStream(self.stop_ids)

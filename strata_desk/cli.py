@@ -1,15 +1,15 @@
 """The `strata-desk` command: the dashboard, headless serving, setup, bench and installs.
 
 Every command that fails on bad input prints one line `strata-desk: error: ...` and exits 2.
-Modules written by others (server, tui, engine.bench, engine.check, testmodel, demo) are imported
-inside the subcommand that needs them, so the rest of the CLI works without them.
+The heavy modules (the dashboard, the server, torch through engine.bench and engine.check, the test
+model's writer, the demo) are imported inside the subcommand that needs them, so `ps` or `info` start
+fast.
 docs/cli.md documents every subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -20,8 +20,8 @@ from server.config import MAX_SLOTS, ConfigError, RunConfig, load_config, save_c
 from strata_desk import paths
 
 PROG = "strata-desk"
-PASSTHROUGH = {"bench-engine": "engine.bench", "check": "engine.check"}
-DEMO_MODELS = {"gemma": "demo_model_path", "chat": "chat_model_path", "moe": "moe_model_path"}  # in strata_desk.demo
+PASSTHROUGH = ("bench-engine", "check")  # engine.bench, engine.check: they parse their own arguments
+DEMO_MODELS = ("gemma", "chat", "moe")
 # What a demo's config gets when it is made. SmolLM2 135M at Q4_1 loops on greedy replies ("Say hello
 # in English." -> a row of stars; transformers does the same on that file): llama.cpp's former default
 # repeat penalty breaks the loop. The MoE demo is there to show slots at work, also where setup would
@@ -36,13 +36,6 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise CliError(f"{message} (see {self.prog} --help)")
-
-
-def _import(module: str, name: str, what: str) -> Callable[..., Any]:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise CliError(f"{what} is not available in this install ({module}.{name}: {exc})") from None
 
 
 # -- configs ---------------------------------------------------------------------------------
@@ -68,9 +61,14 @@ def _gguf_model(text: str) -> Path:
 
 
 def _demo_model(name: str) -> Path:
-    demo_model_path = _import("strata_desk.demo", DEMO_MODELS[name], f"the {name} demo model")
+    if name == "chat":
+        from strata_desk.demo import chat_model_path as path_of
+    elif name == "moe":
+        from strata_desk.demo import moe_model_path as path_of
+    else:
+        from strata_desk.demo import demo_model_path as path_of
     try:
-        return Path(demo_model_path())
+        return Path(path_of())
     except (RuntimeError, OSError, ValueError) as exc:  # DemoModelMissing, a bad assembly
         raise CliError(str(exc)) from None
 
@@ -180,7 +178,8 @@ def _port(text: str) -> int:
 
 
 def _run_dashboard(config: Path | None, **kwargs: Any) -> int:
-    run_dashboard = _import("tui.app", "run_dashboard", "the dashboard")
+    from tui.app import run_dashboard
+
     code = run_dashboard(config, **{k: v for k, v in kwargs.items() if v is not None})
     return int(code or 0)
 
@@ -312,8 +311,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_make_test_model(argv: Sequence[str]) -> int:
     parser = _Parser(prog=f"{PROG} make-test-model", description="write the tiny random MoE test model")
-    _import("strata_desk.testmodel", "add_arguments", "the test model generator")(parser)
-    main = _import("strata_desk.testmodel", "main", "the test model generator")
+    from strata_desk.testmodel import add_arguments, main
+
+    add_arguments(parser)
     return int(main(parser.parse_args(list(argv))) or 0)
 
 
@@ -331,7 +331,10 @@ def cmd_passthrough(name: str, argv: Sequence[str]) -> int:
     model = _option_value(argv, "--model")
     if model is not None:
         _gguf_model(model)
-    main = _import(PASSTHROUGH[name], "main", name)
+    if name == "bench-engine":
+        from engine.bench import main
+    else:
+        from engine.check import main
     from engine.gguf_file import GGUFError
 
     try:
@@ -341,9 +344,9 @@ def cmd_passthrough(name: str, argv: Sequence[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from strata_desk import bench
+    from strata_desk.bench import command
 
-    return bench.main(args)
+    return command.main(args)
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -457,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("make-test-model", help="write the tiny random MoE test model", add_help=False)
 
     p = sub.add_parser("bench", help="concurrent-client benchmark (the seed's table), A/B arms")
-    from strata_desk.bench import add_arguments
+    from strata_desk.bench.command import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_bench)

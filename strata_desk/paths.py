@@ -14,26 +14,18 @@ from pathlib import Path
 
 import platformdirs
 
-APP = "strata-desk"
-HOME_ENV = "STRATA_DESK_HOME"
+from server.app_dirs import APP
+from server.app_dirs import HOME_ENV as HOME_ENV
+from server.app_dirs import home as _home
+from server.app_dirs import log_dir as log_dir  # the server's default engine log is there too
+
 _SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
-
-
-def _home() -> Path | None:
-    value = os.environ.get(HOME_ENV)
-    return Path(value).expanduser() if value else None
 
 
 def config_dir() -> Path:
     """The run configs `strata-<model>.json` live here."""
     home = _home()
     return home / "config" if home else platformdirs.user_config_path(APP)
-
-
-def log_dir() -> Path:
-    """Server and engine logs."""
-    home = _home()
-    return home / "logs" if home else platformdirs.user_log_path(APP)
 
 
 def data_dir() -> Path:

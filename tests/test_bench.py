@@ -16,7 +16,7 @@ import pytest
 
 from engine.hashlm import write_hashlm
 from server.config import RunConfig, load_config, save_config
-from strata_desk import bench, paths
+from strata_desk import paths
 from strata_desk.bench import (
     BenchError,
     BenchResult,
@@ -30,7 +30,8 @@ from strata_desk.bench import (
     run_bench,
     setting_label,
 )
-from strata_desk.bench_stats import bootstrap_ratio_ci, median
+from strata_desk.bench.run import compare
+from strata_desk.bench.stats import bootstrap_ratio_ci, median
 from strata_desk.cli import main
 from strata_desk.launcher import ServerProcess
 
@@ -154,7 +155,7 @@ def test_format_table_like_the_seed():
     base = row(0, "one at a time", 1, [74.0, 75.0, 73.0])
     arm = row(1, '"parallel": 2', 1, [67.0, 68.0, 66.0])
     result.rows = [base, arm]
-    bench._compare(result, arm)
+    compare(result, arm)
     table = format_table(result)
     lines = table.splitlines()
     assert lines[0] == ("| Concurrent | Setting | Total tok/s | vs one at a time | Per request tok/s "

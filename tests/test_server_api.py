@@ -157,6 +157,26 @@ def test_openai_package_sync_async_stream(srv):
     assert "messages" in str(err.value)
 
 
+def test_logprobs_with_the_openai_package_streamed_and_not(srv):
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused")
+    msgs = user("logprobs please")
+    text, _ = srv.expected_chat(msgs, 40)
+    r = client.chat.completions.create(model="hashlm", messages=msgs, max_tokens=40, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == text
+    assert b"".join(bytes(t.bytes) for t in content) == text.encode()  # one entry per token of the reply
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # not the end token
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2
+        assert (t.top_logprobs[0].bytes, t.top_logprobs[0].logprob) == (t.bytes, t.logprob)  # greedy: the best
+    stream = client.chat.completions.create(model="hashlm", messages=msgs, max_tokens=40, logprobs=True,
+                                            top_logprobs=2, stream=True)
+    streamed = [t for chunk in stream for choice in chunk.choices if choice.logprobs for t in choice.logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    plain = client.chat.completions.create(model="hashlm", messages=msgs, max_tokens=40)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+
+
 def test_metrics_json_matches_schema_and_prometheus(srv):
     srv.chat(user("for metrics"), max_tokens=10)
     snap = MetricsSnapshot.model_validate(srv.metrics())

@@ -10,7 +10,7 @@ import pytest
 from server import metrics as metrics_module
 from server.config import RunConfig
 from server.metrics import RATE_WINDOW_S, Metrics
-from server.scheduler import Job
+from server.scheduler import Job, Segment
 
 
 class Clock:
@@ -64,7 +64,7 @@ def test_solo_elapsed_counts_from_its_start_not_its_arrival(clock: Clock) -> Non
     m = make_metrics()
     job = Job(list(range(10)), 100)
     job.created = clock.now - 30.0  # waited 30 s in the queue
-    job.segment_at, job.mode, job.state = clock.now - 2.0, "solo", "decoding"
+    job.segment, job.state = Segment(None, 10, started=clock.now - 2.0), "decoding"  # a solo GEN
     job.generated = [1, 2, 3]
     sch = SimpleNamespace(running={job}, control_job=job, slots=[], waiting=[])
     sup = SimpleNamespace(ready=True, state="ready")

@@ -1,15 +1,15 @@
-"""Slot choice (pick_slot) and the group interleaving, on the scheduler itself."""
+"""Slot choice (pick_slot), the group interleaving and how a segment ends, on the scheduler alone."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from server.engine_client import EngineSupervisor
-from server.scheduler import Job, Scheduler, Slot
+from server.engine_client import EngineLaunch
+from server.scheduler import Job, Scheduler, Segment, SegmentEnd, Slot
 
 
 def scheduler(n: int, groups: int = 1) -> Scheduler:
-    sch = Scheduler(EngineSupervisor(["true"], {}, Path("/dev/null"), 0), queue_limit=4)
+    sch = Scheduler(EngineLaunch(["true"], {}, Path("/dev/null"), 0), queue_limit=4)
     sch.slots = [Slot(i) for i in range(n)]
     sch.groups = groups
     return sch
@@ -54,3 +54,21 @@ def test_slot_order_interleaves_pipeline_groups():
     sch.last_group = 1
     assert sch.pick_slot(Job([1], 5)).index == 0
     assert scheduler(4, groups=1).slot_order() == [0, 1, 2, 3]
+
+
+def test_a_segment_ends_as_asked_only_when_the_engine_cancelled_it_and_work_is_left():
+    job = Job([1, 2], 5)
+    solo = Segment(None, 2)
+    assert solo.mode == "solo" and solo.end(job, "length") is SegmentEnd.FINISHED  # nothing asked
+    solo.asked = SegmentEnd.PREEMPTED
+    assert solo.end(job, "cancel") is SegmentEnd.PREEMPTED
+    assert solo.end(job, "stop") is SegmentEnd.FINISHED  # it ended by itself before the STOP
+    job.generated = [3] * 5
+    assert solo.end(job, "cancel") is SegmentEnd.FINISHED  # stopped on its last token: nothing left
+    admit = Segment(1, 2, asked=SegmentEnd.YIELDED)
+    assert admit.mode == "admit" and admit.end(job, "cancel") is SegmentEnd.YIELDED  # a yield has no token yet
+    slot = Segment(1, 2, admitted=True, asked=SegmentEnd.BACK_TO_SOLO)
+    job.generated = [3]
+    assert slot.mode == "slot" and slot.end(job, "cancel") is SegmentEnd.BACK_TO_SOLO
+    job.cancelled = "disconnect"
+    assert slot.end(job, "cancel") is SegmentEnd.FINISHED  # the client left: the job ends

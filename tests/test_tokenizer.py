@@ -10,6 +10,7 @@ from reference import reference_tokenizer
 
 from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer, TokenizerError
+from server.tokens import ByteTokenizer
 
 TEXTS = [
     "The capital of France is",
@@ -122,6 +123,26 @@ def test_demo_matches_transformers(demo_model, demo_tok):
 
 def test_demo_stream_decoder(demo_tok):
     _check_stream(demo_tok)
+
+
+TOKEN_BYTES_TEXT = "Grüße, 世界! Tabs\tand  spaces ✓ 🦙"
+
+
+def token_bytes_spell(tok) -> bool:
+    ids = tok.encode(TOKEN_BYTES_TEXT, add_special=False)
+    return b"".join(tok.token_bytes(i) for i in ids) == TOKEN_BYTES_TEXT.encode()
+
+
+def test_token_bytes_of_byte_level_bpe_and_the_bytes_vocabulary(tiny_tok):
+    assert token_bytes_spell(tiny_tok)
+    byte = ByteTokenizer()
+    text = TOKEN_BYTES_TEXT + "<|im_end|>"
+    assert b"".join(byte.token_bytes(i) for i in byte.encode(text)) == text.encode()
+
+
+def test_demo_token_bytes_with_byte_fallback(demo_tok):
+    assert token_bytes_spell(demo_tok)
+    assert any(demo_tok.id_to_token(i).startswith("<0x") for i in demo_tok.encode("🦙", add_special=False))
 
 
 def test_unsupported_tokenizer_is_named():

@@ -1,4 +1,8 @@
-"""Words and topics for the benchmark's prompts (distinct prompts, so no prompt cache helps)."""
+"""The benchmark's prompts: distinct essay requests from a word list (so no prompt cache helps)."""
+
+from __future__ import annotations
+
+import random
 
 TOPICS = (
     "the history of bridges", "how tides work", "the economics of public libraries", "bees and pollination",
@@ -19,3 +23,12 @@ bright narrow ancient hollow steady gentle rapid humble curious patient distant 
 carry gather measure follow borrow listen wander settle repair divide balance travel shelter signal
 question answer reason memory method pattern number border season custom wonder effort promise danger
 """.split())
+
+
+def build_prompt(index: int, words: int, salt: str = "") -> str:
+    """A distinct essay request of about `words` words (deterministic in index and salt)."""
+    rng = random.Random(f"strata-bench-{salt}-{index}")
+    topic = TOPICS[index % len(TOPICS)]
+    notes = " ".join(rng.choice(WORDS) for _ in range(max(0, words - 20)))
+    return (f"Write an essay about {topic}. Use these notes as loose inspiration, in any order "
+            f"(request {salt}{index}): {notes}")

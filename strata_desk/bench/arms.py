@@ -1,23 +1,36 @@
-"""Bench arms: for each arm rewrite the config with its settings, restart the server, run the table.
+"""Bench arms as an iterator: for each arm the config is rewritten with its settings and the server
+restarted, then the arm's server is handed to the caller, who runs the table against it.
 
-The config is restored afterwards, and the server is left as it was found: restarted with the
-original config if it was running (or was the caller's), stopped if bench started it.
+When the iteration ends (or is closed early, by an error), the config is restored and the server is
+left as it was found: restarted with the original config if it was running (or was the caller's),
+stopped if bench started it. Close it with `contextlib.aclosing` so that happens at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from server.config import ConfigError, load_config, save_config, validate_config
 from server.urls import host_port
+from strata_desk.bench.spec import BenchSpec
 from strata_desk.launcher import LaunchError, ServerProcess, call_back, running_for
 
-TableRunner = Callable[[int, dict[str, Any], str, str | None], Awaitable[None]]
+
+@dataclass(frozen=True)
+class ArmServer:
+    """The server restarted with arm number `index`'s settings, ready at `url`."""
+
+    index: int
+    arm: dict[str, Any]
+    url: str
+    key: str | None
 
 
-async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
-                   on_status: Callable[[str], Any] | None, run_table: TableRunner) -> None:
+async def arm_servers(spec: BenchSpec, server: ServerProcess | None,
+                      on_status: Callable[[str], Any] | None) -> AsyncIterator[ArmServer]:
+    """Every arm's server in turn; `server`: the caller's (the dashboard's), else bench starts or adopts one."""
     config_path = spec.config or (server.config_path if server else None)
     if config_path is None:
         raise ConfigError("arms need the server's config file (--config)")
@@ -48,7 +61,7 @@ async def run_arms(spec: Any, result: Any, server: ServerProcess | None,
             else:
                 server.start()
             await server.wait_ready(spec.ready_timeout, on_status)
-            await run_table(index, arm, server.url, key)
+            yield ArmServer(index, arm, server.url, key)
     finally:
         save_config(original, config_path)
         try:
