@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.protocol import CONVERSATION_CACHE_MIB, CONVERSATION_CACHE_SLOTS, MAX_SLOTS
+from engine.protocol import CONVERSATION_CACHE_MIB, CONVERSATION_CACHE_SLOTS, MAX_SLOTS, VRAM_RESERVE_MIB
 
 
 class ConfigError(ValueError):
@@ -77,7 +77,9 @@ class RunConfig(BaseModel):
     adapt_decay: float = Field(0.7, gt=0, le=1)
     adapt_async: bool = False
     adapt_min_gain: float = Field(1.5, ge=1)
-    pcie_frac: float = Field(0.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
+    pcie_frac: float = Field(-1.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
+    vram_reserve_mib: int = Field(VRAM_RESERVE_MIB, ge=0, le=1 << 20,
+                                  description="VRAM left free beside the expert cache by expert_cache auto, MiB")
     conversation_cache_mib: int = Field(
         CONVERSATION_CACHE_MIB, ge=0, le=1 << 20, description="host RAM for conversations parked when their slot is taken, MiB (0 = off)"
     )
@@ -147,7 +149,7 @@ class RunConfig(BaseModel):
         out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}"]
         out += ["--pcie-frac", f"{self.pcie_frac:g}"]
         if self.expert_cache is not None:
-            out += ["--expert-cache", str(self.expert_cache)]
+            out += ["--expert-cache", str(self.expert_cache), "--vram-reserve-mib", str(self.vram_reserve_mib)]
         for flag, path in (("--expert-profile", self.expert_profile), ("--expert-profile-save", self.expert_profile_save)):
             if path:
                 out += [flag, path]

@@ -69,12 +69,15 @@ def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float, staged:
     return GpuTieredExperts(slots, pcie_frac, staging=Staging([slots]) if staged else None)
 
 
-@pytest.mark.parametrize(("rows", "staged"), [(DECODE_IDS, False), (PROMPT_IDS, False), (PROMPT_IDS, True)],
-                         ids=["decode", "prompt-in-place", "prompt-staged"])
-def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, staged):
+@pytest.mark.parametrize(("rows", "staged", "pcie_frac"), [
+    (DECODE_IDS, True, 1.0),  # every miss over PCIe: in place, no host sync (the staging unused)
+    (DECODE_IDS, True, 0.99),  # a share: the routing read back, the far misses staged
+    (PROMPT_IDS, False, 1.0), (PROMPT_IDS, True, 1.0)], ids=["decode-in-place", "decode-staged", "prompt-in-place",
+                                                              "prompt-staged"])
+def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, staged, pcie_frac):
     host, resident = layer
     x, weights, ids = inputs(rows, 1)
-    tier = tiered(host, [3, 1], pcie_frac=1.0, staged=staged)
+    tier = tiered(host, [3, 1], pcie_frac=pcie_frac, staged=staged)
     got = tier(x, weights, ids)
     assert torch.equal(got, resident(x, weights, ids))
     s = tier.stats()
@@ -108,10 +111,13 @@ def test_swaps_change_what_the_cache_serves(layer):
     host, resident = layer
     x, weights, ids = inputs(DECODE_IDS, 3)
     tier = tiered(host, [0, 2], pcie_frac=1.0)
-    tier.slots.load(1, 1)  # expert 2 out, expert 1 in
+    assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))
+    assert tier.stats().vram == 1  # expert 0 once
+    tier.slots.load(1, 1)  # expert 2 out, expert 1 in: the in-place table is stale and read again
     assert tier.slots.expert_at == [0, 1] and tier.slots.slot_of.tolist() == [0, 1, -1, -1, -1, -1]
     assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))
-    assert tier.stats().vram == 3  # expert 1 twice, expert 0 once
+    assert tier.stats().vram == 1 + 3  # then expert 1 twice, expert 0 once
+    assert tier.routed.tolist() == [2, 4, 0, 4, 2, 0]  # counted on the device
     with pytest.raises(ValueError, match="already cached"):
         tier.slots.load(0, 1)
 

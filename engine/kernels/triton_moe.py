@@ -164,8 +164,8 @@ class Tiles:
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
 
 
-def far_slot(index: int) -> int:
-    """The slot table entry that reads entry `index` of the stack's `far` tensor."""
+def far_slot(index: int | torch.Tensor) -> int | torch.Tensor:
+    """The slot table entry (or entries) that read entry `index` of the stack's `far` tensor."""
     return -2 - index
 
 

@@ -15,8 +15,9 @@ from engine.hyper import Hyper
 from engine.loading import log
 from engine.memory import MIB, free_bytes
 from engine.models.base import Model
+from engine.protocol import VRAM_RESERVE_MIB
 from engine.tier import FIXED, AdaptPolicy, RoutingProfile, Tier, TierError, install_tier, parse_expert_cache
-from engine.tier.sizing import VRAM_RESERVE_MIB, auto_slots, cache_bytes, slot_bytes, staging_bytes
+from engine.tier.sizing import auto_slots, cache_bytes, slot_bytes, staging_bytes
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:

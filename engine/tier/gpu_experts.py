@@ -26,16 +26,58 @@ from engine.kernels.triton_blocks import MATVEC_ROWS
 from engine.tier.gpu_slots import GpuLayerSlots, Staging
 
 
+class DeviceCounts:
+    """The in-place calls' counts of every layer, on the device (counting them costs no host sync), read
+    back in one copy when the host asks after a call: per layer the entries per expert, then the entries
+    read over PCIe."""
+
+    def __init__(self, layers: int, experts: int, device: torch.device):
+        self.device_counts = torch.zeros(layers, experts + 1, dtype=torch.int64, device=device)
+        self._host: torch.Tensor | None = None
+
+    def layer(self, index: int) -> torch.Tensor:
+        self._host = None  # a call will count: the host copy goes stale
+        return self.device_counts[index]
+
+    def host(self, index: int) -> torch.Tensor:
+        if self._host is None:
+            self._host = self.device_counts.cpu()
+        return self._host[index]
+
+
 class GpuTieredExperts(Experts):
     def __init__(self, slots: GpuLayerSlots, pcie_frac: float = 0.0, streams: bool = True,
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, counts: DeviceCounts | None = None, index: int = 0):
         self.slots = slots
-        self.staging = staging  # where prompt chunks copy their misses (None: the kernel reads host memory)
+        self.staging = staging  # where misses that cross PCIe are copied (None: the kernel reads host memory)
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
         self.streams = streams  # prompt chunks read their misses over PCIe (else on the CPU)
-        self.routed = torch.zeros(slots.experts, dtype=torch.int64)  # entries per expert, every call (the profile)
-        self.table = torch.empty(slots.experts, dtype=torch.int32, device=slots.device)  # this call's slot table
+        experts, device = slots.experts, slots.device
+        self.table = torch.empty(experts, dtype=torch.int32, device=device)  # this call's slot table
+        # the table of the calls that never sync: every uncached expert read in place over PCIe
+        self.in_place_table = torch.empty(experts, dtype=torch.int32, device=device)
+        self._in_place_version = -1
         self._stats = ExpertStats()
+        # counted on the host by the calls that read the routing back, on the device by those that do not
+        self._routed_host = torch.zeros(experts, dtype=torch.int64)
+        self._counts, self._index = counts or DeviceCounts(1, experts, device), index
+
+    @property
+    def routed(self) -> torch.Tensor:
+        """Entries per expert over every call (the profile), on the host."""
+        return self._routed_host + self._counts.host(self._index)[:-1]
+
+    def stats(self) -> ExpertStats:
+        s = self._stats + ExpertStats()
+        far = int(self._counts.host(self._index)[-1])  # the in-place calls' PCIe entries
+        s.pcie += far
+        s.vram -= far
+        return s
+
+    def reset_counts(self) -> None:
+        self._stats = ExpertStats()
+        self._routed_host.zero_()
+        self._counts.layer(self._index).zero_()
 
     def split_misses(self, missing: list[int], counts: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
         """(read over PCIe, run on the CPU): a prompt chunk streams all its misses; a decode window sends
@@ -48,9 +90,11 @@ class GpuTieredExperts(Experts):
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
+        if n <= MATVEC_ROWS and self.pcie_frac >= 1:
+            return self._in_place(x, weights, ids)
         ids_host = ids.cpu()  # the layer's one host sync: it decides who computes each expert
         counts = torch.bincount(ids_host.reshape(-1), minlength=self.slots.experts)
-        self.routed += counts
+        self._routed_host += counts
         table = self.slots.slot_of.clone()
         routed = counts.nonzero().flatten().tolist()
         far, on_cpu = self.split_misses([e for e in routed if table[e] < 0], counts, n)
@@ -76,6 +120,28 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, routing.order, weights, patch)
 
+    def _in_place(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A decode window whose misses all cross PCIe, without a host sync: the kernel reads cached
+        experts from their slots and the others in place in pinned host memory, and the entries are
+        counted on the device. So the window stays as asynchronous as with every expert resident."""
+        n, k = ids.shape
+        if self._in_place_version != self.slots.version:
+            every = torch.arange(self.slots.experts, dtype=torch.int32)
+            cached = self.slots.slot_of
+            self.in_place_table.copy_(torch.where(cached >= 0, cached, triton_moe.far_slot(every)))
+            self._in_place_version = self.slots.version
+        flat = ids.reshape(-1)
+        counts = self._counts.layer(self._index)
+        counts[:-1].scatter_add_(0, flat, torch.ones_like(flat))
+        counts[-1] += (self.in_place_table[flat] < 0).sum()
+        gate, up, down = self.slots.stacks
+        routing = triton_moe.Routing.of(ids, self.slots.experts)
+        h = triton_moe.swiglu(gate, up, x.contiguous(), routing, self.in_place_table)
+        y = triton_moe.project(down, h, routing, self.in_place_table)
+        self._stats.lookups += n * k
+        self._stats.vram += n * k  # less the far entries, read from the device in `stats`
+        return combine(y, routing.order, weights)
+
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int]
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """The pairs of `experts` computed on the CPU: (their flat pair indices, outputs) on the GPU, and
@@ -96,32 +162,35 @@ class GpuTieredExperts(Experts):
 
 
 def measure_pcie_frac(layer: GpuTieredExperts, reps: int = 5) -> tuple[float, str]:
-    """`--pcie-frac -1`: the share of a decode window's misses to read over PCIe so that the GPU and the CPU
-    finish together, from one row's time with all its experts read over PCIe against all on the CPU
-    (timed on `layer`, whose slots must be empty). Returns (share, how it was chosen)."""
+    """`--pcie-frac -1`: time one decode row whose experts all miss (on `layer`, whose slots must be
+    empty) with every miss over PCIe (in place, no host sync), every miss on the CPU, and the share
+    that would make the two finish together; returns the fastest share and what was measured."""
     device = layer.slots.device
     k = min(8, layer.slots.experts)
     hidden = layer.slots.host[0].experts[0].in_features
     x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
     weights = torch.full((1, k), 1 / k, device=device)
     ids = torch.arange(k, device=device).view(1, k)
-    seconds = {}
+
+    def seconds(frac: float) -> float:
+        layer.pcie_frac = frac
+        layer(x, weights, ids)  # compiles the kernels, warms the CPU pool
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            layer(x, weights, ids)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps
+
     try:
-        for frac in (1.0, 0.0):
-            layer.pcie_frac = frac
-            layer(x, weights, ids)  # compiles the kernels, warms the CPU pool
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                layer(x, weights, ids)
-            torch.cuda.synchronize(device)
-            seconds[frac] = (time.perf_counter() - t0) / reps
+        times = {1.0: seconds(1.0), 0.0: seconds(0.0)}
+        balanced = round(times[0.0] / (times[0.0] + times[1.0]), 2)
+        if 0.0 < balanced < 1.0:
+            times[balanced] = seconds(balanced)
     except RuntimeError as exc:  # the kernel cannot read host memory on this system
         return 0.0, f"misses on the CPU (the GPU cannot read host memory here: {exc})"
     finally:
-        layer.routed.zero_()
-        layer._stats = ExpertStats()
-    far, cpu = seconds[1.0], seconds[0.0]
-    share = round(cpu / (far + cpu), 2)
-    return share, (f"{k} experts of one row: {far * 1e6:.0f} us over PCIe, {cpu * 1e6:.0f} us on the CPU "
-                   f"-> {share:.0%} of misses over PCIe")
+        layer.reset_counts()
+    best = min(times, key=times.get)
+    measured = ", ".join(f"{share:g}: {t * 1e6:.0f} us" for share, t in times.items())
+    return best, f"one row's {k} missed experts by share over PCIe: {measured}"

@@ -6,7 +6,6 @@ from engine.gguf_file import GGUFFile
 from engine.memory import MIB
 
 PROJECTIONS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-VRAM_RESERVE_MIB = 700  # left free beside the cache for activations and the CUDA context (upstream's default)
 
 
 def slot_bytes(g: GGUFFile, layers: int, experts: int) -> list[int]:

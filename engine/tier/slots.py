@@ -26,6 +26,7 @@ class SlotTable:
         self.experts = experts
         self.slot_of = torch.full((experts,), -1, dtype=torch.int32)
         self.expert_at = [-1] * slots
+        self.version = 0  # bumped whenever the table changes (a device copy of it knows when it is stale)
 
     @property
     def size(self) -> int:
@@ -43,6 +44,7 @@ class SlotTable:
         if old >= 0:
             self.slot_of[old] = -1
             self.expert_at[slot] = -1
+            self.version += 1
 
     def fill(self, slot: int, expert: int) -> None:
         raise NotImplementedError
@@ -50,6 +52,7 @@ class SlotTable:
     def publish(self, slot: int, expert: int) -> None:
         self.expert_at[slot] = expert
         self.slot_of[expert] = slot
+        self.version += 1
 
     def load(self, slot: int, expert: int) -> None:
         """The three steps at once."""

@@ -154,7 +154,10 @@ def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: Routing
                             "the tier can cache")
     per_layer = split_slots(slots, len(stacks), h.experts)
     if model.device.type == "cuda":
-        from engine.tier.gpu_experts import GpuTieredExperts  # imports Triton, so only when it is used
+        from engine.tier.gpu_experts import (  # imports Triton, so only when it is used
+            DeviceCounts,
+            GpuTieredExperts,
+        )
         from engine.tier.gpu_slots import GpuLayerSlots, Staging
 
         try:
@@ -162,7 +165,9 @@ def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: Routing
         except ValueError as exc:
             raise TierError(f"--expert-cache: {exc}") from None
         staging = Staging(slot_sets)
-        layers = [GpuTieredExperts(s, pcie_frac, staging=staging) for s in slot_sets]
+        counts = DeviceCounts(len(slot_sets), h.experts, model.device)
+        layers = [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i)
+                  for i, s in enumerate(slot_sets)]
         mode = "gpu"
     else:
         layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
