@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from engine import protocol as P
-from engine.loading import open_model
+from engine.gguf_file import GGUFFile
+from engine.loading import open_model, pick_device
 from engine.loop import EngineLoop
 from engine.models.base import Model
 from engine.placement import plan_groups
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
+from engine.tier.flags import add_tier_flags, plan_tier, setup_tier
 
 Hook = tuple[Callable[[str], bool], list[str]]
 
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also count how many tokens equal solo without --exact (a figure, not a pass)")
     p.add_argument("--layer-split", default="", help="as the engine's: '24', '12,24,36' or auto")
     p.add_argument("--batch-groups", default="1", help="as the engine's: G pipeline groups of the slots, or auto")
+    add_tier_flags(p)
     args = p.parse_args(argv)
     try:
         counts = sorted({int(n) for n in args.slots.split(",")})
@@ -185,10 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slots and --runs must be at least 1")
     slots = max(counts + ([3] if args.interleave else []))
     try:
-        driver = Driver.load(args.model, slots, args.device, layer_split=args.layer_split)
+        plan = plan_tier(args, GGUFFile(args.model), pick_device(args.device))
+        driver = Driver.load(args.model, slots, args.device, layer_split=args.layer_split,
+                             host_experts=plan.host_experts)
         model = driver.model
+        setup_tier(args, model)
         groups, note = plan_groups(args.batch_groups, slots, len(model.placement.stages))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         p.error(str(exc))
     if note:
         print(note, flush=True)
@@ -208,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 equal, total = agreement(loose, sample_prompts(driver.model.hyper.vocab, slots, seed=slots), args.max_new, args.keys)
                 print(f"default mode run {run}: {equal} of {total} tokens equal to solo ({slots} slots)", flush=True)
     where = model.placement.describe() if model.placement.split else str(model.device)
+    if model.tier is not None:
+        where += f", expert tier ({model.tier.mode}, {model.tier.slots} of {model.tier.experts_total} experts cached)"
     mode = f"{where}, {groups} groups, exact mode, {'sampled: ' + args.keys if args.keys else 'greedy'}"
     total = args.runs * len(cases)
     print(f"{'PASS' if not failed else 'FAIL'}: {total - failed} of {total} runs gave batch tokens equal to solo tokens ({mode})")

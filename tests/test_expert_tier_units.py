@@ -12,6 +12,7 @@ import torch
 
 from engine import protocol as P
 from engine.__main__ import build_parser
+from engine.check import main as check_main
 from engine.loading import open_model
 from engine.tier import AdaptPolicy, ProfileError, RoutingProfile, TierError, parse_expert_cache, split_slots
 from engine.tier.flags import setup_tier
@@ -166,3 +167,12 @@ def test_run_config_tier_options():
     for bad in ({"expert_cache": -1}, {"expert_cache": "lots"}, {"expert_cache": True}, {"pcie_frac": -0.5}):
         with pytest.raises(ValidationError):
             RunConfig(model="m.gguf", **bad)
+
+
+def test_check_runs_with_the_tier(tiny_model, capsys):
+    assert check_main(["--model", str(tiny_model), "--device", "cpu", "--slots", "2", "--max-new", "4",
+                       "--expert-cache", "12", "--adapt-every", "1"]) == 0
+    assert "expert tier (simulated, 12 of 32 experts cached)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        check_main(["--model", str(tiny_model), "--device", "cpu", "--expert-cache", "lots"])
+    assert "--expert-cache must be 'auto' or a number" in capsys.readouterr().err
