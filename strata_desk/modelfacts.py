@@ -19,6 +19,8 @@ class ModelFacts:
     n_experts: int = 0  # 0 = dense model
     n_experts_used: int = 0
     expert_bytes: int = 0  # all routed experts of all layers, as stored in the file
+    layer_expert_bytes: int = 0  # the routed experts of the largest layer (what a prompt chunk may stage)
+    dense_bytes: int = 0  # every other tensor, as stored in the file
     total_bytes: int = 0  # the file(s) on disk
     context_length: int = 0  # the model's trained context (0 = unknown)
     windows: tuple[int | None, ...] = ()  # each layer's attention window (empty or None: the whole context)
@@ -68,6 +70,9 @@ class ModelFacts:
             n_experts=h.experts,
             n_experts_used=h.experts_used,
             expert_bytes=sum(t.nbytes for t in g.tensors.values() if "_exps" in t.name),
+            layer_expert_bytes=max((sum(t.nbytes for t in g.tensors.values() if t.name.startswith(f"blk.{i}.")
+                                        and "_exps" in t.name) for i in range(h.layers)), default=0),
+            dense_bytes=sum(t.nbytes for t in g.tensors.values() if "_exps" not in t.name),
             total_bytes=sum(p.stat().st_size for p in parts),
             context_length=h.context,
             windows=h.windows,

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.protocol import VRAM_RESERVE_MIB
 from server.config import MAX_SLOTS, ConfigError, RunConfig, load_config, save_config, validate_config
 from strata_desk import paths
 from strata_desk.modelfacts import GIB, ModelFacts
 from strata_desk.probe import HardwareInfo, probe_hardware
 
-RESERVE_GIB = 5.0  # VRAM each card keeps for weights, activations and the CUDA context
+RESERVE_GIB = 5.0  # VRAM each card keeps for weights, activations and the CUDA context (the seed's rule)
+CUDA_CONTEXT_GIB = 0.5  # the CUDA context and torch's workspace on the engine's card
 SLOT_SHARE = 0.2  # the slots may take at most a fifth of the expert cache
 EXPERT_SHARE = 0.5  # at least half of the model's experts must still fit beside the slots
 MAX_RECOMMENDED = 4
@@ -72,6 +74,21 @@ def recommend(gpus_vram_gib: list[float], facts: ModelFacts, context: int) -> Re
         why = (f"beside two slots the expert cache ({cache:.1f} GiB on {cards}) would hold less than "
                f"half of the model's experts ({experts:.1f} GiB)")
     return Recommendation(1, "cuda", cache, slot, experts, [f"left at one at a time: {why}", COST_NOTE])
+
+
+def expert_tier(gpus_vram_gib: list[float], facts: ModelFacts, parallel: int, context: int) -> tuple[str | None, str]:
+    """Whether the engine needs its expert tier (`expert_cache: auto`) on the first GPU, and why: the
+    routed experts that do not fit beside the dense weights, the sessions, the CUDA context and the
+    engine's reserve stay in RAM and the hottest of them are cached in VRAM."""
+    card = gpus_vram_gib[0]
+    sessions = (parallel + 1) * facts.slot_bytes(context) / GIB  # the slots and the solo session
+    room = card - facts.dense_bytes / GIB - sessions - CUDA_CONTEXT_GIB - VRAM_RESERVE_MIB / 1024
+    if room >= facts.expert_gib:
+        return None, f"every routed expert fits in VRAM ({facts.expert_gib:.1f} GiB): no expert tier needed"
+    cache = max(0.0, room - facts.layer_expert_bytes / GIB)  # less the prompt chunks' staging buffer
+    return "auto", (f"expert tier (expert_cache auto): about {cache:.1f} of the model's {facts.expert_gib:.1f} GiB "
+                    f"of routed experts ({cache / facts.expert_gib:.0%}) cached in VRAM on GPU 0, the hottest "
+                    "ones, learned while it serves; every expert stays in RAM")
 
 
 def _size(nbytes: float) -> str:
@@ -150,6 +167,11 @@ def build_config(
         except ConfigError as exc:
             messages.append(f"existing config ignored ({exc}); a .bak keeps it")
     data.update(model=str(model.resolve()), context=context, parallel=chosen)
+    if rec.device == "cuda" and not facts.dense and "expert_cache" not in data:
+        cache, why = expert_tier(hardware.gpu_vram_gib, facts, chosen, context)
+        messages.append(why)
+        if cache is not None:
+            data["expert_cache"] = cache
     groups = data.get("batch_groups")
     if isinstance(groups, int) and chosen % groups:
         data["batch_groups"] = "auto"

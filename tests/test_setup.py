@@ -12,7 +12,7 @@ from engine.gguf_file import split_parts
 from strata_desk import paths
 from strata_desk.modelfacts import GIB, ModelFacts
 from strata_desk.probe import GpuInfo, HardwareInfo
-from strata_desk.setup import COST_NOTE, SetupError, build_config, recommend, write_config
+from strata_desk.setup import COST_NOTE, SetupError, build_config, expert_tier, recommend, write_config
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +104,7 @@ def test_model_facts_from_gguf(tmp_path):
     assert (facts.architecture, facts.n_layers, facts.n_kv_heads, facts.head_dim) == ("qwen3moe", 3, 2, 16)
     assert facts.n_experts == 4 and facts.n_experts_used == 2
     assert facts.expert_bytes == 3 * 4 * 32 * 64 * 4
+    assert facts.layer_expert_bytes == 4 * 32 * 64 * 4 and facts.dense_bytes == 3 * 64 * 64 * 4
     assert facts.total_bytes == model.stat().st_size
     assert facts.context_length == 2048
 
@@ -150,6 +151,37 @@ def test_build_config_gpu_recommends(tmp_path):
     config, messages = build_config(model, probe=_probe(24.0))
     assert config.parallel == 4  # a tiny model: everything fits
     assert any(m.startswith("parallel 4 recommended") for m in messages)
+
+
+# Qwen3-30B-A3B Q4_K_M-like with its file's split: 16.5 GiB of routed experts over 48 layers, 0.8 GiB else
+QWEN3_FILE = ModelFacts("qwen3moe", n_layers=48, n_kv_heads=4, head_dim=128, n_experts=128, n_experts_used=8,
+                        expert_bytes=int(16.5 * GIB), layer_expert_bytes=int(16.5 * GIB / 48),
+                        dense_bytes=int(0.8 * GIB), total_bytes=int(17.3 * GIB), context_length=40960)
+
+
+@pytest.mark.parametrize(("vram", "parallel", "cache", "share"), [
+    ([24.0], 1, None, None),  # 24 - 0.8 - 2 x 0.75 (sessions) - 0.5 - 0.68 = 20.5 GiB of room: all fit
+    ([16.0], 1, "auto", "(74%)"),  # 12.5 GiB of room less 0.34 of staging
+    ([12.0], 2, "auto", "(45%)"),
+    ([80.0], 4, None, None),  # every expert fits
+    ([140.0, 140.0], 8, None, None),
+])
+def test_expert_tier_when_the_experts_do_not_fit(vram, parallel, cache, share):
+    got, why = expert_tier(vram, QWEN3_FILE, parallel, 8192)
+    assert got == cache
+    assert (share in why) if share else ("no expert tier" in why)
+
+
+def test_build_config_sets_the_tier_only_on_a_gpu_and_keeps_a_chosen_one(tmp_path, monkeypatch):
+    from strata_desk import setup
+
+    model = write_tiny_gguf(tmp_path / "Tiny.gguf")
+    monkeypatch.setattr(ModelFacts, "from_gguf", classmethod(lambda cls, path: QWEN3_FILE))
+    config, messages = build_config(model, context=8192, probe=_probe(12.0))
+    assert config.expert_cache == "auto" and any("expert tier (expert_cache auto)" in m for m in messages)
+    assert build_config(model, context=8192, probe=_probe())[0].expert_cache is None  # the CPU: resident
+    setup.write_config(config.model_copy(update={"expert_cache": 200}))
+    assert build_config(model, context=8192, probe=_probe(12.0))[0].expert_cache == 200
 
 
 def test_build_config_errors(tmp_path):
