@@ -24,7 +24,7 @@ from engine.loading import DTYPES, open_model, pick_device
 from engine.models.base import Model
 from engine.protocol import Sampling
 from engine.runner import Row, Runner
-from engine.tier.flags import add_tier_flags, plan_tier, setup_tier
+from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 
 GB = 1e9
 
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\none row:\n" + profile(r.runner, [r.solo_row], device))
         if r.batch_rows:
             print(f"\n{args.slots} rows:\n" + profile(r.runner, r.batch_rows, device))
+    finish_tier(args, model, r.served)  # --expert-profile-save
     return 0
 
 

@@ -22,11 +22,13 @@ import torch
 
 from engine import protocol as P
 from engine.experts import ExpertStats
+from engine.loading import log
 from engine.memory import memory_split
 from engine.models.base import Model
 from engine.parking import ParkingStore
 from engine.runner import Row, Runner, Session
 from engine.sampling import Draw, logprob_of
+from engine.window_log import WindowLog
 
 STATS_INTERVAL_S = 0.25
 
@@ -77,6 +79,7 @@ class EngineLoop:
         self.decoding: dict[int, Job] = {}  # session index -> job
         self.quit = False  # QUIT or end of stdin seen: exit once idle
         self.stats = _StatsCounter()
+        self.window_log = WindowLog()
         self.last_stats = 0.0
 
     # -- I/O ----------------------------------------------------------------------------------
@@ -275,7 +278,13 @@ class EngineLoop:
             if finish:
                 del self.decoding[job.session.index]
                 self.finish_decoding(job, finish)
-        self.stats.step(len(jobs), time.perf_counter() - t0, jobs, window)
+        seconds = time.perf_counter() - t0
+        self.stats.step(len(jobs), seconds, jobs, window)
+        tier = self.model.tier
+        line = self.window_log.window(len(jobs), seconds, window,
+                                      (tier.rounds, tier.swaps, tier.adapt_wait_s) if tier is not None else None)
+        if line:
+            log(line)
 
     def decode_steps_for(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
