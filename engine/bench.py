@@ -213,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tier         {tier.mode}: {tier.slots} slots for {tier.experts_total} experts "
               f"({tier.slots / tier.experts_total:.0%}); timed decode served {s.vram / n:.1%} from VRAM, "
               f"{s.pcie / n:.1%} over PCIe, {s.cpu / n:.1%} on the CPU; {tier.swaps} swaps in {tier.rounds} rounds")
+        costs = tier.miss_times
+        if costs is not None and costs.pcie_us is not None:
+            miss_ms = (s.pcie * costs.pcie_us + s.cpu * costs.cpu_us) / args.decode / 1000
+            print(f"misses       {miss_ms:.2f} ms a token predicted from their counts and the costs measured at "
+                  f"start ({costs.pcie_us:.0f} us an entry over PCIe, {costs.cpu_us:.0f} us on the CPU): with an "
+                  f"all-resident step of T ms, 1000 / (T + {miss_ms:.2f}) tok/s")
     if r.batch_tok_s is not None:
         print(f"batch        {r.batch_tok_s:.1f} tok/s aggregate over {args.slots} rows "
               f"({r.batch_tok_s / r.decode_tok_s:.2f}x one row)")

@@ -116,12 +116,13 @@ def choose_pcie(tier: Tier, asked: float) -> float:
     if empty is None:  # every layer holds experts: nothing to time, and few misses to share
         share, why = max(asked, 0.0), "every layer's slots are seeded; not measured"
     else:
-        share, why = measure_pcie_frac(empty)
-        if share == 0.0 and "cannot read" in why:
+        tier.miss_times = measure_pcie_frac(empty)
+        share, why = tier.miss_times.share, tier.miss_times.text
+        if tier.miss_times.pcie_us is None:  # the GPU cannot read host memory: every miss on the CPU
             for layer in tier.layers:
                 layer.streams = False
-    if asked >= 0 and "cannot read" not in why:
-        share, why = asked, "as asked"
+        elif asked >= 0:
+            share, why = asked, "as asked"
     for layer in tier.layers:
         layer.pcie_frac = share
     log(f"--pcie-frac {asked:g}: {share:g} ({why})")

@@ -17,6 +17,7 @@ So with `pcie_frac` 0 or 1 and a fixed cache a row's result depends on its own r
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -161,10 +162,21 @@ class GpuTieredExperts(Experts):
         return (idx.to(device), out.to(device)), spent
 
 
-def measure_pcie_frac(layer: GpuTieredExperts, reps: int = 5) -> tuple[float, str]:
+@dataclass(frozen=True)
+class MissTimes:
+    """What `measure_pcie_frac` found: the fastest share of misses over PCIe, one missed entry's cost
+    each way (None: the GPU cannot read host memory here), and the times of every share tried."""
+
+    share: float
+    pcie_us: float | None
+    cpu_us: float
+    text: str
+
+
+def measure_pcie_frac(layer: GpuTieredExperts, reps: int = 5) -> MissTimes:
     """`--pcie-frac -1`: time one decode row whose experts all miss (on `layer`, whose slots must be
     empty) with every miss over PCIe (in place, no host sync), every miss on the CPU, and the share
-    that would make the two finish together; returns the fastest share and what was measured."""
+    that would make the two finish together; the fastest wins."""
     device = layer.slots.device
     k = min(8, layer.slots.experts)
     hidden = layer.slots.host[0].experts[0].in_features
@@ -183,14 +195,18 @@ def measure_pcie_frac(layer: GpuTieredExperts, reps: int = 5) -> tuple[float, st
         return (time.perf_counter() - t0) / reps
 
     try:
-        times = {1.0: seconds(1.0), 0.0: seconds(0.0)}
+        times = {0.0: seconds(0.0)}
+        try:
+            times[1.0] = seconds(1.0)
+        except RuntimeError as exc:  # the kernel cannot read host memory on this system
+            return MissTimes(0.0, None, times[0.0] * 1e6 / k,
+                             f"misses on the CPU (the GPU cannot read host memory here: {exc})")
         balanced = round(times[0.0] / (times[0.0] + times[1.0]), 2)
         if 0.0 < balanced < 1.0:
             times[balanced] = seconds(balanced)
-    except RuntimeError as exc:  # the kernel cannot read host memory on this system
-        return 0.0, f"misses on the CPU (the GPU cannot read host memory here: {exc})"
     finally:
         layer.reset_counts()
     best = min(times, key=times.get)
     measured = ", ".join(f"{share:g}: {t * 1e6:.0f} us" for share, t in times.items())
-    return best, f"one row's {k} missed experts by share over PCIe: {measured}"
+    return MissTimes(best, times[1.0] * 1e6 / k, times[0.0] * 1e6 / k,
+                     f"one row's {k} missed experts by share over PCIe: {measured}")

@@ -30,7 +30,7 @@ from engine.tier.profile import RoutingProfile
 from engine.tier.slots import LayerSlots, SlotTable
 
 if TYPE_CHECKING:
-    from engine.tier.gpu_experts import GpuTieredExperts
+    from engine.tier.gpu_experts import GpuTieredExperts, MissTimes
 
 SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
 WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
@@ -46,6 +46,7 @@ class Tier:
         self.layers = layers
         self.policy = policy
         self.mode = mode  # gpu: VRAM slots, misses over PCIe or on the CPU; simulated: host slots, all on the CPU
+        self.miss_times: MissTimes | None = None  # the GPU tier's measured cost of a miss (`choose_pcie`)
         self.windows = 0
         self.rounds = 0
         self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
