@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
         context = model_context(g, args.max_context)
         kv_dtype = pick_kv_dtype(args.kv, device, dtype)
         placement = plan_stages(args.layer_split, Hyper.from_gguf(g).layers, device)
-        plan = plan_tier(args, g, device)
+        plan = plan_tier(args, g, placement)
         slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, placement,
                           plan.host_experts, plan.taken)
         groups, groups_note = plan_groups(args.batch_groups, slots, len(placement.stages))

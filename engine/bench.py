@@ -20,7 +20,7 @@ import torch
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
-from engine.loading import DTYPES, open_model, pick_device
+from engine.loading import DTYPES, open_model, placement_of
 from engine.models.base import Model
 from engine.protocol import Sampling
 from engine.runner import Row, Runner
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_kernels.set_int16(args.cpu_activations == "int16")
 
     t0 = time.perf_counter()
-    plan = plan_tier(args, GGUFFile(args.model), pick_device(args.device))
+    g = GGUFFile(args.model)
+    plan = plan_tier(args, g, placement_of(g, args.device, args.layer_split))
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context,
                           layer_split=args.layer_split, host_experts=plan.host_experts)
     setup_tier(args, model)

@@ -17,7 +17,7 @@ import torch
 
 from engine import protocol as P
 from engine.gguf_file import GGUFFile
-from engine.loading import open_model, pick_device
+from engine.loading import open_model, placement_of
 from engine.loop import EngineLoop
 from engine.models.base import Model
 from engine.placement import plan_groups
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slots and --runs must be at least 1")
     slots = max(counts + ([3] if args.interleave else []))
     try:
-        plan = plan_tier(args, GGUFFile(args.model), pick_device(args.device))
+        g = GGUFFile(args.model)
+        plan = plan_tier(args, g, placement_of(g, args.device, args.layer_split))
         driver = Driver.load(args.model, slots, args.device, layer_split=args.layer_split,
                              host_experts=plan.host_experts)
         model = driver.model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -70,9 +71,9 @@ def planned_on(g: GGUFFile, placement: Placement, device: torch.device, dtype: t
 
 def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device,
               max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
-              host_experts: bool = False, taken: int = 0) -> int:
+              host_experts: bool = False, taken: Mapping[str, int] | None = None) -> int:
     """As many slots as asked that fit in memory beside the weights (the routed experts elsewhere with
-    `host_experts`) and `taken` bytes (an expert cache, on the first device), on every device of the
+    `host_experts`) and `taken` bytes per device (`str(device)`: an expert cache), on every device of the
     placement (the weights and KV layers each holds); 0 when not two fit."""
     if asked <= 0:
         return 0
@@ -83,7 +84,7 @@ def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device:
     for dev in placement.devices():
         layers = [i for s in placement.stages if s.device == dev for i in s.layers]
         per_session = session_bytes(g, context, max_chunk, kv_dtype, layers)
-        weights = planned_on(g, placement, dev, dtype, host_experts) + (taken if dev == placement.first.device else 0)
+        weights = planned_on(g, placement, dev, dtype, host_experts) + (taken or {}).get(str(dev), 0)
         free, _ = free_bytes(dev)
         fit = max(0, (free - weights - RESERVE) // max(per_session, 1) - 1)  # the solo session comes first
         if fit < n:
@@ -91,6 +92,11 @@ def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device:
             log(f"--batch {asked}: {n} slots fit on {dev} ({per_session / MIB:.0f} MiB each at context {context}, "
                 f"{free / MIB:.0f} MiB free before loading)")
     return n if n >= 2 else 0
+
+
+def placement_of(g: GGUFFile, device: str, layer_split: str = "") -> Placement:
+    """The stages `--device device --layer-split layer_split` gives `g`'s layers."""
+    return plan_stages(layer_split, Hyper.from_gguf(g).layers, pick_device(device))
 
 
 def open_model(path: str, device: str = "auto", dtype: str | None = None, slots: int = 0,
@@ -102,7 +108,7 @@ def open_model(path: str, device: str = "auto", dtype: str | None = None, slots:
     g = GGUFFile(path)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    placement = plan_stages(layer_split, Hyper.from_gguf(g).layers, dev)
+    placement = placement_of(g, device, layer_split)
     return g, load_model(g, dev, dt, sessions=slots + 1, context=model_context(g, context),
                          max_chunk=max_chunk, kv_dtype=pick_kv_dtype(kv, dev, dt), placement=placement,
                          host_experts=host_experts)

@@ -19,12 +19,12 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
 
 def memory_split(model, n_slots: int) -> list[dict]:
     """One entry per device the model uses (a layer split: each stage's), with the weights and KV it holds;
-    the GPU expert tier's cache counts on the model's (first) device."""
-    tier_cache = model.tier.cache_bytes() if model.tier is not None and model.tier.mode == "gpu" else 0
+    the GPU expert tier's slots count as experts on their layers' device."""
+    gpu_tier = model.tier is not None and model.tier.mode == "gpu"
     weights, experts = model.w.split(), model.w.split(lambda n: "_exps" in n)
     out = []
     for device in model.placement.devices():
-        cache = tier_cache if device == model.device else 0
+        cache = model.tier.cache_bytes(device) if gpu_tier else 0
         per_session = model.kv.session_bytes(device)
         free, total = free_bytes(device)
         out.append({

@@ -176,3 +176,31 @@ def test_check_runs_with_the_tier(tiny_model, capsys):
     with pytest.raises(SystemExit):
         check_main(["--model", str(tiny_model), "--device", "cpu", "--expert-cache", "lots"])
     assert "--expert-cache must be 'auto' or a number" in capsys.readouterr().err
+
+
+def test_the_gpu_tier_plans_vram_per_stage(tiny_model, monkeypatch):
+    """On a split each GPU holds its own layers' slots and staging: planned before loading (the batch slots
+    are fitted beside them) and, for `auto`, sized from each card's free VRAM."""
+    from engine.gguf_file import GGUFFile
+    from engine.memory import MIB
+    from engine.placement import plan_stages
+    from engine.tier import flags, sizing
+
+    g = GGUFFile(str(tiny_model))
+    cuda = torch.device("cuda")
+    split = plan_stages("1", 4, cuda, visible=2)  # layer 0 on the first card, layers 1-3 on the second
+    per_layer = sizing.slot_bytes(g, 4, 8)
+    args = build_parser().parse_args(["--model", "x.gguf", "--expert-cache", "8"])  # 2 slots in each layer
+    plan = flags.plan_tier(args, g, split)
+    staging = 8 * per_layer[0]  # every layer's experts take the same bytes here
+    assert plan.host_experts and plan.taken == {"cuda:0": staging + 2 * per_layer[0],
+                                                "cuda:1": staging + 6 * per_layer[0]}
+    assert flags.plan_tier(args, g, plan_stages("", 4, torch.device("cpu"))) == flags.TierPlan()  # simulated
+
+    class Placed:  # what auto_cache reads of a model
+        placement, hyper = split, open_model(str(tiny_model), "cpu")[1].hyper
+        w = type("W", (), {"g": g})
+
+    free = {"cuda:0": 700 * MIB + staging + 5 * per_layer[0], "cuda:1": 700 * MIB + staging + 7 * per_layer[0]}
+    monkeypatch.setattr(flags, "free_bytes", lambda d: (free[str(d)], 1 << 40))
+    assert flags.auto_cache(Placed, 700) == [5, 2, 2, 2]  # whole rounds of one slot in each of the card's layers

@@ -37,7 +37,5 @@ def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: 
     cls = architecture_of(g)
     if host_experts and cls is not Qwen3Moe:
         raise GGUFError(f"{g.path}: the expert tier needs a MoE model with SwiGLU expert stacks (qwen3moe)")
-    if host_experts and placement is not None and placement.split:
-        raise ValueError("the GPU expert tier (--expert-cache) with a layer split: not built yet (one GPU only)")
     extra = {"host_experts": True} if host_experts else {}
     return cls(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype, placement, **extra)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,9 +15,19 @@ from engine.hyper import Hyper
 from engine.loading import log
 from engine.memory import MIB, free_bytes
 from engine.models.base import Model
+from engine.placement import Placement
 from engine.protocol import VRAM_RESERVE_MIB
-from engine.tier import FIXED, AdaptPolicy, RoutingProfile, Tier, TierError, install_tier, parse_expert_cache
-from engine.tier.sizing import auto_slots, cache_bytes, slot_bytes, staging_bytes
+from engine.tier import (
+    FIXED,
+    AdaptPolicy,
+    RoutingProfile,
+    Tier,
+    TierError,
+    install_tier,
+    parse_expert_cache,
+    split_slots,
+)
+from engine.tier.sizing import auto_slots, slot_bytes, staging_bytes
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -38,21 +48,29 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class TierPlan:
     """What the tier asks of loading: routed experts kept in host memory (the GPU tier), and the VRAM bytes
-    an explicit cache size takes (before the batch slots are fitted)."""
+    it takes on each device (`str(device)`: its layers' staging, and their slots when the size is given)
+    before the batch slots are fitted."""
 
     host_experts: bool = False
-    taken: int = 0
+    taken: dict[str, int] = field(default_factory=dict)
 
 
-def plan_tier(args: argparse.Namespace, g: GGUFFile, device: torch.device) -> TierPlan:
+def layers_on(placement: Placement, device: torch.device) -> list[int]:
+    return [i for s in placement.stages if s.device == device for i in s.layers]
+
+
+def plan_tier(args: argparse.Namespace, g: GGUFFile, placement: Placement) -> TierPlan:
     h = Hyper.from_gguf(g)
-    if args.expert_cache is None or device.type != "cuda" or not h.experts:
+    if args.expert_cache is None or placement.first.device.type != "cuda" or not h.experts:
         return TierPlan()
     cache = parse_expert_cache(args.expert_cache)
     per_layer = slot_bytes(g, h.layers, h.experts)
-    taken = staging_bytes(per_layer, h.experts)
-    if cache != "auto":
-        taken += cache_bytes(min(cache, h.layers * h.experts), per_layer)
+    counts = None if cache == "auto" else split_slots(min(cache, h.layers * h.experts), h.layers, h.experts)
+    taken = {}
+    for device in placement.devices():
+        layers = layers_on(placement, device)
+        taken[str(device)] = staging_bytes([per_layer[i] for i in layers], h.experts) + (
+            sum(counts[i] * per_layer[i] for i in layers) if counts else 0)
     return TierPlan(host_experts=True, taken=taken)
 
 
@@ -76,22 +94,18 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
             log("--expert-cache auto: every expert stays resident: no VRAM to size a cache from on the CPU "
                 "(--expert-cache N runs the simulated tier)")
             return {}
-        free, _ = free_bytes(model.device)
-        per_layer = slot_bytes(model.w.g, h.layers, h.experts)
-        staging = staging_bytes(per_layer, h.experts)
-        cache = auto_slots(free - staging, args.vram_reserve_mib, per_layer, h.experts)
-        log(f"--expert-cache auto: {cache} slots fit in {free / MIB:.0f} MiB free less the prompt chunks' "
-            f"staging ({staging / MIB:.0f} MiB) and the {args.vram_reserve_mib} MiB reserve")
+        cache = auto_cache(model, args.vram_reserve_mib)
     save_dir = os.path.dirname(args.expert_profile_save or "") or "."
     if args.expert_profile_save and not os.path.isdir(save_dir):
         raise TierError(f"--expert-profile-save {args.expert_profile_save}: no directory {save_dir}")
-    if cache > h.layers * h.experts:
+    if isinstance(cache, int) and cache > h.layers * h.experts:
         log(f"--expert-cache {cache}: the model has {h.layers * h.experts} routed experts; caching all of them")
+        cache = h.layers * h.experts
     profile = RoutingProfile.load(args.expert_profile) if args.expert_profile else None
     pcie = max(args.pcie_frac, 0.0) if gpu else 0.0
-    tier = install_tier(model, min(cache, h.layers * h.experts), policy, profile, pcie_frac=pcie)
+    tier = install_tier(model, cache, policy, profile, pcie_frac=pcie)
     if gpu:
-        pcie = choose_pcie(tier, args.pcie_frac)
+        pcie = choose_pcie(tier, args.pcie_frac, model.placement)
     elif args.pcie_frac > 0:
         log(f"--pcie-frac {args.pcie_frac:g}: the simulated tier has no PCIe link; misses run on the CPU (pcie_frac=0)")
     if args.adapt_async:
@@ -107,16 +121,36 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
             "adapt_async": 0, "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
 
 
-def choose_pcie(tier: Tier, asked: float) -> float:
+def auto_cache(model: Model, reserve_mib: int) -> list[int]:
+    """`--expert-cache auto` on a GPU: each layer's slots, from what VRAM is free on its stage's device less
+    the staging of that device's layers and the reserve."""
+    h = model.hyper
+    per_layer = slot_bytes(model.w.g, h.layers, h.experts)
+    counts = [0] * h.layers
+    for device in model.placement.devices():
+        layers = layers_on(model.placement, device)
+        free, _ = free_bytes(device)
+        staging = staging_bytes([per_layer[i] for i in layers], h.experts)
+        each = auto_slots(free - staging, reserve_mib, [per_layer[i] for i in layers], h.experts)
+        for i in layers:
+            counts[i] = each
+        log(f"--expert-cache auto: {each} slots in each of layers {layers[0]}-{layers[-1]} on {device}: "
+            f"{free / MIB:.0f} MiB free less the prompt chunks' staging ({staging / MIB:.0f} MiB) and the "
+            f"{reserve_mib} MiB reserve")
+    return counts
+
+
+def choose_pcie(tier: Tier, asked: float, placement: Placement) -> float:
     """The GPU tier's share of misses read over PCIe: as asked, or measured (-1); prompt chunks stream their
     misses over PCIe unless the GPU cannot read host memory here."""
     from engine.tier.gpu_experts import measure_pcie_frac  # imports Triton
 
-    empty = next((layer for layer in tier.layers if layer.slots.cached() == 0), None)
+    empty = next((i for i, layer in enumerate(tier.layers) if layer.slots.cached() == 0), None)
     if empty is None:  # every layer holds experts: nothing to time, and few misses to share
         share, why = max(asked, 0.0), "every layer's slots are seeded; not measured"
     else:
-        tier.miss_times = measure_pcie_frac(empty)
+        with placement.stage_of(empty).active():  # Triton launches on the current device
+            tier.miss_times = measure_pcie_frac(tier.layers[empty])
         share, why = tier.miss_times.share, tier.miss_times.text
         if tier.miss_times.pcie_us is None:  # the GPU cannot read host memory: every miss on the CPU
             for layer in tier.layers:

@@ -22,11 +22,6 @@ def slot_bytes(g: GGUFFile, layers: int, experts: int) -> list[int]:
     return out
 
 
-def cache_bytes(slots: int, per_layer: list[int]) -> int:
-    """Bytes `slots` slots spread over the layers take (an upper bound: every layer's share at its largest)."""
-    return -(-slots // len(per_layer)) * sum(per_layer)
-
-
 def staging_bytes(per_layer: list[int], experts: int) -> int:
     """VRAM prompt chunks copy their missed experts into (`engine.tier.gpu_slots.Staging`): every expert
     of the largest layer."""
@@ -34,8 +29,7 @@ def staging_bytes(per_layer: list[int], experts: int) -> int:
 
 
 def auto_slots(free: int, reserve_mib: int, per_layer: list[int], experts: int) -> int:
-    """`--expert-cache auto`: the slots that fit in `free` bytes less the reserve, at most every expert;
-    each layer gets the same share, so whole rounds of one slot per layer."""
+    """`--expert-cache auto` on one device: the slots each of its layers (their slot bytes `per_layer`)
+    gets in `free` bytes less the reserve, at most every expert; the same for every layer."""
     usable = max(0, free - reserve_mib * MIB)
-    per_round = sum(per_layer)  # one slot in every layer
-    return min(experts, usable // per_round) * len(per_layer)
+    return min(experts, usable // sum(per_layer))  # whole rounds of one slot in every layer

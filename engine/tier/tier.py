@@ -66,8 +66,10 @@ class Tier:
     def cached(self) -> int:
         return sum(layer.slots.cached() for layer in self.layers)
 
-    def cache_bytes(self) -> int:
-        return sum(layer.slots.nbytes() for layer in self.layers)
+    def cache_bytes(self, device: torch.device | None = None) -> int:
+        """The slots' bytes (on `device` only, when given)."""
+        return sum(layer.slots.nbytes() for layer in self.layers
+                   if device is None or getattr(layer.slots, "device", None) == device)
 
     def seed(self, profile: RoutingProfile | None) -> None:
         """Each layer's slots hold its most routed experts by `profile`; without one only the layers
@@ -126,6 +128,24 @@ class Tier:
                 "cache_mib": round(self.cache_bytes() / MIB, 1)}
 
 
+def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: float) -> list[GpuTieredExperts]:
+    """Each layer's VRAM slots on its stage's device; the staging buffer and the counts per device."""
+    from engine.tier.gpu_experts import DeviceCounts, GpuTieredExperts  # imports Triton: only when used
+    from engine.tier.gpu_slots import GpuLayerSlots, Staging
+
+    devices = [model.placement.device_of(i) for i in range(len(stacks))]
+    try:
+        slot_sets = [GpuLayerSlots(*s, n, d) for s, n, d in zip(stacks, per_layer, devices, strict=True)]
+    except ValueError as exc:
+        raise TierError(f"--expert-cache: {exc}") from None
+    layers = []
+    for device in dict.fromkeys(devices):
+        mine = [s for s, d in zip(slot_sets, devices, strict=True) if d == device]
+        staging, counts = Staging(mine), DeviceCounts(len(mine), model.hyper.experts, device)
+        layers += [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i) for i, s in enumerate(mine)]
+    return layers
+
+
 def split_slots(total: int, layers: int, experts: int) -> list[int]:
     """`total` slots spread over `layers` (the first `total % layers` get one more), at most `experts` each."""
     if total < 0:
@@ -134,12 +154,13 @@ def split_slots(total: int, layers: int, experts: int) -> list[int]:
     return [min(experts, base + (i < extra)) for i in range(layers)]
 
 
-def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: RoutingProfile | None = None,
+def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, profile: RoutingProfile | None = None,
                  pcie_frac: float = 0.0) -> Tier:
     """Replace the model's per-layer experts by tiered ones over a cache of `slots` slots in all (see
-    `split_slots`), seeded from `profile` when given; sets and returns `model.tier`. On CUDA the slots
-    are in VRAM (`GpuTieredExperts`: the model must have kept its experts in host memory,
-    `load_model(host_experts=True)`), on the CPU they are simulated (`TieredExperts`)."""
+    `split_slots`; or a list: each layer's), seeded from `profile` when given; sets and returns
+    `model.tier`. On CUDA the slots are in VRAM on each layer's stage device (`GpuTieredExperts`: the
+    model must have kept its experts in host memory, `load_model(host_experts=True)`), on the CPU they
+    are simulated (`TieredExperts`)."""
     h = model.hyper
     if not h.experts:
         raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
@@ -153,22 +174,9 @@ def install_tier(model: Model, slots: int, policy: AdaptPolicy, profile: Routing
         else:
             raise TierError(f"--expert-cache: layer {i} of this {model.arch} model has no SwiGLU expert stacks "
                             "the tier can cache")
-    per_layer = split_slots(slots, len(stacks), h.experts)
+    per_layer = split_slots(slots, len(stacks), h.experts) if isinstance(slots, int) else slots
     if model.device.type == "cuda":
-        from engine.tier.gpu_experts import (  # imports Triton, so only when it is used
-            DeviceCounts,
-            GpuTieredExperts,
-        )
-        from engine.tier.gpu_slots import GpuLayerSlots, Staging
-
-        try:
-            slot_sets = [GpuLayerSlots(*s, n, model.device) for s, n in zip(stacks, per_layer, strict=True)]
-        except ValueError as exc:
-            raise TierError(f"--expert-cache: {exc}") from None
-        staging = Staging(slot_sets)
-        counts = DeviceCounts(len(slot_sets), h.experts, model.device)
-        layers = [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i)
-                  for i, s in enumerate(slot_sets)]
+        layers = _gpu_layers(model, stacks, per_layer, pcie_frac)
         mode = "gpu"
     else:
         layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]
