@@ -1,9 +1,10 @@
 """Unit tests of the dashboard's pure parts: formatting, bar splitting, the view rules (state, dense,
 supported options, solo path), history, log tailing, path completion, settings error mapping,
-and the client against a stand-in transport."""
+and the client against a stand-in transport; the CPU measuring command's arguments and report."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -18,6 +19,7 @@ from server.metrics_schema import EngineView, LiveView
 from server.urls import api_url
 from tui import preview
 from tui.client import FixedSource, MetricsClient, PollError
+from tui.cpu_use import Window, parse_size, report
 from tui.format import duration, rate, spark, spark_rows
 from tui.logs import FileTail, LogBuffer
 from tui.screens.restart import diff_text
@@ -201,3 +203,15 @@ def test_client_reads_metrics_and_reports_errors() -> None:
 
     asyncio.run(go())
     assert api_url("http://h:8080/") == "http://h:8080/v1"
+
+
+def test_cpu_use_size_and_report() -> None:
+    assert parse_size("120x40") == (120, 40)
+    for bad in ("120", "x40", "10x5", "wide"):
+        with pytest.raises(argparse.ArgumentTypeError, match="COLUMNSxROWS"):
+            parse_size(bad)
+    idle, busy = Window("idle", 0.6, 20.0, 0.05), Window("busy", 2.4, 20.0, 0.10, requests=8)
+    assert idle.ok and not busy.ok and busy.share == pytest.approx(0.12)
+    text = report([idle, busy])
+    assert "idle    3.0%  bound 5%  ok" in text
+    assert "busy   12.0%  bound 10%  ABOVE" in text and "8 completions finished" in text

@@ -179,9 +179,13 @@ class StrataDeskApp(App[int]):
 
     # -- start-up --------------------------------------------------------------------------------
 
-    def on_mount(self) -> None:
+    def get_default_screen(self) -> DashboardScreen:
+        """The dashboard is the bottom screen: a screen under it would be repainted, and repaint the
+        whole dashboard with it, each time a message reached it."""
         self.dashboard = DashboardScreen(self.logbuf)
-        self.push_screen(self.dashboard)
+        return self.dashboard
+
+    def on_mount(self) -> None:
         self.set_interval(self.poll_interval, self._tick_logs)
         if self.mode == "setup":
             from tui.screens.first_run import FirstRunScreen

@@ -24,16 +24,20 @@ class ThroughputPanel(Panel):
 
     def __init__(self, *, id: str | None = "throughput") -> None:
         super().__init__("Throughput", "2", id=id)
+        self.border_subtitle = "last 60 s"
 
     def compose(self) -> ComposeResult:
         yield Digits("0.0", id="tp-digits")
         yield Static("tok/s generated, all requests", id="tp-unit")
         yield Static("", id="tp-spark")
-        yield Static("", id="tp-lines")
+        yield Static("", id="tp-lines").with_tooltip(
+            "per request: the mean decode rate of the requests running and the recent ones")
 
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         live = snapshot.live
-        self.query_one(Digits).update(rate(live.tok_s))
+        digits = self.query_one(Digits)
+        if digits.value != rate(live.tok_s):  # an update repaints it even when the value is the same
+            digits.update(rate(live.tok_s))
         update_text(self.query_one("#tp-unit", Static),
             f"tok/s generated, all requests, last {live.tok_s_window_s:g} s")
         spark = self.query_one("#tp-spark", Static)
@@ -53,7 +57,4 @@ class ThroughputPanel(Panel):
         lines.append("\nper request ", style="dim")
         lines.append(f"{rate(live.tok_s_mean)} tok/s")
         lines.append(" (mean)", style="dim")
-        figures = self.query_one("#tp-lines", Static)
-        update_text(figures, lines)
-        figures.tooltip = "per request: the mean decode rate of the requests running and the recent ones"
-        self.border_subtitle = "last 60 s"
+        update_text(self.query_one("#tp-lines", Static), lines)
