@@ -1,6 +1,7 @@
 """Unit tests of the dashboard's pure parts: formatting, bar splitting, the view rules (state, dense,
 supported options, solo path), history, log tailing, path completion, settings error mapping,
-and the client against a stand-in transport; the CPU measuring command's arguments and report."""
+and the client against a stand-in transport; the CPU measuring command's arguments and report; screens
+using only Textual's App API."""
 
 from __future__ import annotations
 
@@ -215,3 +216,22 @@ def test_cpu_use_size_and_report() -> None:
     text = report([idle, busy])
     assert "idle    3.0%  bound 5%  ok" in text
     assert "busy   12.0%  bound 10%  ABOVE" in text and "8 completions finished" in text
+
+
+def test_screens_use_only_textuals_app_api() -> None:
+    """Screens get their data through messages, reactives and their arguments: `self.app.X` in a
+    screen may only be Textual's own App API (push_screen, notify, post_message ...), never one of
+    the dashboard's attributes."""
+    import ast
+
+    from textual.app import App
+
+    screens = Path(__file__).resolve().parent.parent / "tui" / "screens"
+    reaches = []
+    for path in sorted(screens.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "app"
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                    and not hasattr(App, node.attr)):
+                reaches.append(f"{path.name}:{node.lineno} self.app.{node.attr}")
+    assert reaches == []
