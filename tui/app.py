@@ -179,13 +179,9 @@ class StrataDeskApp(App[int]):
 
     # -- start-up --------------------------------------------------------------------------------
 
-    def get_default_screen(self) -> DashboardScreen:
-        """The dashboard is the bottom screen: a screen under it would be repainted, and repaint the
-        whole dashboard with it, each time a message reached it."""
-        self.dashboard = DashboardScreen(self.logbuf)
-        return self.dashboard
-
     def on_mount(self) -> None:
+        self.dashboard = DashboardScreen(self.logbuf)
+        self.push_screen(self.dashboard)
         self.set_interval(self.poll_interval, self._tick_logs)
         if self.mode == "setup":
             from tui.screens.first_run import FirstRunScreen
@@ -293,7 +289,7 @@ class StrataDeskApp(App[int]):
                 new = True
         if new:
             for screen in self.screen_stack:
-                if isinstance(screen, DashboardScreen) and screen.is_mounted:
+                if isinstance(screen, DashboardScreen) and screen.is_mounted and screen.is_running:
                     screen.show_logs()
                 elif isinstance(screen, LogsScreen) and screen.is_mounted:
                     screen.refresh_logs()
@@ -320,16 +316,18 @@ class StrataDeskApp(App[int]):
 
     def refresh_view(self) -> None:
         dash = getattr(self, "dashboard", None)
-        if dash is None or not dash.is_mounted:
+        if dash is None or not dash.is_mounted or not dash.is_running:  # not yet, or closing
             return
         desk = self.desk_state()
         dash.show_header(header_info(desk))
         dash.show_banner(*banner(desk))
         if self.snapshot is not None:
             dash.show_metrics(self.snapshot, self.history)
-            for screen in self.screen_stack:
-                if screen is not dash:
-                    screen.post_message(SnapshotUpdated(self.snapshot, self.inflight()))
+            # only to the screens above the dashboard: a message to Textual's default screen under it
+            # repaints the whole dashboard
+            stack = self.screen_stack
+            for screen in stack[stack.index(dash) + 1:] if dash in stack else ():
+                screen.post_message(SnapshotUpdated(self.snapshot, self.inflight()))
         allowed = tuple(self.check_action(name, ()) for name in ("settings", "restart", "restore_backup",
                                                                   "restart_now", "cancel_drain"))
         if allowed != self._allowed:  # the footer is rebuilt on every refresh_bindings: only on a change
