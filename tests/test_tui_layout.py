@@ -101,3 +101,24 @@ async def test_a_poll_repaints_only_the_figures_that_changed(monkeypatch) -> Non
         await pilot.pause(1.0)
         assert app.snapshot.uptime_s > uptime + 3  # it did poll meanwhile
         assert painted == [] and layouts == []
+
+
+async def test_throughput_sparkline_follows_the_width() -> None:
+    """The sparkline fills its panel (the whole width below 118 columns): a wider terminal draws it
+    again at the new width without waiting for the next poll."""
+    from textual.widgets import Static
+
+    history = preview.busy_history()
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(history[-1]), poll_interval=3600)
+    for past in history[:-1]:
+        app.history.push(past)
+    async with app.run_test(size=(80, 40)) as pilot:
+        while app.snapshot is None:
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+        spark = app.dashboard.query_one("#tp-spark", Static)
+        narrow = len(str(spark.render()).splitlines()[0])
+        await pilot.resize_terminal(110, 40)
+        await pilot.pause(0.3)
+        wide = len(str(spark.render()).splitlines()[0])
+        assert wide == spark.content_size.width > narrow, (narrow, wide)
