@@ -370,8 +370,10 @@ class StrataDeskApp(App[int]):
         """The bench screen is installed once, so a benchmark goes on while the dashboard shows."""
         from tui.screens.bench import BenchScreen, BenchTarget
 
+        managed = self.can_manage  # arms restart the server: only one this dashboard manages
         target = BenchTarget(self.base_url, self.api_key or (self.config.api_key if self.config else None),
-                             *((self.server, self.config_path) if self.can_manage else ()))
+                             server=self.server if managed else None,
+                             config_path=self.config_path if managed else None)
         if not self.is_screen_installed("bench"):
             self.install_screen(BenchScreen(target), name="bench")
         else:
