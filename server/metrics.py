@@ -208,7 +208,8 @@ class Metrics:
                         hit_rate=round(hit, 4) if hit is not None else None, swaps=t.swaps,
                         adapt_rounds=t.adapt_rounds, adapt_wait_ms=t.adapt_wait_ms,
                         experts_cached=t.experts_cached, experts_total=t.experts_total, mode=t.mode, slots=t.slots,
-                        cache_mib=t.cache_mib, cpu_ms=t.cpu_ms)
+                        cache_mib=t.cache_mib, cpu_ms=t.cpu_ms, hits=t.hits, lookups=t.lookups,
+                        offloaded=t.offloaded)
 
     def _parking(self, info: dict[str, int | float | str]) -> ParkingView | None:
         p = self.stats.parking if self.stats else None

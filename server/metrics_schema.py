@@ -245,6 +245,9 @@ class TierView(_Model):
     slots: int | None = None  # cache slots over all layers
     cache_mib: float | None = None  # the slots' bytes
     cpu_ms: float = 0.0  # CPU expert time (total)
+    hits: int | None = None  # decode lookups served from VRAM (total; STATS hits)
+    lookups: int | None = None  # decode lookups (total): two snapshots give the figures between them
+    offloaded: int = 0  # decode lookups served over PCIe (total)
 
 
 class ParkingView(_Model):

@@ -233,6 +233,7 @@ def test_engine_stats_line_as_documented_becomes_tier_and_stats():
     tier, stats = m._tier(), m._stats_view()
     assert tier.vram_share == 0.75 and tier.pcie_share == 0.05 and tier.cpu_share == 0.2
     assert tier.hit_rate == 0.9 and tier.swaps == 4 and tier.adapt_rounds == 2 and tier.adapt_wait_ms == 0.3
+    assert tier.hits == 2880 and tier.lookups == 3200 and tier.offloaded == 0  # the totals, for windows
     assert stats.windows == 120 and stats.rows == 360 and stats.rows_per_window == 3.0
     assert stats.ms_per_window == 41.2 and stats.prefill_tokens == 2048 and stats.slot_tokens == {"1": 120, "2": 120}
     assert m.stats.memory[0].cuda_index == 0

@@ -64,26 +64,61 @@ async def test_figures_say_their_window_and_ago_counts_from_the_end() -> None:
     assert re.search(r"7\.8s\s+1,834\s+1,620", text), text
 
 
-async def test_a_poll_that_changes_nothing_costs_no_layout_pass(monkeypatch) -> None:
-    """Every Static.update and every footer rebuild reflowed the whole screen, once a second: the
-    dashboard used a quarter of a core doing nothing. Unchanged figures must not ask for layout."""
+async def test_a_poll_repaints_only_the_figures_that_changed(monkeypatch) -> None:
+    """Every Static.update and every footer rebuild reflowed the whole screen, and each poll repainted
+    the whole dashboard (a message to a screen under it, the panels' border titles set again, the
+    digits updated with the same value): only the changed widgets may be repainted, and a figure
+    that changes length but still fits its line asks for no layout pass."""
+    from textual.screen import Screen
     from textual.widget import Widget
 
-    asked: list[str] = []
+    from tui.widgets.panel import Panel
+
+    snaps = []
+    for i in range(60):  # idle: only the uptime and the host's CPU move
+        snap = preview.idle()
+        snap.uptime_s += i
+        snap.host.cpu_pct = 100.0 if i % 2 else 4.0
+        snaps.append(snap)
+    painted: list[str] = []
+    layouts: list[str] = []
     refresh = Widget.refresh
 
     def spy(self, *regions, layout: bool = False, recompose: bool = False, **kwargs):
         if layout or recompose:
-            asked.append(type(self).__name__)
+            layouts.append(type(self).__name__)
+        elif isinstance(self, Screen | Panel):
+            painted.append(type(self).__name__)
         return refresh(self, *regions, layout=layout, recompose=recompose, **kwargs)
 
-    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(preview.busy()), poll_interval=0.1)
-    async with app.run_test(size=(120, 40)) as pilot:
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(*snaps), poll_interval=0.1)
+    async with app.run_test(size=(160, 44)) as pilot:  # the host line fits: no wrap
         while app.snapshot is None:
             await pilot.pause(0.05)
         await pilot.pause(0.5)
         monkeypatch.setattr(Widget, "refresh", spy)
-        polls = app.last_poll
+        uptime = app.snapshot.uptime_s
         await pilot.pause(1.0)
-        assert app.last_poll > polls  # it did poll meanwhile
-    assert asked == []
+        assert app.snapshot.uptime_s > uptime + 3  # it did poll meanwhile
+        assert painted == [] and layouts == []
+
+
+async def test_throughput_sparkline_follows_the_width() -> None:
+    """The sparkline fills its panel (the whole width below 118 columns): a wider terminal draws it
+    again at the new width without waiting for the next poll."""
+    from textual.widgets import Static
+
+    history = preview.busy_history()
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(history[-1]), poll_interval=3600)
+    for past in history[:-1]:
+        app.history.push(past)
+    async with app.run_test(size=(80, 40)) as pilot:
+        while app.snapshot is None:
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+        spark = app.dashboard.query_one("#tp-spark", Static)
+        narrow = len(str(spark.render()).splitlines()[0])
+        await pilot.resize_terminal(110, 40)
+        await pilot.pause(0.3)
+        wide = len(str(spark.render()).splitlines()[0])
+        assert wide == spark.content_size.width > narrow, (narrow, wide)

@@ -1,9 +1,11 @@
 """Unit tests of the dashboard's pure parts: formatting, bar splitting, the view rules (state, dense,
 supported options, solo path), history, log tailing, path completion, settings error mapping,
-and the client against a stand-in transport."""
+and the client against a stand-in transport; the CPU measuring command's arguments and report; screens
+using only Textual's App API."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -18,6 +20,7 @@ from server.metrics_schema import EngineView, LiveView
 from server.urls import api_url
 from tui import preview
 from tui.client import FixedSource, MetricsClient, PollError
+from tui.cpu_use import Window, parse_size, report
 from tui.format import duration, rate, spark, spark_rows
 from tui.logs import FileTail, LogBuffer
 from tui.screens.restart import diff_text
@@ -201,3 +204,34 @@ def test_client_reads_metrics_and_reports_errors() -> None:
 
     asyncio.run(go())
     assert api_url("http://h:8080/") == "http://h:8080/v1"
+
+
+def test_cpu_use_size_and_report() -> None:
+    assert parse_size("120x40") == (120, 40)
+    for bad in ("120", "x40", "10x5", "wide"):
+        with pytest.raises(argparse.ArgumentTypeError, match="COLUMNSxROWS"):
+            parse_size(bad)
+    idle, busy = Window("idle", 0.6, 20.0, 0.05), Window("busy", 2.4, 20.0, 0.10, requests=8)
+    assert idle.ok and not busy.ok and busy.share == pytest.approx(0.12)
+    text = report([idle, busy])
+    assert "idle    3.0%  bound 5%  ok" in text
+    assert "busy   12.0%  bound 10%  ABOVE" in text and "8 completions finished" in text
+
+
+def test_screens_use_only_textuals_app_api() -> None:
+    """Screens get their data through messages, reactives and their arguments: `self.app.X` in a
+    screen may only be Textual's own App API (push_screen, notify, post_message ...), never one of
+    the dashboard's attributes."""
+    import ast
+
+    from textual.app import App
+
+    screens = Path(__file__).resolve().parent.parent / "tui" / "screens"
+    reaches = []
+    for path in sorted(screens.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "app"
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                    and not hasattr(App, node.attr)):
+                reaches.append(f"{path.name}:{node.lineno} self.app.{node.attr}")
+    assert reaches == []

@@ -231,6 +231,9 @@ class StrataDeskApp(App[int]):
     def on_server_lifecycle_changed(self, _: ServerLifecycle.Changed) -> None:
         self.refresh_view()
 
+    def on_dashboard_screen_shown(self, _: DashboardScreen.Shown) -> None:
+        self.refresh_view()
+
     def on_server_lifecycle_log(self, message: ServerLifecycle.Log) -> None:
         self.logbuf.add("desk", message.text)
 
@@ -240,6 +243,9 @@ class StrataDeskApp(App[int]):
     def on_bench_screen_status(self, message: BenchScreen.Status) -> None:
         self.bench_status = message.text
         self.refresh_view()
+
+    def on_bench_screen_config_restored(self, _: BenchScreen.ConfigRestored) -> None:
+        self.reload_config()
 
     def on_server_lifecycle_stopped(self, _: ServerLifecycle.Stopped) -> None:
         self.exit(0)
@@ -283,7 +289,7 @@ class StrataDeskApp(App[int]):
                 new = True
         if new:
             for screen in self.screen_stack:
-                if isinstance(screen, DashboardScreen) and screen.is_mounted:
+                if isinstance(screen, DashboardScreen) and screen.is_mounted and screen.is_running:
                     screen.show_logs()
                 elif isinstance(screen, LogsScreen) and screen.is_mounted:
                     screen.refresh_logs()
@@ -310,16 +316,18 @@ class StrataDeskApp(App[int]):
 
     def refresh_view(self) -> None:
         dash = getattr(self, "dashboard", None)
-        if dash is None or not dash.is_mounted:
+        if dash is None or not dash.is_mounted or not dash.is_running:  # not yet, or closing
             return
         desk = self.desk_state()
         dash.show_header(header_info(desk))
         dash.show_banner(*banner(desk))
         if self.snapshot is not None:
             dash.show_metrics(self.snapshot, self.history)
-            for screen in self.screen_stack:
-                if screen is not dash:
-                    screen.post_message(SnapshotUpdated(self.snapshot))
+            # only to the screens above the dashboard: a message to Textual's default screen under it
+            # repaints the whole dashboard
+            stack = self.screen_stack
+            for screen in stack[stack.index(dash) + 1:] if dash in stack else ():
+                screen.post_message(SnapshotUpdated(self.snapshot, self.inflight()))
         allowed = tuple(self.check_action(name, ()) for name in ("settings", "restart", "restore_backup",
                                                                   "restart_now", "cancel_drain"))
         if allowed != self._allowed:  # the footer is rebuilt on every refresh_bindings: only on a change
@@ -352,14 +360,24 @@ class StrataDeskApp(App[int]):
             return
         from tui.screens.settings import SettingsScreen
 
-        self.push_screen(SettingsScreen(self.config, self.config_path, self.snapshot))
+        def chosen(result: tuple[RunConfig, RestartMode] | None) -> None:
+            if result is not None:
+                self.apply_settings(*result)
+
+        self.push_screen(SettingsScreen(self.config, self.config_path, self.snapshot, self.inflight()), chosen)
 
     def action_bench(self) -> None:
         """The bench screen is installed once, so a benchmark goes on while the dashboard shows."""
-        from tui.screens.bench import BenchScreen
+        from tui.screens.bench import BenchScreen, BenchTarget
 
+        managed = self.can_manage  # arms restart the server: only one this dashboard manages
+        target = BenchTarget(self.base_url, self.api_key or (self.config.api_key if self.config else None),
+                             server=self.server if managed else None,
+                             config_path=self.config_path if managed else None)
         if not self.is_screen_installed("bench"):
-            self.install_screen(BenchScreen(), name="bench")
+            self.install_screen(BenchScreen(target), name="bench")
+        else:
+            self.get_screen("bench", BenchScreen).target = target
         if self.screen.id != "bench":
             self.push_screen("bench")
 
@@ -370,7 +388,7 @@ class StrataDeskApp(App[int]):
             self.notify("a start or restart is already under way", severity="warning")
             return
 
-        def chosen(mode: str | None) -> None:
+        def chosen(mode: RestartMode | None) -> None:
             if mode is not None:
                 self.lifecycle.restart(mode)
 

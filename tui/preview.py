@@ -117,9 +117,19 @@ def cpu_dense() -> MetricsSnapshot:
     return MetricsSnapshot.model_validate(data)
 
 
-def cpu_moe_simulated() -> MetricsSnapshot:
+MOE_WINDOWS = 31  # engine reports (STATS) of the simulated tier, 2 s apart; the last is cpu_moe_simulated's
+MOE_LOOKUPS = 1200  # routed-expert lookups between two reports
+
+
+def moe_window_rate(window: int) -> float:
+    """The simulated cache's hit rate in `window`: 20% cold, 90% once the adapt rounds filled it."""
+    return round(0.2 + 0.7 * min(1.0, window / 20), 4)
+
+
+def cpu_moe_simulated(window: int = MOE_WINDOWS - 1) -> MetricsSnapshot:
     """The `--demo moe` shape on a machine without a GPU: a generated qwen3moe model whose experts
-    run from the simulated tier (`--expert-cache N`), two slots decoding."""
+    run from the simulated tier (`--expert-cache N`), two slots decoding; the tier's totals as
+    they are after `window` engine reports (the last by default)."""
     data = _base()
     data["engine"].update({"model": "strata-test-qwen3moe", "model_path": "/cache/strata-test-qwen3moe.gguf",
                            "max_context": 4096})
@@ -141,26 +151,22 @@ def cpu_moe_simulated() -> MetricsSnapshot:
                          "ram_available_mib": 5800, "engine_rss_mib": 610})
     data["config"].update({"model": "/cache/strata-test-qwen3moe.gguf", "parallel": 2, "context": 4096,
                            "adapt_every": 4, "adapt_swaps": 96, "adapt_decay": 0.7})
-    data["tier"] = {"mode": "simulated", "vram_share": 0.713, "pcie_share": 0.0, "cpu_share": 0.287,
-                    "hit_rate": 0.713, "swaps": 57, "adapt_rounds": 31, "adapt_wait_ms": 0.8,
-                    "experts_cached": 24, "experts_total": 64, "slots": 24, "cache_mib": 3.0, "cpu_ms": 1840.0}
-    data["stats"] = {"windows": 560, "rows": 1090, "ms_per_window": 62.5, "rows_per_window": 2.0, "at": T0 - 0.3}
+    hits = sum(round(MOE_LOOKUPS * moe_window_rate(k)) for k in range(window + 1))
+    lookups = MOE_LOOKUPS * (window + 1)
+    rate = round(hits / lookups, 4)
+    data["tier"] = {"mode": "simulated", "vram_share": rate, "pcie_share": 0.0, "cpu_share": round(1 - rate, 4),
+                    "hit_rate": rate, "hits": hits, "lookups": lookups, "offloaded": 0, "swaps": 57,
+                    "adapt_rounds": 31, "adapt_wait_ms": 0.8, "experts_cached": 24, "experts_total": 64, "slots": 24,
+                    "cache_mib": 3.0, "cpu_ms": 1840.0}
+    data["stats"] = {"windows": 560, "rows": 1090, "ms_per_window": 62.5, "rows_per_window": 2.0,
+                     "at": T0 - 0.3 - 2.0 * (MOE_WINDOWS - 1 - window)}
     return MetricsSnapshot.model_validate(data)
 
 
 def cpu_moe_history() -> list[MetricsSnapshot]:
-    """30 snapshots of `cpu_moe_simulated()` while its cache warms up (the hit rate since start
-    climbs from 20% as the adapt rounds fill the slots), the last one as it is."""
-    out = []
-    for i in range(30):
-        snap = cpu_moe_simulated()
-        assert snap.tier is not None
-        rate = round(0.2 + (0.713 - 0.2) * min(1.0, i / 20), 4)
-        snap.tier.hit_rate = snap.tier.vram_share = rate
-        snap.tier.cpu_share = round(1 - rate, 4)
-        out.append(snap)
-    out.append(cpu_moe_simulated())
-    return out
+    """The simulated tier's engine reports while its cache warms up (the hit rate of each window
+    climbs from 20% to 90% as the adapt rounds fill the slots), the last one `cpu_moe_simulated()`."""
+    return [cpu_moe_simulated(window) for window in range(MOE_WINDOWS)]
 
 
 SAMPLE_LOG = [

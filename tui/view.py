@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server.metrics_schema import EngineView, LiveView, MetricsSnapshot
+from server.metrics_schema import EngineView, LiveView, MetricsSnapshot, TierView
 
 DashState = Literal["loading", "ready", "busy", "error", "stopped"]
 
@@ -120,6 +120,29 @@ def solo_tok_s(live: LiveView) -> float:
     return max(0.0, live.tok_s - sum(s.tok_s for s in live.slots if s.state == "decoding"))
 
 
+@dataclass(frozen=True)
+class TierWindow:
+    """How the routed experts looked up between two snapshots were served."""
+
+    seconds: float  # between the two engine STATS the snapshots carry
+    lookups: int
+    vram_share: float  # the cache's hit rate over the window
+    pcie_share: float
+    cpu_share: float
+
+
+def tier_window(before: TierView, before_at: float, now: TierView, now_at: float) -> TierWindow | None:
+    """The window between two tier views from their totals; None when nothing was looked up between
+    them, or when the totals went back (the engine restarted) or are not sent (an older server)."""
+    if before.hits is None or before.lookups is None or now.hits is None or now.lookups is None:
+        return None
+    lookups, hits, pcie = now.lookups - before.lookups, now.hits - before.hits, now.offloaded - before.offloaded
+    if lookups <= 0 or hits < 0 or pcie < 0 or hits + pcie > lookups:
+        return None
+    return TierWindow(seconds=max(0.0, now_at - before_at), lookups=lookups, vram_share=hits / lookups,
+                      pcie_share=pcie / lookups, cpu_share=(lookups - hits - pcie) / lookups)
+
+
 @dataclass
 class History:
     """Rolling series the widgets draw (one sample per poll, 60 s at 1 Hz)."""
@@ -128,8 +151,11 @@ class History:
     slot_length: int = 20
     total: deque[float] = field(default_factory=lambda: deque(maxlen=60))
     prefill: deque[float] = field(default_factory=lambda: deque(maxlen=60))
-    hit_rate: deque[float] = field(default_factory=lambda: deque(maxlen=60))  # the expert cache's, as reported
+    # the expert cache's hit rate per window (since start from a server that sends no totals)
+    hit_rate: deque[float] = field(default_factory=lambda: deque(maxlen=60))
+    tier_window: TierWindow | None = None  # the last window in which experts were looked up
     slots: dict[int | str, deque[float]] = field(default_factory=dict)
+    _tier_base: tuple[TierView, float] | None = None  # the totals the next window starts from, and when
 
     def slot(self, key: int | str) -> deque[float]:
         if key not in self.slots:
@@ -144,15 +170,33 @@ class History:
         for s in live.slots:
             self.slot(s.slot).append(s.tok_s if s.state == "decoding" else 0.0)
         self.slot("solo").append(solo_tok_s(live))
+        self._push_tier(snapshot)
+
+    def _push_tier(self, snapshot: MetricsSnapshot) -> None:
         tier = snapshot.tier
-        if tier is not None and tier.hit_rate is not None and tier.mode != "resident":
-            self.hit_rate.append(tier.hit_rate)
+        if tier is None or tier.mode == "resident":
+            return
+        if tier.lookups is None:  # an older server: only the rate since start
+            if tier.hit_rate is not None:
+                self.hit_rate.append(tier.hit_rate)
+            return
+        at = snapshot.stats.at if snapshot.stats is not None and snapshot.stats.at else snapshot.time
+        base = self._tier_base
+        if base is not None and tier.lookups == base[0].lookups:
+            return  # no new STATS, or nothing decoded: the last window stands
+        self._tier_base = (tier, at)
+        window = tier_window(base[0], base[1], tier, at) if base is not None else None
+        if window is not None:
+            self.tier_window = window
+            self.hit_rate.append(window.vram_share)
 
     def clear(self) -> None:
         self.total.clear()
         self.prefill.clear()
         self.hit_rate.clear()
         self.slots.clear()
+        self.tier_window = None
+        self._tier_base = None
 
 
 @dataclass

@@ -4,8 +4,9 @@ table fills as rounds finish; results are saved with the settings and the hardwa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import work
@@ -13,9 +14,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
+from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 
+if TYPE_CHECKING:
+    from strata_desk.launcher import ServerProcess
+
+ARMS_HINT = "parallel=1; parallel=2   (empty: the server as it runs)"
 COLUMNS = ("arm", "setting", "concurrent", "total tok/s", "vs first", "per request", "first token med/last",
            "rounds", "errors")
 
@@ -36,6 +42,21 @@ def parse_arms(text: str) -> list[dict[str, Any]]:
     return [parse_arm(part) for part in text.replace("\n", ";").split(";") if part.strip()]
 
 
+@dataclass(frozen=True)
+class BenchTarget:
+    """The server to benchmark, as the app knows it when the bench screen is shown. `server` and
+    `config_path` only for a server this dashboard manages: arms restart it with other settings."""
+
+    url: str | None
+    key: str | None = None
+    server: ServerProcess | None = None
+    config_path: Path | None = None
+
+    @property
+    def can_run_arms(self) -> bool:
+        return self.server is not None and self.config_path is not None
+
+
 class BenchScreen(Screen[None]):
     class Status(Message):
         """What a running benchmark is doing (None: it ended), for the dashboard's banner."""
@@ -44,13 +65,19 @@ class BenchScreen(Screen[None]):
             super().__init__()
             self.text = text
 
+    class ConfigRestored(Message):
+        """A benchmark with arms ended and put the config file back: read it again."""
+
     BINDINGS = [
         Binding("escape", "back", "Back"),
         Binding("ctrl+s", "run", "Run"),
     ]
 
-    def __init__(self) -> None:
+    target: reactive[BenchTarget] = reactive(BenchTarget(None), init=False)
+
+    def __init__(self, target: BenchTarget) -> None:
         super().__init__(id="bench")
+        self.set_reactive(BenchScreen.target, target)
         self.running = False
         self.rows: dict[tuple[int, int], str] = {}
         self.rounds = 3
@@ -69,7 +96,7 @@ class BenchScreen(Screen[None]):
                 yield Input("800", id="bench-words", type="integer")
             with Horizontal(classes="bench-line"):
                 yield Label("arms", classes="bench-label")
-                yield Input(placeholder="parallel=1; parallel=2   (empty: the server as it runs)", id="bench-arms")
+                yield Input(placeholder=ARMS_HINT, id="bench-arms")
                 yield Button("Run [ctrl+s]", id="bench-run", variant="primary")
                 yield Button("Stop", id="bench-stop", disabled=True)
             yield Static("", id="bench-status")
@@ -79,11 +106,14 @@ class BenchScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        if not self.app.can_manage:
-            arms = self.query_one("#bench-arms", Input)
-            arms.disabled = True
-            arms.placeholder = "arms restart the server: only for a server this dashboard manages"
+        self.watch_target(self.target)
         self.query_one("#bench-conc", Input).focus()
+
+    def watch_target(self, target: BenchTarget) -> None:
+        arms = self.query_one("#bench-arms", Input)
+        arms.disabled = not target.can_run_arms
+        arms.placeholder = (ARMS_HINT if target.can_run_arms
+                            else "arms restart the server: only for a server this dashboard manages")
 
     def status(self, text: str, style: str = "") -> None:
         self.query_one("#bench-status", Static).update(Text(text, style=style))
@@ -98,31 +128,31 @@ class BenchScreen(Screen[None]):
     def action_back(self) -> None:
         if self.running:
             self.notify("the benchmark keeps running in the background; b shows it again")
-        self.app.pop_screen()
+        self.dismiss()
 
     def action_run(self) -> None:
         if self.running:
             return
         from strata_desk.bench import BenchError, BenchSpec, parse_concurrency
 
+        target = self.target
         try:
             concurrency = parse_concurrency(self.query_one("#bench-conc", Input).value)
             arms_text = self.query_one("#bench-arms", Input).value
-            arms = parse_arms(arms_text) if arms_text.strip() and self.app.can_manage else []
+            arms = parse_arms(arms_text) if arms_text.strip() and target.can_run_arms else []
             max_tokens = int(self.query_one("#bench-tokens", Input).value or 256)
             self.rounds = int(self.query_one("#bench-rounds", Input).value or 3)
             words = int(self.query_one("#bench-words", Input).value or 800)
         except (BenchError, ValueError) as exc:
             self.status(str(exc), "bold red")
             return
-        if not self.app.base_url:
+        if not target.url:
             self.status("no server yet", "bold red")
             return
         spec = BenchSpec(
-            url=self.app.base_url, concurrency=concurrency, max_tokens=max_tokens, rounds=self.rounds,
-            prompt_words=words,
-            key=self.app.api_key or (self.app.config.api_key if self.app.config else None), arms=arms,
-            config=self.app.config_path if arms else None, out=bench_out_path(),
+            url=target.url, concurrency=concurrency, max_tokens=max_tokens, rounds=self.rounds,
+            prompt_words=words, key=target.key, arms=arms, config=target.config_path if arms else None,
+            out=bench_out_path(),
         )
         table = self.query_one(DataTable)
         table.clear()
@@ -131,21 +161,20 @@ class BenchScreen(Screen[None]):
         self.query_one("#bench-run", Button).disabled = True
         self.query_one("#bench-stop", Button).disabled = False
         self.status("running ...", "italic")
-        self.run_bench(spec)
+        self.run_bench(spec, target.server if arms else None)
 
     @work(group="bench", exclusive=True, exit_on_error=False)
-    async def run_bench(self, spec: Any) -> None:
+    async def run_bench(self, spec: Any, server: ServerProcess | None) -> None:
         from strata_desk.bench import run_bench
 
         try:
-            result = await run_bench(spec, self.on_row, server=self.app.server if spec.arms else None,
-                                     on_status=self.on_status)
+            result = await run_bench(spec, self.on_row, server=server, on_status=self.on_status)
         except Exception as exc:  # noqa: BLE001 - BenchError, ConfigError, LaunchError, HTTP errors
             self._finished(f"failed: {exc}", "bold red")
             return
         finally:
-            if spec.arms and self.app.config_path is not None:
-                self.app.reload_config()
+            if spec.arms:
+                self.app.post_message(self.ConfigRestored())
         self._finished(f"done: {len(result.rows)} rows, saved to {spec.out} (with the settings and hardware)",
                        "bold green")
 

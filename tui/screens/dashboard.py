@@ -6,6 +6,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -27,6 +28,11 @@ WIDE = 118  # columns from which panels sit side by side
 
 
 class DashboardScreen(Screen[None]):
+    """Draws what the app hands it (`show_header`, `show_banner`, `show_metrics`, `show_logs`)."""
+
+    class Shown(Message):
+        """The dashboard was mounted or shown again: it wants the current view."""
+
     BINDINGS = [
         *[Binding(k, f"toggle_panel('{v}')", f"{v}", show=False) for k, v in PANEL_KEYS.items()],
         Binding("0", "show_all", "all panels", show=False),
@@ -53,10 +59,10 @@ class DashboardScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self._layout(self.size.width)
-        self.call_after_refresh(self.app.refresh_view)
+        self.call_after_refresh(self.post_message, self.Shown())
 
     def on_screen_resume(self) -> None:
-        self.call_after_refresh(self.app.refresh_view)
+        self.call_after_refresh(self.post_message, self.Shown())
 
     def on_resize(self, event: events.Resize) -> None:
         self._layout(event.size.width)

@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, RadioButton, RadioSet, Static
 
 from server.config import RunConfig
+from tui.lifecycle import RestartMode
 
 Diff = list[tuple[str, object, object]]
 
@@ -32,7 +33,7 @@ def diff_text(diff: Diff) -> Text:
     return text
 
 
-class RestartScreen(ModalScreen[str | None]):
+class RestartScreen(ModalScreen[RestartMode | None]):
     """Dismisses with "drain", "now" or None (cancelled)."""
 
     BINDINGS = [
@@ -66,7 +67,7 @@ class RestartScreen(ModalScreen[str | None]):
     def on_mount(self) -> None:
         self.query_one("#ok", Button).focus()
 
-    def mode(self) -> str:
+    def mode(self) -> RestartMode:
         if not self.inflight:
             return "now"
         radio = self.query_one(RadioSet)

@@ -18,6 +18,7 @@ from textual.widgets import Button, Footer, Input, Static, Switch
 
 from server.config import RunConfig
 from server.metrics_schema import MetricsSnapshot
+from tui.lifecycle import RestartMode
 from tui.messages import SnapshotUpdated
 from tui.screens.restart import RestartScreen, config_diff
 from tui.view import OPTIONAL_OPTIONS, layer_split_note, supported_options, tier_option_notes
@@ -58,18 +59,25 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-class SettingsScreen(Screen[None]):
+SettingsResult = tuple[RunConfig, RestartMode]  # what to write, and how to restart
+
+
+class SettingsScreen(Screen[SettingsResult | None]):
+    """Dismisses with the validated config and the restart mode chosen, or None (back)."""
+
     BINDINGS = [
         Binding("escape", "back", "Back"),
         Binding("ctrl+s", "apply", "Apply and restart"),
         Binding("ctrl+r", "revert", "Revert"),
     ]
 
-    def __init__(self, config: RunConfig, config_path: Path | None, snapshot: MetricsSnapshot | None) -> None:
+    def __init__(self, config: RunConfig, config_path: Path | None, snapshot: MetricsSnapshot | None,
+                 inflight: int = 0) -> None:
         super().__init__(id="settings")
         self.base: RunConfig = config
         self.config_path = config_path
         self.snapshot = snapshot
+        self.inflight = inflight
         self.candidate: RunConfig | None = config
         self.errors: dict[str, str] = {}
         self.supported: set[str] = set()
@@ -96,6 +104,7 @@ class SettingsScreen(Screen[None]):
 
     def on_snapshot_updated(self, message: SnapshotUpdated) -> None:
         self.snapshot = message.snapshot
+        self.inflight = message.inflight
         self._show_engine(message.snapshot)
 
     def _show_engine(self, snapshot: MetricsSnapshot) -> None:
@@ -217,7 +226,7 @@ class SettingsScreen(Screen[None]):
         self.validate()
 
     def action_back(self) -> None:
-        self.app.pop_screen()
+        self.dismiss(None)
 
     def action_apply(self) -> None:
         new = self.validate()
@@ -229,12 +238,10 @@ class SettingsScreen(Screen[None]):
             self.notify("nothing changed")
             return
 
-        def chosen(mode: str | None) -> None:
-            if mode is None:
-                return
-            self.app.pop_screen()
-            self.app.apply_settings(new, mode)
+        def chosen(mode: RestartMode | None) -> None:
+            if mode is not None:
+                self.dismiss((new, mode))
 
         self.app.push_screen(
-            RestartScreen(diff=diff, inflight=self.app.inflight(), config_path=str(self.config_path)), chosen
+            RestartScreen(diff=diff, inflight=self.inflight, config_path=str(self.config_path)), chosen
         )

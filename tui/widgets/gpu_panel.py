@@ -24,6 +24,7 @@ class GpuPanel(Panel):
 
     def __init__(self, *, id: str | None = "gpus") -> None:
         super().__init__("GPUs", "3", id=id)
+        self._cards: list[GpuCard] = []
 
     def compose(self) -> ComposeResult:
         yield Vertical(id="gpu-cards")
@@ -31,14 +32,13 @@ class GpuPanel(Panel):
         yield Static("", id="gpu-host")
 
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
-        cards = self.query_one("#gpu-cards", Vertical)
-        have = list(cards.query(GpuCard))
-        if len(have) != len(snapshot.devices):
+        if len(self._cards) != len(snapshot.devices):  # its own list: cards just mounted are not in the DOM yet
+            cards = self.query_one("#gpu-cards", Vertical)
             cards.remove_children()
-            have = [GpuCard() for _ in snapshot.devices]
-            if have:
-                cards.mount_all(have)
-        for card, gpu in zip(have, snapshot.devices, strict=True):
+            self._cards = [GpuCard() for _ in snapshot.devices]
+            if self._cards:
+                cards.mount_all(self._cards)
+        for card, gpu in zip(self._cards, snapshot.devices, strict=True):
             if card.is_mounted:
                 card.show(gpu)
             else:

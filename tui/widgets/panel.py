@@ -27,10 +27,22 @@ class Panel(Vertical):
         super().__init__(id=id, classes=classes)
         self.key = key
         self.base_title = title
+        self._title = f"{key} {title}"
+        self._subtitle = ""
         self.border_title = f"{key} {title}"
 
+    # Setting a border title or subtitle repaints the whole panel, children included, even when it
+    # is the same text: set only changes.
     def set_title(self, text: str) -> None:
-        self.border_title = f"{self.key} {text}"
+        title = f"{self.key} {text}"
+        if title != self._title:
+            self._title = title
+            self.border_title = title
+
+    def set_subtitle(self, text: str) -> None:
+        if text != self._subtitle:
+            self._subtitle = text
+            self.border_subtitle = text
 
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         """Draw `snapshot` (and the series in `history`); every panel draws its own part."""

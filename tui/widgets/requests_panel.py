@@ -64,4 +64,4 @@ class RequestsPanel(Panel):
         tail = f"{count(t.output_tokens)} tokens out, {count(t.prompt_tokens)} in"
         if t.errors:
             tail += f", {t.errors} errors"
-        self.border_subtitle = tail
+        self.set_subtitle(tail)

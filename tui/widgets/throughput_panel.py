@@ -24,23 +24,37 @@ class ThroughputPanel(Panel):
 
     def __init__(self, *, id: str | None = "throughput") -> None:
         super().__init__("Throughput", "2", id=id)
+        self._history: History | None = None
+        self.border_subtitle = "last 60 s"
 
     def compose(self) -> ComposeResult:
         yield Digits("0.0", id="tp-digits")
         yield Static("tok/s generated, all requests", id="tp-unit")
         yield Static("", id="tp-spark")
-        yield Static("", id="tp-lines")
+        yield Static("", id="tp-lines").with_tooltip(
+            "per request: the mean decode rate of the requests running and the recent ones")
+
+    def on_resize(self) -> None:
+        if self._history is not None:  # the sparkline fills the width: drawn again for a new one
+            self._draw_spark()
+
+    def _draw_spark(self) -> None:
+        assert self._history is not None
+        spark = self.query_one("#tp-spark", Static)
+        width = spark.content_size.width or 40
+        series = list(self._history.total)
+        update_text(spark, "\n".join(spark_rows(series, width, 2)))
+        spark.tooltip = f"peak {rate(max(series) if series else 0)} tok/s over the last {len(series)} s"
 
     def show(self, snapshot: MetricsSnapshot, history: History) -> None:
         live = snapshot.live
-        self.query_one(Digits).update(rate(live.tok_s))
+        digits = self.query_one(Digits)
+        if digits.value != rate(live.tok_s):  # an update repaints it even when the value is the same
+            digits.update(rate(live.tok_s))
         update_text(self.query_one("#tp-unit", Static),
             f"tok/s generated, all requests, last {live.tok_s_window_s:g} s")
-        spark = self.query_one("#tp-spark", Static)
-        width = spark.content_size.width or 40
-        series = list(history.total)
-        update_text(spark, "\n".join(spark_rows(series, width, 2)))
-        spark.tooltip = f"peak {rate(max(series) if series else 0)} tok/s over the last {len(series)} s"
+        self._history = history
+        self._draw_spark()
         lines = Text()
         lines.append("prefill ", style="dim")
         reading = live.state == "reading" or any(s.state == "reading" for s in live.slots)
@@ -53,7 +67,4 @@ class ThroughputPanel(Panel):
         lines.append("\nper request ", style="dim")
         lines.append(f"{rate(live.tok_s_mean)} tok/s")
         lines.append(" (mean)", style="dim")
-        figures = self.query_one("#tp-lines", Static)
-        update_text(figures, lines)
-        figures.tooltip = "per request: the mean decode rate of the requests running and the recent ones"
-        self.border_subtitle = "last 60 s"
+        update_text(self.query_one("#tp-lines", Static), lines)

@@ -1,5 +1,6 @@
-"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU, the cache's hit
-rate with a sparkline of its last minute (or "every expert resident" when the engine's tier mode
+"""Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU and the cache's hit
+rate, over the last window between two engine reports when the server sends the totals (else since
+the engine started), the hit rate's sparkline (or "every expert resident" when the engine's tier mode
 says there is no cache), swaps and adapt rounds, adapt wait; clear states for a dense model and for
 no data yet."""
 
@@ -57,7 +58,9 @@ class TierPanel(Panel):
         assert tier is not None
         state.display = False
         self._show_parts(True)
-        shares = (tier.vram_share, tier.pcie_share, tier.cpu_share)
+        window = history.tier_window
+        shares = ((window.vram_share, window.pcie_share, window.cpu_share) if window is not None
+                  else (tier.vram_share, tier.pcie_share, tier.cpu_share))
         self.query_one(SegmentBar).segments = tuple(
             Segment(label, value, style) for (label, style), value in zip(TIER_STYLES, shares, strict=True)
         )
@@ -79,17 +82,24 @@ def tier_lines(snapshot: MetricsSnapshot, history: History) -> Text:
         lines.append("every expert resident", style="bold")
         lines.append(" (no cache)", style="dim")
     else:
+        window = history.tier_window
         lines.append("hit rate ", style="dim")
-        lines.append(pct(tier.hit_rate, 1), style="bold")
+        if window is not None:  # the bar above and this rate: the last window; the engine's total beside
+            lines.append(pct(window.vram_share, 1), style="bold")
+            lines.append(f" last {window.seconds:.0f} s ({count(window.lookups)} lookups), ", style="dim")
+            lines.append(pct(tier.hit_rate, 1))
+            lines.append(" since start", style="dim")
+        else:
+            lines.append(pct(tier.hit_rate, 1), style="bold")
         if tier.experts_cached is not None and tier.experts_total:
             lines.append("  cached ", style="dim")
             lines.append(f"{count(tier.experts_cached)}/{count(tier.experts_total)}")
         if tier.mode == "simulated":
             lines.append("  simulated (no GPU)", style="dim")
-        if len(history.hit_rate) > 1:  # the engine counts since its start: the line shows the cache warming up
+        if len(history.hit_rate) > 1:  # per window, or since start from a server that sends no totals
             lines.append("\nhit rate trend ", style="dim")
             lines.append(spark(history.hit_rate, HIT_SPARK, top=1.0), style="green3")
-            lines.append(" (since start)", style="dim")
+            lines.append(" (per window)" if history.tier_window is not None else " (since start)", style="dim")
     lines.append("\nswaps ", style="dim")
     lines.append(count(tier.swaps))
     lines.append("  adapt rounds ", style="dim")
