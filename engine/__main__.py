@@ -32,7 +32,7 @@ GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility, not run (INFO `unsupported`): adapt_async runs blocking; the
 # adapt options only tune a tier (--expert-cache) and pcie_frac only the GPU tier.
 UNSUPPORTED = ("batch_mtp", "adapt_async")
-TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain")
+TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count")
 GPU_TIER_ONLY = ("pcie_frac",)
 
 

@@ -77,6 +77,7 @@ class RunConfig(BaseModel):
     adapt_decay: float = Field(0.7, gt=0, le=1)
     adapt_async: bool = False
     adapt_min_gain: float = Field(1.5, ge=1)
+    adapt_min_count: float = Field(3.0, ge=0, description="routing count an uncached expert needs to displace a cached one")
     pcie_frac: float = Field(-1.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
     vram_reserve_mib: int = Field(VRAM_RESERVE_MIB, ge=0, le=1 << 20,
                                   description="VRAM left free beside the expert cache by expert_cache auto, MiB")
@@ -146,7 +147,8 @@ class RunConfig(BaseModel):
         if self.cpu_activations != "int16":
             out += ["--cpu-activations", self.cpu_activations]
         out += ["--adapt-every", str(self.adapt_every), "--adapt-swaps", str(self.adapt_swaps)]
-        out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}"]
+        out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}",
+                "--adapt-min-count", f"{self.adapt_min_count:g}"]
         out += ["--pcie-frac", f"{self.pcie_frac:g}"]
         if self.expert_cache is not None:
             out += ["--expert-cache", str(self.expert_cache), "--vram-reserve-mib", str(self.vram_reserve_mib)]

@@ -18,7 +18,7 @@ DashState = Literal["loading", "ready", "busy", "error", "stopped"]
 # in its INFO key `unsupported` (docs/protocol.md). The first three change what a window does; the
 # tier options only tune an expert tier that is not the whole model.
 OPTIONAL_OPTIONS = ("batch_mtp", "adapt_async", "batch_groups")
-TIER_OPTIONS = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "pcie_frac")
+TIER_OPTIONS = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "pcie_frac")
 
 
 def unsupported_options(engine: EngineView | None) -> set[str]:

@@ -39,6 +39,8 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt-swaps", type=int, default=96, help="most experts swapped in per re-rank")
     p.add_argument("--adapt-decay", type=float, default=0.7, help="routing counts multiplied by this after a re-rank")
     p.add_argument("--adapt-min-gain", type=float, default=1.5, help="count ratio a swap must clear")
+    p.add_argument("--adapt-min-count", type=float, default=3.0,
+                   help="routing count (decayed) an uncached expert needs to displace a cached one (0: any)")
     p.add_argument("--adapt-async", type=int, default=0, choices=(0, 1))
     p.add_argument("--pcie-frac", type=float, default=-1.0, help="share of misses read over PCIe (-1: engine's choice)")
     p.add_argument("--vram-reserve-mib", type=int, default=VRAM_RESERVE_MIB,
@@ -76,7 +78,7 @@ def plan_tier(args: argparse.Namespace, g: GGUFFile, placement: Placement) -> Ti
 
 def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float | str]:
     """Install the expert tier `--expert-cache` asks for; its INFO keys ({} when every expert stays resident)."""
-    policy = AdaptPolicy(args.adapt_every, args.adapt_swaps, args.adapt_decay, args.adapt_min_gain)
+    policy = AdaptPolicy(args.adapt_every, args.adapt_swaps, args.adapt_decay, args.adapt_min_gain, args.adapt_min_count)
     if not (0 <= args.pcie_frac <= 1 or args.pcie_frac == -1):
         raise TierError(f"--pcie-frac must be -1 or in [0, 1], got {args.pcie_frac}")
     cache = parse_expert_cache(args.expert_cache) if args.expert_cache is not None else None

@@ -23,6 +23,7 @@ class AdaptPolicy:
     swaps: int = 96  # most experts swapped in per round, all layers together
     decay: float = 0.7
     min_gain: float = 1.5
+    min_count: float = 3.0  # routing count an expert needs to displace a cached one
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -33,6 +34,8 @@ class AdaptPolicy:
             raise ValueError(f"--adapt-decay must be in (0, 1], got {self.decay}")
         if self.min_gain < 1:
             raise ValueError(f"--adapt-min-gain must be >= 1, got {self.min_gain}")
+        if self.min_count < 0:
+            raise ValueError(f"--adapt-min-count must be >= 0, got {self.min_count}")
 
     @property
     def adapts(self) -> bool:
@@ -52,7 +55,7 @@ class Swap:
 
 
 def layer_swaps(layer: int, counts: torch.Tensor, expert_at: list[int], min_gain: float,
-                empty_only: bool = False) -> list[Swap]:
+                empty_only: bool = False, min_count: float = 0.0) -> list[Swap]:
     """One layer's candidate swaps (see the module docstring); `empty_only`: fill empty slots only."""
     n = counts.tolist()
     cached = {e for e in expert_at if e >= 0}
@@ -62,7 +65,7 @@ def layer_swaps(layer: int, counts: torch.Tensor, expert_at: list[int], min_gain
     swaps = []
     for expert, slot in zip(hot, cold, strict=False):
         h, c = n[expert], held[slot]
-        if h <= 0 or (c is not None and (empty_only or h < min_gain * c)):
+        if h <= 0 or (c is not None and (empty_only or h < max(min_count, min_gain * c))):
             break
         swaps.append(Swap(layer, slot, expert, h - (c or 0.0)))
     return swaps
@@ -75,7 +78,7 @@ def plan_round(counts: list[torch.Tensor], expert_at: list[list[int]], policy: A
     fills: list[Swap] = []
     swaps: list[Swap] = []
     for layer, (c, at) in enumerate(zip(counts, expert_at, strict=True)):
-        for s in layer_swaps(layer, c, at, policy.min_gain, empty_only):
+        for s in layer_swaps(layer, c, at, policy.min_gain, empty_only, policy.min_count):
             (fills if at[s.slot] < 0 else swaps).append(s)
     swaps.sort(key=lambda s: -s.gain)  # stable: ties keep layer order
     return fills + swaps[: policy.swaps]

@@ -33,6 +33,7 @@ SETTINGS: list[tuple[str, Kind, str]] = [
     ("adapt_decay", "float", "routing counts are multiplied by this after each re-rank (near 1 = long memory)"),
     ("adapt_async", "bool", "swap experts on a helper thread instead of holding a window up"),
     ("adapt_min_gain", "float", "a swap must gain this factor in routing count (higher = fewer swaps)"),
+    ("adapt_min_count", "float", "routing count an uncached expert needs before it displaces a cached one"),
     ("pcie_frac", "float", "share of missed experts read over PCIe to the GPU instead of run on the CPU (0-1)"),
     ("prefill", "int", "prompt chunk in tokens; the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
