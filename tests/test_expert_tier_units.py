@@ -32,6 +32,17 @@ def test_round_swaps_only_when_the_gain_clears():
     assert [(s.slot, s.expert) for s in plan] == [(1, 3), (0, 2)]
 
 
+def test_an_expert_needs_the_minimum_count_to_displace_a_cached_one():
+    counts = [t(0.2, 0, 2.5, 1)]  # cached experts 0 and 1 barely routed lately; 2 and 3 a little more
+    assert plan_round(counts, [[0, 1]], AdaptPolicy(min_count=3.0)) == []  # 2.5 and 1 are below 3
+    plan = plan_round(counts, [[0, 1]], AdaptPolicy(min_count=2.0))
+    assert [(s.slot, s.expert) for s in plan] == [(1, 2)]
+    plan = plan_round(counts, [[0, 1]], AdaptPolicy(min_count=0.0))  # upstream's rule: the ratio alone
+    assert [(s.slot, s.expert) for s in plan] == [(1, 2), (0, 3)]
+    plan = plan_round([t(0.2, 1, 0)], [[0, -1]], AdaptPolicy(min_count=3.0))  # an empty slot: any count fills it
+    assert [(s.slot, s.expert) for s in plan] == [(1, 1)]
+
+
 def test_round_takes_the_largest_gains_across_layers_up_to_the_cap():
     counts = [t(1, 50, 2, 0), t(0, 1, 9, 100)]
     plan = plan_round(counts, [[0, 2], [0, 1]], AdaptPolicy(swaps=2, min_gain=1.5))
@@ -53,6 +64,7 @@ def test_empty_slots_fill_first_whatever_the_cap_and_unrouted_experts_never_move
     ({"decay": 0.0}, "--adapt-decay must be in (0, 1]"),
     ({"decay": 1.5}, "--adapt-decay must be in (0, 1]"),
     ({"min_gain": 0.5}, "--adapt-min-gain must be >= 1"),
+    ({"min_count": -1.0}, "--adapt-min-count must be >= 0"),
 ])
 def test_bad_policy_values(kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
