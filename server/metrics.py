@@ -37,6 +37,18 @@ RATE_WINDOW_S = 10.0  # tokens arrive in bursts (decode windows, prompt chunks b
 ROWS_KEPT = 500
 
 
+def stage_layers(layer_split: object) -> dict[int, str]:
+    """CUDA index -> the layers its stage runs, from INFO `layer_split` ("0-23@cuda:0,24-47@cuda:1"; "-" or
+    missing without a split)."""
+    out: dict[int, str] = {}
+    for stage in str(layer_split or "-").split(","):
+        layers, _, device = stage.partition("@")
+        kind, _, index = device.partition(":")
+        if kind == "cuda" and index.isdigit():
+            out[int(index)] = layers
+    return out
+
+
 class Metrics:
     def __init__(self, config: RunConfig, config_path: str | None):
         self.config = config
@@ -139,7 +151,7 @@ class Metrics:
             info=dict(eng.info) if eng else {})
         live = self._live(sch, sup, mono)
         rows = list(self.rows) if all_requests else list(self.rows)[:12]
-        devices = self._devices()
+        devices = self._devices(stage_layers(engine.info.get("layer_split")))
         host = hardware.probe_host(eng.pid if eng else None)
         return MetricsSnapshot(time=now, uptime_s=round(now - self.started, 3), engine=engine, live=live,
                                requests=rows, totals=self.totals.model_copy(), devices=devices, host=host,
@@ -184,7 +196,7 @@ class Metrics:
             elapsed_s=round(mono - solo.segment.started, 3) if solo and solo.segment else 0.0,
             parallel=max(1, len(sch.slots)), waiting_for_slot=waiting_for_slot, slots=slots)
 
-    def _devices(self) -> list[GpuInfo]:
+    def _devices(self, layers: dict[int, str]) -> list[GpuInfo]:
         gpus = hardware.probe_gpus()
         split = {d.cuda_index: d for d in self.stats.memory} if self.stats else {}
         for g in gpus:
@@ -193,7 +205,7 @@ class Metrics:
                 known = d.weights_mib + d.slots_mib + d.kv_mib
                 g.split = MemorySplit(weights_mib=d.weights_mib, experts_mib=d.experts_mib, slots_mib=d.slots_mib,
                                       kv_mib=d.kv_mib, free_mib=d.free_mib if d.free_mib is not None else g.free_mib,
-                                      other_mib=max(0.0, g.used_mib - known))
+                                      other_mib=max(0.0, g.used_mib - known), layers=layers.get(g.index))
         return gpus
 
     def _tier(self) -> TierView | None:

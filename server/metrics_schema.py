@@ -205,6 +205,7 @@ class MemorySplit(_Model):
     kv_mib: float = 0.0
     free_mib: float | None = None
     other_mib: float | None = None  # used by NVML's count but by nothing above (CUDA context, others)
+    layers: str | None = None  # the layer range this card runs on a layer split ("0-23"), from INFO layer_split
 
 
 class GpuInfo(_Model):

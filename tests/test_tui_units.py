@@ -35,7 +35,7 @@ from tui.view import (
     supported_options,
     unsupported_options,
 )
-from tui.widgets.gpu_card import gpu_segments
+from tui.widgets.gpu_card import gpu_segments, gpu_title
 from tui.widgets.path_suggester import PathSuggester
 from tui.widgets.segment_bar import split_cells
 
@@ -64,6 +64,17 @@ def test_gpu_segments_split_and_unaccounted_memory() -> None:
     assert other.value == pytest.approx(gpu.total_mib - gpu.split.free_mib - 2310 - 15872 - 2240 - 872)
     gpu.split = None
     assert [s.label for s in gpu_segments(gpu)] == ["used", "free"]
+
+
+def test_each_card_names_its_stages_layers() -> None:
+    from server.metrics import stage_layers
+
+    assert stage_layers("0-23@cuda:0,24-47@cuda:1") == {0: "0-23", 1: "24-47"}
+    assert stage_layers("-") == {} and stage_layers(None) == {} and stage_layers("0-3@cpu,4-7@cpu") == {}
+    gpu = preview.busy().devices[0]
+    assert "layers" not in gpu_title(gpu).plain  # no split
+    gpu.split.layers = "0-23"
+    assert "GiB  layers 0-23  util" in gpu_title(gpu).plain
 
 
 def test_supported_options_from_info_keys() -> None:

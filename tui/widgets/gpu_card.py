@@ -65,19 +65,26 @@ class GpuCard(Vertical):
         yield Static("", classes="gpu-legend")
 
     def show(self, gpu: GpuInfo) -> None:
-        title = Text()
-        title.append(f"GPU{gpu.index} ", style="bold")
-        title.append(f"{gpu.name}  ")
-        title.append(f"{mib(gpu.used_mib)} / {mib(gpu.total_mib)}", style="bold")
-        if gpu.util_pct is not None:
-            title.append(f"  util {gpu.util_pct:.0f}%")
-        if gpu.temp_c is not None:
-            title.append(f"  {gpu.temp_c:.0f}°C", style="bold red" if gpu.temp_c >= 85 else "")
-        if gpu.power_w is not None:
-            title.append(f"  {gpu.power_w:.0f} W")
-            if gpu.power_limit_w:
-                title.append(f"/{gpu.power_limit_w:.0f}", style="dim")
-        update_text(self.query_one(".gpu-title", Static), title)
+        update_text(self.query_one(".gpu-title", Static), gpu_title(gpu))
         segs = gpu_segments(gpu)
         self.query_one(SegmentBar).segments = tuple(segs)
         update_text(self.query_one(".gpu-legend", Static), legend(segs))
+
+
+def gpu_title(gpu: GpuInfo) -> Text:
+    """`GPU0 H200  30.1 GiB / 140 GiB  layers 0-23  util 87%  61°C  410/700 W`."""
+    title = Text()
+    title.append(f"GPU{gpu.index} ", style="bold")
+    title.append(f"{gpu.name}  ")
+    title.append(f"{mib(gpu.used_mib)} / {mib(gpu.total_mib)}", style="bold")
+    if gpu.split is not None and gpu.split.layers:
+        title.append(f"  layers {gpu.split.layers}", style="bold cyan")
+    if gpu.util_pct is not None:
+        title.append(f"  util {gpu.util_pct:.0f}%")
+    if gpu.temp_c is not None:
+        title.append(f"  {gpu.temp_c:.0f}°C", style="bold red" if gpu.temp_c >= 85 else "")
+    if gpu.power_w is not None:
+        title.append(f"  {gpu.power_w:.0f} W")
+        if gpu.power_limit_w:
+            title.append(f"/{gpu.power_limit_w:.0f}", style="dim")
+    return title
