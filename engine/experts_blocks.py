@@ -10,7 +10,6 @@ import torch
 
 from engine.experts import Experts, ExpertStats, combine
 from engine.kernels import triton_moe
-from engine.kernels.triton_blocks import MATVEC_ROWS
 from engine.weights import LinearStack
 
 
@@ -39,10 +38,7 @@ class BlockExperts(Experts):
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        # decode windows take the matvec, prompt chunks the GEMM (each pair's tiles padded per expert)
-        routing = triton_moe.Routing.of(ids, self.n_experts, None if n <= MATVEC_ROWS else self.gate.gemm_m)
-        h = triton_moe.swiglu(self.gate, self.up, x.contiguous(), routing, self.slot_of)
-        y = triton_moe.project(self.down, h, routing, self.slot_of)
+        y, routing = triton_moe.swiglu_experts(self.gate, self.up, self.down, x, ids, self.slot_of)
         self._stats.lookups += n * k
         if self.on_gpu:
             self._stats.vram += n * k

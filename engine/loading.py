@@ -82,7 +82,7 @@ def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device:
     n = min(asked, MAX_SLOTS)
     placement = placement or Placement.single(device, Hyper.from_gguf(g).layers)
     for dev in placement.devices():
-        layers = [i for s in placement.stages if s.device == dev for i in s.layers]
+        layers = placement.layers_on(dev)
         per_session = session_bytes(g, context, max_chunk, kv_dtype, layers)
         weights = planned_on(g, placement, dev, dtype, host_experts) + (taken or {}).get(str(dev), 0)
         free, _ = free_bytes(dev)

@@ -80,6 +80,10 @@ class Placement:
     def device_of(self, layer: int) -> torch.device:
         return self.stage_of(layer).device
 
+    def layers_on(self, device: torch.device) -> list[int]:
+        """The layers the stages on `device` run."""
+        return [i for s in self.stages if s.device == device for i in s.layers]
+
     def devices(self) -> list[torch.device]:
         """The stages' devices, each once, in stage order."""
         return list(dict.fromkeys(s.device for s in self.stages))

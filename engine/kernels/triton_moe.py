@@ -316,6 +316,16 @@ def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor) 
     return _run(w, None, h, routing, slot_of, positions)
 
 
+def swiglu_experts(gate: Stack, up: Stack, down: Stack, x: torch.Tensor, ids: torch.Tensor,
+                   slot_of: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    """A layer's SwiGLU experts over a window's routed pairs (`ids` [rows, top_k]): a decode window takes the
+    matvec, a prompt chunk the GEMM (each expert's pairs padded to its tiles). Returns the outputs in sorted
+    order and the routing (its `order` un-sorts them)."""
+    routing = Routing.of(ids, slot_of.numel(), None if ids.shape[0] <= MATVEC_ROWS else gate.gemm_m)
+    h = swiglu(gate, up, x.contiguous(), routing, slot_of)
+    return project(down, h, routing, slot_of), routing
+
+
 def _bench() -> None:
     """qwen3-30b-a3b's experts (hidden 2048, expert FFN 768, 128 experts, top-8): the fused kernel's time,
     weight GB/s (the routed experts' bytes over time) and TFLOP/s for decode windows of 1 and 8 rows and

@@ -7,8 +7,6 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
@@ -57,10 +55,6 @@ class TierPlan:
     taken: dict[str, int] = field(default_factory=dict)
 
 
-def layers_on(placement: Placement, device: torch.device) -> list[int]:
-    return [i for s in placement.stages if s.device == device for i in s.layers]
-
-
 def plan_tier(args: argparse.Namespace, g: GGUFFile, placement: Placement) -> TierPlan:
     h = Hyper.from_gguf(g)
     if args.expert_cache is None or placement.first.device.type != "cuda" or not h.experts:
@@ -70,7 +64,7 @@ def plan_tier(args: argparse.Namespace, g: GGUFFile, placement: Placement) -> Ti
     counts = None if cache == "auto" else split_slots(min(cache, h.layers * h.experts), h.layers, h.experts)
     taken = {}
     for device in placement.devices():
-        layers = layers_on(placement, device)
+        layers = placement.layers_on(device)
         taken[str(device)] = staging_bytes([per_layer[i] for i in layers], h.experts) + (
             sum(counts[i] * per_layer[i] for i in layers) if counts else 0)
     return TierPlan(host_experts=True, taken=taken)
@@ -130,7 +124,7 @@ def auto_cache(model: Model, reserve_mib: int) -> list[int]:
     per_layer = slot_bytes(model.w.g, h.layers, h.experts)
     counts = [0] * h.layers
     for device in model.placement.devices():
-        layers = layers_on(model.placement, device)
+        layers = model.placement.layers_on(device)
         free, _ = free_bytes(device)
         staging = staging_bytes([per_layer[i] for i in layers], h.experts)
         each = auto_slots(free - staging, reserve_mib, [per_layer[i] for i in layers], h.experts)

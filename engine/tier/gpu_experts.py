@@ -104,13 +104,8 @@ class GpuTieredExperts(Experts):
         # read before the GPU work is queued: a read after it would wait for it
         x_host = x.float().cpu() if on_cpu else None
         self.table.copy_(table)
-        if far and self.staging is not None:
-            gate, up, down = self.staging.stage(self.slots, far)
-        else:
-            gate, up, down = self.slots.stacks
-        routing = triton_moe.Routing.of(ids, self.slots.experts, None if n <= MATVEC_ROWS else gate.gemm_m)
-        h = triton_moe.swiglu(gate, up, x.contiguous(), routing, self.table)
-        y = triton_moe.project(down, h, routing, self.table)
+        stacks = self.staging.stage(self.slots, far) if far and self.staging is not None else self.slots.stacks
+        y, routing = triton_moe.swiglu_experts(*stacks, x, ids, self.table)
         patch, cpu_us = (self._on_cpu(x_host, ids_host, on_cpu) if x_host is not None else (None, 0))
         far_n, cpu_n = (int(counts[part].sum()) if part else 0 for part in (far, on_cpu))
         s = self._stats
@@ -135,10 +130,7 @@ class GpuTieredExperts(Experts):
         counts = self._counts.layer(self._index)
         counts[:-1].scatter_add_(0, flat, torch.ones_like(flat))
         counts[-1] += (self.in_place_table[flat] < 0).sum()
-        gate, up, down = self.slots.stacks
-        routing = triton_moe.Routing.of(ids, self.slots.experts)
-        h = triton_moe.swiglu(gate, up, x.contiguous(), routing, self.in_place_table)
-        y = triton_moe.project(down, h, routing, self.in_place_table)
+        y, routing = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.in_place_table)
         self._stats.lookups += n * k
         self._stats.vram += n * k  # less the far entries, read from the device in `stats`
         return combine(y, routing.order, weights)
