@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
                    help="CPU decode products with quantized weights: activations rounded to int16 per 32 "
-                        "values (faster) or float32 (the reference's arithmetic)")
+                        "values, 256 for Q4_K/Q5_K/Q6_K (faster), or float32 (the reference's arithmetic)")
     p.add_argument("--batch-groups", default="auto",
                    help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")

@@ -100,8 +100,9 @@ def test_matmul_matches_float64(case):
 
 
 def test_int16_matmul_error_is_the_rounding_of_x(case):
-    """Integer mode differs from the exact product only by x's rounding to int16 per block of 32 (at
-    most half a step, max|block| / 65534, per value) and float32 accumulation."""
+    """Integer mode differs from the exact product only by x's rounding to int16 per block of x
+    (32 values, or 256 for the K types summed per super-block: at most half a step, max|block| /
+    65534, per value) and float32 accumulation."""
     qtype, k, blocks = case
     if not cpu.has_int16(qtype):
         pytest.skip(f"{qtype.name} has no integer path (float types)")
@@ -109,7 +110,8 @@ def test_int16_matmul_error_is_the_rounding_of_x(case):
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(4))
     y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=True)
     exact = x.double() @ w.T
-    step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, k) / 65534
+    b = cpu.x_block(qtype)
+    step = x.double().abs().view(M, -1, b).amax(-1, keepdim=True).expand(-1, -1, b).reshape(M, k) / 65534
     bound = step @ w.abs().T * 1.001 + 1e-5 * (x.double().abs() @ w.abs().T)
     assert ((y.double() - exact).abs() <= bound).all()
     assert not torch.equal(y, cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=False))

@@ -8,8 +8,8 @@ here and `unavailable_reason()` why not.
 `dequantize` matches gguf-py's numpy dequantizers bit for bit. `matmul` is meant for decode (a few
 rows of x): each output is one dot product computed in one fixed order, so a row of the result is
 bit-identical whatever the number of rows in x and the number of threads. `int16=True` rounds x to
-int16 per block of 32 first and takes integer dot products: faster, within 1.5e-5 of each block's
-largest |x| per value (llama.cpp rounds x to int8: 4e-3), and still bit-identical per row.
+int16 per block of 32 (256 for Q4_K/Q5_K/Q6_K: `x_block`) first and takes integer dot products:
+faster, within 1.5e-5 of each block's largest |x| per value (llama.cpp rounds x to int8: 4e-3), and still bit-identical per row.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_dequantize.argtypes, lib.sd_dequantize.restype = [c_int, ptr, i64, i64, ptr, c_int], None
     lib.sd_matmul.argtypes, lib.sd_matmul.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int], c_int
     lib.sd_int16.argtypes, lib.sd_int16.restype = [c_int], c_int
+    lib.sd_x_block.argtypes, lib.sd_x_block.restype = [c_int], c_int
     f32 = ctypes.c_float
     lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
     lib.sd_rope.argtypes, lib.sd_rope.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, c_int], None
@@ -200,6 +201,12 @@ def has_int16(qtype: Q) -> bool:
     """Whether `Matrix.matmul(..., int16=True)` runs integer products for `qtype` here (AVX2 builds, block
     types); elsewhere it takes the float path."""
     return bool(library().sd_int16(int(qtype)))
+
+
+def x_block(qtype: Q) -> int:
+    """How many x values share one int16 scale in integer mode: 32, or 256 for the K types whose
+    kernels sum a super-block in integers (Q4_K, Q5_K, Q6_K); 0 without an integer path."""
+    return int(library().sd_x_block(int(qtype)))
 
 
 class Matrix:

@@ -14,9 +14,10 @@
  *    build has its own single order). So y[i, j] depends on W[j] and x[i] only: not on m, on which
  *    rows share a pass, on the path taken or on the thread split (batch invariance).
  *  - integer mode (AVX2 only) first rounds each x row to int16 per block of 32 (scale
- *    max|x|/32767), then takes integer dot products of each block: y[i, j] = the fixed-order sum
- *    over blocks of float(int dot) * (weight scale * x scale), plus the minimums' terms in a
- *    separate sum. Fewer instructions than widening every weight to float (integer multiply-adds
+ *    max|x|/32767; per super-block of 256 for Q4_K/Q5_K/Q6_K), then takes integer dot products of
+ *    each block: y[i, j] = the fixed-order sum over blocks of float(int dot) * (weight scale * x
+ *    scale), plus the minimums' terms in a separate sum. The K types above sum a whole super-block
+ *    (their sub-block scales applied in integers) before the one float product. Fewer instructions than widening every weight to float (integer multiply-adds
  *    of 16 pairs), a relative rounding of x of 1.5e-5 (llama.cpp rounds x to int8: 4e-3), and
  *    still a function of W[j] and x[i] only.
  */
@@ -135,13 +136,14 @@ static inline q32 high_bits32(uint32_t qh) {
 enum { STORE = 0, MAX_ROWS = 4, INT16 = 8 }; /* INT16: x rows as int16 blocks (integer mode) */
 
 /* The x rows of a product: float32 [rows, k], or (integer mode) their int16 blocks: q [rows, k], a
- * scale per 32 values d [rows, k / 32] and the sum of each 16 values of q, s [rows, k / 16]. */
+ * scale per `block` values d [rows, k / block] (32, or QK_K for the K types whose kernels sum a
+ * whole super-block in integers) and the sum of each 16 values of q, s [rows, k / 16]. */
 typedef struct {
     const float *f;
     const int16_t *q;
     const float *d;
     const int32_t *s;
-    int64_t k;
+    int64_t k, block;
 } xrows;
 
 #ifdef SD_AVX2
@@ -175,16 +177,17 @@ INLINE void to_float32(q32 q, __m256 f[4]) {
  * 0-15 and 16-31 apart), scaled by d0 and d1 times the row's scale (one product when d0 == d1). q is
  * signed (scale types) or unsigned 0..63 (affine types, whose minimum m0/m1 is applied through the
  * block's sums). */
-INLINE void emit_int(sink *s, int rows, q32 q, int is_signed, float d0, float m0, float d1, float m1, int64_t off) {
+INLINE void emit_int(sink *s, int rows, q32 q, int is_signed, int one_scale, float d0, float m0, float d1, float m1,
+                     int64_t off) {
     const xrows *x = s->x;
-    int64_t b = off / 32;
+    int64_t b = off / 32; /* x->block is 32 here */
     __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
     for (int r = 0; r < rows; r++) {
         const int16_t *xq = x->q + r * x->k + off;
         __m256i p0 = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq));
         __m256i p1 = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16)));
         float dx = x->d[r * (x->k / 32) + b];
-        if (d0 == d1) {
+        if (one_scale) {
             s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * dx), s->c[r][0]);
         } else {
             s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dx), s->c[r][0]);
@@ -197,9 +200,9 @@ INLINE void emit_int(sink *s, int rows, q32 q, int is_signed, float d0, float m0
     }
 }
 
-INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off) {
+INLINE void emit_scale(sink *s, int mode, q32 q, int one_scale, float d0, float d1, int64_t off) {
     if (mode & INT16) {
-        emit_int(s, mode & ~INT16, q, 1, d0, 0.0f, d1, 0.0f, off);
+        emit_int(s, mode & ~INT16, q, 1, one_scale, d0, 0.0f, d1, 0.0f, off);
         return;
     }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1);
@@ -208,9 +211,10 @@ INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off
     emit(s, mode, w, off);
 }
 
-INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, float m1, int64_t off) {
+INLINE void emit_affine(sink *s, int mode, q32 q, int one_scale, float d0, float m0, float d1, float m1,
+                        int64_t off) {
     if (mode & INT16) {
-        emit_int(s, mode & ~INT16, q, 0, d0, m0, d1, m1, off);
+        emit_int(s, mode & ~INT16, q, 0, one_scale, d0, m0, d1, m1, off);
         return;
     }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1), ma = _mm256_set1_ps(m0), mb = _mm256_set1_ps(m1);
@@ -222,14 +226,90 @@ INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, 
 #else
 typedef struct { float *dst; } sink; /* portable build: STORE only */
 
-INLINE void emit_scale(sink *s, int mode, q32 q, float d0, float d1, int64_t off) {
-    (void)mode;
+INLINE void emit_scale(sink *s, int mode, q32 q, int one_scale, float d0, float d1, int64_t off) {
+    (void)mode, (void)one_scale;
     for (int l = 0; l < 32; l++) s->dst[off + l] = (l < 16 ? d0 : d1) * (float)q.v[l];
 }
 
-INLINE void emit_affine(sink *s, int mode, q32 q, float d0, float m0, float d1, float m1, int64_t off) {
-    (void)mode;
+INLINE void emit_affine(sink *s, int mode, q32 q, int one_scale, float d0, float m0, float d1, float m1,
+                        int64_t off) {
+    (void)mode, (void)one_scale;
     for (int l = 0; l < 32; l++) s->dst[off + l] = (l < 16 ? d0 : d1) * (float)q.v[l] - (l < 16 ? m0 : m1);
+}
+#endif
+
+#ifdef SD_AVX2
+/* ---- integer super-blocks (K types, integer mode) ----------------------------------------------
+ * With x rounded per super-block (x->block == QK_K), a Q4_K/Q5_K/Q6_K block's dot product is summed
+ * in integers: each 32 weights times their sub-block scale (at most 1953 * 32767 per product, 32
+ * products a lane: below 2^31) multiply-added with x, one float product per super-block (Q6_K: one
+ * per half, whose signed scales allow 16 products a lane), and the minimums through x's sums. */
+
+/* 32 weights (int16 lo/hi: values 0-15, 16-31) times x row r's 32 values at off, added to acc. */
+INLINE __m256i madd32(__m256i acc, __m256i lo, __m256i hi, const xrows *x, int r, int64_t off) {
+    const int16_t *xq = x->q + r * x->k + off;
+    __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
+                                 _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+    return _mm256_add_epi32(acc, p);
+}
+
+INLINE float x_scale(const xrows *x, int r, int64_t o) { return x->d[r * (x->k / QK_K) + o / QK_K]; }
+
+/* The sum of x row r's 32 values at off. */
+INLINE int32_t x_sum32(const xrows *x, int r, int64_t off) {
+    const int32_t *sums = x->s + r * (x->k / 16) + off / 16;
+    return sums[0] + sums[1];
+}
+
+/* Q4_K (qh NULL) and Q5_K (qh: the fifth bits). */
+INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_bytes, sink *s, int rows, int64_t o) {
+    const xrows *x = s->x;
+    float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    __m256i acc[MAX_ROWS];
+    int32_t mins[MAX_ROWS] = {0};
+    q32 qh = qh_bytes ? load32(qh_bytes) : _mm256_setzero_si256();
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k4_scale_min(src + 4, j, &sc, &mn);
+        q32 q = and32(shr32(load32(qs + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
+        if (qh_bytes) q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
+        __m256i scale = _mm256_set1_epi16((short)sc);
+        __m256i lo = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), scale);
+        __m256i hi = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), scale);
+        for (int r = 0; r < rows; r++) {
+            acc[r] = madd32(acc[r], lo, hi, x, r, o + 32 * j);
+            mins[r] += mn * x_sum32(x, r, o + 32 * j);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float dx = x_scale(x, r, o);
+        s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * dx), s->c[r][0]);
+        s->cm[r] -= dmin * dx * (float)mins[r];
+    }
+}
+
+INLINE void sb_q6_k(const uint8_t *src, sink *s, int rows, int64_t o) {
+    const xrows *x = s->x;
+    const int8_t *sc = (const int8_t *)(src + 192);
+    float d = f16_to_f32(src + 208);
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        q32 qh = load32(src + 128 + h * 32);
+        for (int g = 0; g < 4; g++) {
+            q32 lo4 = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
+            q32 hi2 = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
+            q32 q = sub32(or32(lo4, hi2), bytes32(32));
+            int j = h * 8 + g * 2;
+            __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(sc[j]));
+            __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                            _mm256_set1_epi16(sc[j + 1]));
+            for (int r = 0; r < rows; r++) acc[r] = madd32(acc[r], lo, hi, x, r, o + h * 128 + g * 32);
+        }
+        for (int r = 0; r < rows; r++)
+            s->c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * x_scale(x, r, o)), s->c[r][h]);
+    }
 }
 #endif
 
@@ -240,7 +320,7 @@ INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
 #ifdef SD_AVX2 /* widening straight from memory saves the shuffles of emit_scale's to_float32 */
     if (mode & INT16) {
-        emit_scale(s, mode, load32(src + 2), d, d, o);
+        emit_scale(s, mode, load32(src + 2), 1, d, d, o);
         return;
     }
     __m256 w[4], vd = _mm256_set1_ps(d);
@@ -250,33 +330,33 @@ INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     }
     emit(s, mode, w, o);
 #else
-    emit_scale(s, mode, load32(src + 2), d, d, o);
+    emit_scale(s, mode, load32(src + 2), 1, d, d, o);
 #endif
 }
 
 /* Q4_0: f16 d, qs[16] nibbles; w = d*(q-8). */
 INLINE void blk_q4_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
-    emit_scale(s, mode, sub32(nibbles32(src + 2), bytes32(8)), d, d, o);
+    emit_scale(s, mode, sub32(nibbles32(src + 2), bytes32(8)), 1, d, d, o);
 }
 
 /* Q4_1: f16 d, f16 m, qs[16]; w = d*q + m. */
 INLINE void blk_q4_1(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src), m = -f16_to_f32(src + 2);
-    emit_affine(s, mode, nibbles32(src + 4), d, m, d, m, o);
+    emit_affine(s, mode, nibbles32(src + 4), 1, d, m, d, m, o);
 }
 
 /* Q5_0: f16 d, qh (bit l: bit 4 of value l), qs[16]; w = d*(q-16). */
 INLINE void blk_q5_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
     q32 q = or32(nibbles32(src + 6), high_bits32(le32(src + 2)));
-    emit_scale(s, mode, sub32(q, bytes32(16)), d, d, o);
+    emit_scale(s, mode, sub32(q, bytes32(16)), 1, d, d, o);
 }
 
 /* Q5_1: f16 d, f16 m, qh, qs[16]; w = d*q + m. */
 INLINE void blk_q5_1(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src), m = -f16_to_f32(src + 2);
-    emit_affine(s, mode, or32(nibbles32(src + 8), high_bits32(le32(src + 4))), d, m, d, m, o);
+    emit_affine(s, mode, or32(nibbles32(src + 8), high_bits32(le32(src + 4))), 1, d, m, d, m, o);
 }
 
 /* Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], f16 d, f16 dmin.
@@ -286,7 +366,7 @@ INLINE void blk_q2_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     for (int g = 0; g < 8; g++) {
         q32 q = and32(shr32(load32(src + 16 + (g / 4) * 32), 2 * (g % 4)), bytes32(3));
         uint8_t s0 = src[2 * g], s1 = src[2 * g + 1];
-        emit_affine(s, mode, q, d * (float)(s0 & 15), dmin * (float)(s0 >> 4), d * (float)(s1 & 15),
+        emit_affine(s, mode, q, 0, d * (float)(s0 & 15), dmin * (float)(s0 >> 4), d * (float)(s1 & 15),
                     dmin * (float)(s1 >> 4), o + 32 * g);
     }
 }
@@ -305,25 +385,37 @@ INLINE void blk_q3_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     for (int g = 0; g < 8; g++) {
         q32 q = and32(shr32(load32(src + 32 + (g / 4) * 32), 2 * (g % 4)), bytes32(3));
         q = sub32(q, andnot32(has32(hm, 1 << g), bytes32(4)));
-        emit_scale(s, mode, q, dl[2 * g], dl[2 * g + 1], o + 32 * g);
+        emit_scale(s, mode, q, 0, dl[2 * g], dl[2 * g + 1], o + 32 * g);
     }
 }
 
 /* Q4_K: f16 d, f16 dmin, scales[12] (8 6-bit scales and mins), qs[128].
  * Sub-block j (32 values) is nibble j%2 of qs[(j/2)*32 ..]; w = (d*sc)*q - dmin*mn. */
 INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+#ifdef SD_AVX2
+    if (mode & INT16) {
+        sb_q45_k(src, src + 16, NULL, s, mode & ~INT16, o);
+        return;
+    }
+#endif
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
     for (int j = 0; j < 8; j++) {
         int sc, mn;
         k4_scale_min(src + 4, j, &sc, &mn);
         q32 q = and32(shr32(load32(src + 16 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
         float ds = d * (float)sc, dm = dmin * (float)mn;
-        emit_affine(s, mode, q, ds, dm, ds, dm, o + 32 * j);
+        emit_affine(s, mode, q, 1, ds, dm, ds, dm, o + 32 * j);
     }
 }
 
 /* Q5_K: as Q4_K with qh[32] before qs: bit j of qh[l] is bit 4 of value l of sub-block j. */
 INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+#ifdef SD_AVX2
+    if (mode & INT16) {
+        sb_q45_k(src, src + 48, src + 16, s, mode & ~INT16, o);
+        return;
+    }
+#endif
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
     q32 qh = load32(src + 16);
     for (int j = 0; j < 8; j++) {
@@ -332,13 +424,19 @@ INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
         q32 q = and32(shr32(load32(src + 48 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
         q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
         float ds = d * (float)sc, dm = dmin * (float)mn;
-        emit_affine(s, mode, q, ds, dm, ds, dm, o + 32 * j);
+        emit_affine(s, mode, q, 1, ds, dm, ds, dm, o + 32 * j);
     }
 }
 
 /* Q6_K: ql[128], qh[64], int8 scales[16], f16 d. Values h*128 + g*32 + l (h < 2, g < 4):
  * nibble g/2 of ql[h*64 + (g%2)*32 + l], bits 2g..2g+1 of qh[h*32 + l] on top; w = (d*sc)*(q-32). */
 INLINE void blk_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+#ifdef SD_AVX2
+    if (mode & INT16) {
+        sb_q6_k(src, s, mode & ~INT16, o);
+        return;
+    }
+#endif
     const int8_t *sc = (const int8_t *)(src + 192);
     float d = f16_to_f32(src + 208);
     for (int h = 0; h < 2; h++) {
@@ -347,7 +445,7 @@ INLINE void blk_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
             q32 lo = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
             q32 hi = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
             int j = h * 8 + g * 2;
-            emit_scale(s, mode, sub32(or32(lo, hi), bytes32(32)), d * (float)sc[j], d * (float)sc[j + 1],
+            emit_scale(s, mode, sub32(or32(lo, hi), bytes32(32)), 0, d * (float)sc[j], d * (float)sc[j + 1],
                        o + h * 128 + g * 32);
         }
     }
@@ -421,36 +519,36 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
     }
 }
 
-/* x rows (k a multiple of 32) to int16 blocks (xrows): scale max|x|/32767, rounded to nearest even. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int16_t *q, float *d, int32_t *s) {
+/* x rows (k a multiple of `block`, 32 or QK_K) to int16 (xrows): per block of x, scale
+ * max|x|/32767, values rounded to nearest even; the sums of each 16 values. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int16_t *q, float *d, int32_t *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t i = 0; i < m * k / 32; i++) {
-        const float *v = x + 32 * i;
-        __m256 f[4], amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            f[j] = _mm256_loadu_ps(v + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
-        }
+    for (int64_t b = 0; b < m * k / block; b++) {
+        const float *v = x + block * b;
+        __m256 amax = _mm256_setzero_ps();
+        for (int64_t j = 0; j < block; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         float top = _mm_cvtss_f32(h);
-        d[i] = top / 32767.0f;
+        d[b] = top / 32767.0f;
         __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-        __m256i n[4];
-        for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
-        /* int32 -> int16 in order: the packs interleave 128-bit lanes, the permute undoes it */
-        for (int j = 0; j < 2; j++) {
-            __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2 * j], n[2 * j + 1]), 0xd8);
-            _mm256_storeu_si256((__m256i *)(q + 32 * i + 16 * j), p);
+        for (int64_t i = block * b; i < block * (b + 1); i += 32) {
+            __m256i n[4];
+            for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), inv));
+            /* int32 -> int16 in order: the packs interleave 128-bit lanes, the permute undoes it */
+            for (int j = 0; j < 2; j++) {
+                __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2 * j], n[2 * j + 1]), 0xd8);
+                _mm256_storeu_si256((__m256i *)(q + i + 16 * j), p);
+            }
+            int sum0 = 0, sum1 = 0;
+            for (int l = 0; l < 16; l++) {
+                sum0 += q[i + l];
+                sum1 += q[i + 16 + l];
+            }
+            s[i / 16] = sum0;
+            s[i / 16 + 1] = sum1;
         }
-        int sum0 = 0, sum1 = 0;
-        for (int l = 0; l < 16; l++) {
-            sum0 += q[32 * i + l];
-            sum1 += q[32 * i + 16 + l];
-        }
-        s[2 * i] = sum0;
-        s[2 * i + 1] = sum1;
     }
 }
 
@@ -553,16 +651,19 @@ KERNELS(q6_k, QK_K, 210)
 typedef struct {
     int block, bytes;
     dq_fn dq;
-    dot_fn dot; /* NULL: dequantize to a buffer, then dot_floats */
+    dot_fn dot;  /* NULL: dequantize to a buffer, then dot_floats */
+    int x_block; /* integer mode: the x values that share a scale */
 } type_info;
 
 static const type_info *info(int type) {
-    static const type_info f32 = {1, 4, dq_f32, NULL}, f16 = {1, 2, dq_f16, NULL}, bf16 = {1, 2, dq_bf16, NULL},
-                           q8_0 = {QK, 34, dq_q8_0, DOT_OF(q8_0)}, q4_0 = {QK, 18, dq_q4_0, DOT_OF(q4_0)},
-                           q4_1 = {QK, 20, dq_q4_1, DOT_OF(q4_1)}, q5_0 = {QK, 22, dq_q5_0, DOT_OF(q5_0)},
-                           q5_1 = {QK, 24, dq_q5_1, DOT_OF(q5_1)}, q2_k = {QK_K, 84, dq_q2_k, DOT_OF(q2_k)},
-                           q3_k = {QK_K, 110, dq_q3_k, DOT_OF(q3_k)}, q4_k = {QK_K, 144, dq_q4_k, DOT_OF(q4_k)},
-                           q5_k = {QK_K, 176, dq_q5_k, DOT_OF(q5_k)}, q6_k = {QK_K, 210, dq_q6_k, DOT_OF(q6_k)};
+    static const type_info f32 = {1, 4, dq_f32, NULL, 0}, f16 = {1, 2, dq_f16, NULL, 0}, bf16 = {1, 2, dq_bf16, NULL, 0},
+                           q8_0 = {QK, 34, dq_q8_0, DOT_OF(q8_0), QK}, q4_0 = {QK, 18, dq_q4_0, DOT_OF(q4_0), QK},
+                           q4_1 = {QK, 20, dq_q4_1, DOT_OF(q4_1), QK}, q5_0 = {QK, 22, dq_q5_0, DOT_OF(q5_0), QK},
+                           q5_1 = {QK, 24, dq_q5_1, DOT_OF(q5_1), QK}, q2_k = {QK_K, 84, dq_q2_k, DOT_OF(q2_k), QK},
+                           q3_k = {QK_K, 110, dq_q3_k, DOT_OF(q3_k), QK},
+                           q4_k = {QK_K, 144, dq_q4_k, DOT_OF(q4_k), QK_K},
+                           q5_k = {QK_K, 176, dq_q5_k, DOT_OF(q5_k), QK_K},
+                           q6_k = {QK_K, 210, dq_q6_k, DOT_OF(q6_k), QK_K};
     switch (type) {
     case T_F32: return &f32;
     case T_F16: return &f16;
@@ -608,6 +709,9 @@ int sd_int16(int type) {
     return 0;
 #endif
 }
+
+/* How many x values share a scale in sd_matmul's integer mode for `type` (0: no integer mode). */
+int sd_x_block(int type) { return sd_int16(type) ? info(type)->x_block : 0; }
 
 /* Bytes of one row of k values, or -1 when the type is unknown or k is not a whole number of blocks. */
 int64_t sd_row_bytes(int type, int64_t k) {
@@ -656,7 +760,7 @@ static void dot_pair(void *ctx, int64_t p, int thread) {
         xrows x = j->xq;
         if (x.q) {
             x.q += i * j->k;
-            x.d += i * (j->k / 32);
+            x.d += i * (j->k / x.block);
             x.s += i * (j->k / 16);
         } else {
             x = (xrows){.f = j->x + i * j->k, .k = j->k};
@@ -697,14 +801,16 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     void *mem = NULL;
     if (integer && sd_int16(type)) {
 #ifdef SD_AVX2
-        int64_t blocks = m * k / 32;
-        mem = malloc((size_t)blocks * (sizeof(float) + 2 * sizeof(int32_t) + 32 * sizeof(int16_t)));
+        int64_t values = m * k, blocks = values / t->x_block;
+        /* q first, on a cache line: its 32-byte loads then never straddle two lines */
+        mem = aligned_alloc(64, (size_t)values * sizeof(int16_t) + (size_t)(values / 16) * sizeof(int32_t) +
+                                    ((size_t)blocks * sizeof(float) + 63) / 64 * 64);
         if (!mem) return -1;
-        float *d = mem;
-        int32_t *s = (int32_t *)(d + blocks);
-        int16_t *q = (int16_t *)(s + 2 * blocks);
-        quantize_rows(x, m, k, q, d, s);
-        j.xq = (xrows){.q = q, .d = d, .s = s, .k = k};
+        int16_t *q = mem;
+        int32_t *s = (int32_t *)(q + values);
+        float *d = (float *)(s + values / 16);
+        quantize_rows(x, m, k, t->x_block, q, d, s);
+        j.xq = (xrows){.q = q, .d = d, .s = s, .k = k, .block = t->x_block};
 #endif
     } else if (!(t->dot && m <= MAX_ROWS) && type != T_F32 && k > 0) {
         j.stride = (k + 15) / 16 * 16; /* floats: whole cache lines per thread */
