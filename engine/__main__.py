@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", "--slots", dest="batch", type=int, default=0, help="batch slots (2..8)")
     p.add_argument("--exact", action="store_true", help="row-invariant windows: batch tokens equal solo tokens")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
+    p.add_argument("--cpu-activations", choices=tuple(cpu_kernels.ACTIVATIONS), default="int16",
                    help="CPU decode products with quantized weights: activations rounded to int16 per 32 "
-                        "values, 256 for Q4_K/Q5_K/Q6_K (faster), or float32 (the reference's arithmetic)")
+                        "values, 256 for Q4_K/Q5_K/Q6_K (faster); int8 as llama.cpp rounds them (fastest, "
+                        "logits move more); or float32 (the reference's arithmetic)")
     p.add_argument("--batch-groups", default="auto",
                    help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_kernels.set_int16(args.cpu_activations == "int16")
+    cpu_kernels.set_activations(args.cpu_activations)
     t0 = time.perf_counter()
     try:
         device = pick_device(args.device)

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--cpu-activations", choices=("int16", "float"), default="int16",
-                   help="CPU decode products: int16 or float32 activations")
+    p.add_argument("--cpu-activations", choices=tuple(cpu_kernels.ACTIVATIONS), default="int16",
+                   help="CPU decode products: int16, int8 or float32 activations")
     p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
                    "adapts during them)")
     add_tier_flags(p)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_kernels.set_int16(args.cpu_activations == "int16")
+    cpu_kernels.set_activations(args.cpu_activations)
 
     t0 = time.perf_counter()
     g = GGUFFile(args.model)

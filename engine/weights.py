@@ -103,9 +103,9 @@ class BlockLinear(Linear):
     """A matrix kept in the file's blocks on the CPU, `[out_features, row_bytes]` bytes; the kernel
     for its type is chosen once, here. Products are float32 and cast back to the input's dtype."""
 
-    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, int16: bool | None = None):
+    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, activations: str | None = None):
         self.qtype = qtype
-        self.int16 = int16  # None: the engine's choice (cpu_kernels.set_int16)
+        self.activations = activations  # None: the engine's choice (cpu_kernels.set_activations)
         self.matrix = cpu_kernels.Matrix(qtype, blocks, in_features)
         self.out_features = blocks.shape[0]
         self.in_features = in_features
@@ -114,10 +114,10 @@ class BlockLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= MATVEC_ROWS:  # decode: as it comes
-            return self.matrix.matmul(x.contiguous(), int16=self.int16)
+            return self.matrix.matmul(x.contiguous(), activations=self.activations)
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] <= MATVEC_ROWS:
-            y = self.matrix.matmul(flat, int16=self.int16)
+            y = self.matrix.matmul(flat, activations=self.activations)
         else:
             y = torch.empty(flat.shape[0], self.out_features)
             for lo in range(0, self.out_features, self.slab_rows):
@@ -210,7 +210,7 @@ class WeightStore:
             lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], device)
         elif kept:
             lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
-                              int16=False if name in HEADS else None)
+                              activations="float" if name in HEADS else None)
         else:
             lin = DenseLinear(self._dense(info, self.dtype, device))
         self._count(info, lin.nbytes, kept, device=device, key=key)

@@ -86,8 +86,9 @@ class RunConfig(BaseModel):
     )
     conversation_cache_slots: int = Field(CONVERSATION_CACHE_SLOTS, ge=0, le=256, description="most conversations parked (0 = off)")
     exact: bool = Field(False, description="row-invariant arithmetic: batch tokens equal solo tokens")
-    cpu_activations: Literal["int16", "float"] = Field(
-        "int16", description="CPU decode products: int16 activations (faster) or float32 (the reference's)"
+    cpu_activations: Literal["int16", "int8", "float"] = Field(
+        "int16", description="CPU decode products: int16 activations (faster), int8 (llama.cpp's rounding: "
+        "fastest, logits move more) or float32 (the reference's)"
     )
     queue_limit: int = Field(64, ge=1, le=4096, description="requests waiting beyond which 503")
     max_body_bytes: int = Field(4 << 20, ge=1024)

@@ -1,5 +1,5 @@
-"""The C CPU kernels (engine/kernels): exact dequantization against gguf-py, matmul accuracy (float
-and int16 activations), and batch invariance (a result row does not depend on the batch size or the
+"""The C CPU kernels (engine/kernels): exact dequantization against gguf-py, matmul accuracy (float,
+int16 and int8 activations), and batch invariance (a result row does not depend on the batch size or the
 thread count)."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_matmul_matches_float64(case):
     qtype, k, blocks = case
     w = torch.from_numpy(reference(qtype, blocks, k)).double()
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(1))
-    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=False)
+    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, activations="float")
     exact = x.double() @ w.T
     # float32 accumulation error is bounded by a small multiple of eps * sum |x w|
     bound = 1e-5 * (x.double().abs() @ w.abs().T)
@@ -99,35 +99,36 @@ def test_matmul_matches_float64(case):
     assert ((y.double() - exact).abs() <= bound).all()
 
 
-def test_int16_matmul_error_is_the_rounding_of_x(case):
-    """Integer mode differs from the exact product only by x's rounding to int16 per block of x
-    (32 values, or 256 for the K types summed per super-block: at most half a step, max|block| /
-    65534, per value) and float32 accumulation."""
+@pytest.mark.parametrize("mode, levels", (("int16", 32767), ("int8", 127)))
+def test_integer_matmul_error_is_the_rounding_of_x(case, mode, levels):
+    """Integer modes differ from the exact product only by x's rounding per block of x (32 values,
+    or 256 for the K types summed per super-block: at most half a step, max|block| / (2 * levels),
+    per value) and float32 accumulation."""
     qtype, k, blocks = case
-    if not cpu.has_int16(qtype):
+    if not cpu.has_integer(qtype):
         pytest.skip(f"{qtype.name} has no integer path (float types)")
     w = torch.from_numpy(reference(qtype, blocks, k)).double()
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(4))
-    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=True)
+    y = cpu.matmul(qtype, torch.from_numpy(blocks), k, x, activations=mode)
     exact = x.double() @ w.T
     b = cpu.x_block(qtype)
-    step = x.double().abs().view(M, -1, b).amax(-1, keepdim=True).expand(-1, -1, b).reshape(M, k) / 65534
+    step = x.double().abs().view(M, -1, b).amax(-1, keepdim=True).expand(-1, -1, b).reshape(M, k) / (2 * levels)
     bound = step @ w.abs().T * 1.001 + 1e-5 * (x.double().abs() @ w.abs().T)
     assert ((y.double() - exact).abs() <= bound).all()
-    assert not torch.equal(y, cpu.matmul(qtype, torch.from_numpy(blocks), k, x, int16=False))
+    assert not torch.equal(y, cpu.matmul(qtype, torch.from_numpy(blocks), k, x, activations="float"))
 
 
-@pytest.mark.parametrize("int16", (False, True), ids=("float", "int16"))
-def test_matmul_is_batch_invariant(case, threads, int16):
+@pytest.mark.parametrize("mode", tuple(cpu.ACTIVATIONS))
+def test_matmul_is_batch_invariant(case, threads, mode):
     qtype, k, blocks = case
     w = torch.from_numpy(blocks)
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(2))
     threads(1)
-    alone = torch.cat([cpu.matmul(qtype, w, k, x[i:i + 1], int16=int16) for i in range(M)])
+    alone = torch.cat([cpu.matmul(qtype, w, k, x[i:i + 1], activations=mode) for i in range(M)])
     for n_threads in (1, 2):
         threads(n_threads)
         for m in range(1, M + 1):
-            y = cpu.matmul(qtype, w, k, x[:m], int16=int16)
+            y = cpu.matmul(qtype, w, k, x[:m], activations=mode)
             assert torch.equal(y.view(torch.int32), alone[:m].view(torch.int32)), (n_threads, m)
 
 
@@ -161,6 +162,8 @@ def test_bad_input_raises_value_error():
         cpu.matmul(Q.Q8_0, blocks, k, x, out=torch.empty(2, 5))
     with pytest.raises(ValueError, match="not supported"):
         cpu.row_bytes(Q.IQ2_XXS, 256)
+    with pytest.raises(ValueError, match="activations must be one of float, int16, int8"):
+        cpu.matmul(Q.Q8_0, blocks, k, x, activations="int4")
 
 
 def test_unavailable_is_reported_not_raised(monkeypatch, tmp_path):

@@ -120,16 +120,16 @@ def test_default_mode_window_agrees_with_rows_alone(driver):
     assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("int16", [False, True], ids=["float", "int16"])
-def test_quantized_batch_equals_solo_without_exact_mode(tiny_model_q8, int16):
+@pytest.mark.parametrize("activations", ["float", "int16", "int8"])
+def test_quantized_batch_equals_solo_without_exact_mode(tiny_model_q8, activations):
     """On the CPU the block kernels compute each row on its own, so even windows that share every
-    product give each row its solo tokens, with float or int16 activations."""
+    product give each row its solo tokens, with float, int16 or int8 activations."""
     from engine.kernels import cpu
 
-    cpu.set_int16(int16)
+    cpu.set_activations(activations)
     try:
         driver = Driver.load(str(tiny_model_q8), slots=4, exact=False, prefill=16)
         prompts = sample_prompts(driver.model.hyper.vocab, 4, seed=77)
         assert compare(driver, prompts, max_new=16) == []
     finally:
-        cpu.set_int16(True)
+        cpu.set_activations("int16")

@@ -36,15 +36,15 @@ def our_logits(driver: Driver, ids: list[int], n: int) -> tuple[list[int], torch
     return out, torch.stack(rows)
 
 
-def check(path, driver, prompt: str, n: int, atol: float, int16: bool = False):
-    """Float32 activations in the CPU kernels (the reference's arithmetic) unless `int16` (the
+def check(path, driver, prompt: str, n: int, atol: float, activations: str = "float"):
+    """Float32 activations in the CPU kernels (the reference's arithmetic) unless told ("int16": the
     engine's default)."""
     ids = Tokenizer.from_gguf(path).encode(prompt)
-    cpu.set_int16(int16)
+    cpu.set_activations(activations)
     try:
         tokens, ours = our_logits(driver, ids, n)
     finally:
-        cpu.set_int16(True)
+        cpu.set_activations("int16")
     ref = reference_logits(path, ids + tokens)[len(ids) - 1 : len(ids) - 1 + n]
     assert ours.shape == ref.shape
     err = (ours - ref).abs().max().item()
@@ -81,7 +81,7 @@ def test_tiny_matches_reference(tiny, prompt):
 def test_tiny_with_default_fp16_kv_matches_reference(tiny_model):
     driver = Driver.load(str(tiny_model), slots=0)
     assert driver.model.kv.k[0].dtype == torch.float16
-    check(tiny_model, driver, PROMPTS[1], 16, atol=3e-2, int16=True)
+    check(tiny_model, driver, PROMPTS[1], 16, atol=3e-2, activations="int16")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
@@ -92,7 +92,7 @@ def test_tiny_q8_0_matches_reference(tiny_q8, prompt):
 
 def test_tiny_q8_0_with_int16_activations_matches_reference(tiny_q8):
     path, driver = tiny_q8
-    check(path, driver, PROMPTS[3], 16, atol=1e-2, int16=True)
+    check(path, driver, PROMPTS[3], 16, atol=1e-2, activations="int16")
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +114,18 @@ def test_demo_matches_reference(demo, prompt):
 @pytest.mark.parametrize("prompt", PROMPTS[2:])
 def test_demo_with_int16_activations_matches_reference(demo, prompt):
     path, driver = demo
-    check(path, driver, prompt, 16, atol=1e-2, int16=True)
+    check(path, driver, prompt, 16, atol=1e-2, activations="int16")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[1:3])
 def test_demo_with_the_defaults_matches_reference(demo_fp16_kv, prompt):
     path, driver = demo_fp16_kv
-    check(path, driver, prompt, 16, atol=3e-2, int16=True)
+    check(path, driver, prompt, 16, atol=3e-2, activations="int16")
 
 
 def test_demo_known_continuation(demo_fp16_kv):
     path, driver = demo_fp16_kv
-    tokens = check(path, driver, PROMPTS[0], 16, atol=3e-2, int16=True)
+    tokens = check(path, driver, PROMPTS[0], 16, atol=3e-2, activations="int16")
     # model-notes.md: " the capital of the country of France. It is the largest city in France and"
     assert tokens[:15] == [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001]
 
@@ -149,4 +149,4 @@ def test_chat_model_matches_reference(chat):
 
 def test_chat_model_with_the_defaults_matches_reference(chat_model):
     driver = Driver.load(str(chat_model), slots=0, context=512)
-    check(chat_model, driver, PROMPTS[2], 16, atol=3e-2, int16=True)
+    check(chat_model, driver, PROMPTS[2], 16, atol=3e-2, activations="int16")

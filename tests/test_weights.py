@@ -44,7 +44,7 @@ def test_block_linear_matches_dequantized_product(qtype, rows):
     w = rng.standard_normal((96, 512)).astype(np.float32)
     blocks = quants.quantize(w, qtype)
     dense = torch.from_numpy(quants.dequantize(blocks, qtype))
-    lin = BlockLinear(qtype, torch.from_numpy(blocks), 512, int16=False)  # float activations: exact products
+    lin = BlockLinear(qtype, torch.from_numpy(blocks), 512, activations="float")  # float activations: exact products
     lin.slab_rows = 40  # several slabs in the prompt-chunk path
     x = torch.randn(rows, 512)
     got = lin(x)

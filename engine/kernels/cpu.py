@@ -7,9 +7,10 @@ here and `unavailable_reason()` why not.
 
 `dequantize` matches gguf-py's numpy dequantizers bit for bit. `matmul` is meant for decode (a few
 rows of x): each output is one dot product computed in one fixed order, so a row of the result is
-bit-identical whatever the number of rows in x and the number of threads. `int16=True` rounds x to
-int16 per block of 32 (256 for Q4_K/Q5_K/Q6_K: `x_block`) first and takes integer dot products:
-faster, within 1.5e-5 of each block's largest |x| per value (llama.cpp rounds x to int8: 4e-3), and still bit-identical per row.
+bit-identical whatever the number of rows in x and the number of threads. `activations="int16"`
+rounds x to int16 per block of 32 (256 for Q4_K/Q5_K/Q6_K: `x_block`) first and takes integer dot
+products: faster, within 1.5e-5 of each block's largest |x| per value; `"int8"` rounds x as llama.cpp
+does (4e-3 of the block's largest |x|) for half the multiply-adds; each still bit-identical per row.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_row_bytes.argtypes, lib.sd_row_bytes.restype = [c_int, i64], i64
     lib.sd_dequantize.argtypes, lib.sd_dequantize.restype = [c_int, ptr, i64, i64, ptr, c_int], None
     lib.sd_matmul.argtypes, lib.sd_matmul.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int], c_int
-    lib.sd_int16.argtypes, lib.sd_int16.restype = [c_int], c_int
+    lib.sd_integer.argtypes, lib.sd_integer.restype = [c_int], c_int
     lib.sd_x_block.argtypes, lib.sd_x_block.restype = [c_int], c_int
     f32 = ctypes.c_float
     lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
@@ -177,7 +178,9 @@ def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
 
 
 _threads = 0
-_int16 = True
+# sd_matmul's codes for the activations of a product with quantized weights
+ACTIVATIONS = {"float": 0, "int16": 1, "int8": 2}
+_activations = "int16"
 
 
 def set_threads(n: int) -> None:
@@ -190,21 +193,32 @@ def threads() -> int:
     return _threads or torch.get_num_threads()
 
 
-def set_int16(on: bool) -> None:
-    """The engine's choice for decode products (`Matrix.matmul(int16=None)`): int16 activations
-    (the default) or float32."""
-    global _int16
-    _int16 = on
+def set_activations(name: str) -> None:
+    """The engine's choice for decode products (`Matrix.matmul(activations=None)`): `ACTIVATIONS`
+    "int16" (the default), "int8" (llama.cpp's rounding) or "float"."""
+    global _activations
+    _code(name)
+    _activations = name
 
 
-def has_int16(qtype: Q) -> bool:
-    """Whether `Matrix.matmul(..., int16=True)` runs integer products for `qtype` here (AVX2 builds, block
-    types); elsewhere it takes the float path."""
-    return bool(library().sd_int16(int(qtype)))
+def activations() -> str:
+    return _activations
+
+
+def _code(name: str) -> int:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {name!r}")
+    return ACTIVATIONS[name]
+
+
+def has_integer(qtype: Q) -> bool:
+    """Whether `Matrix.matmul` runs integer products ("int16", "int8") for `qtype` here (AVX2 builds,
+    block types); elsewhere it takes the float path."""
+    return bool(library().sd_integer(int(qtype)))
 
 
 def x_block(qtype: Q) -> int:
-    """How many x values share one int16 scale in integer mode: 32, or 256 for the K types whose
+    """How many x values share one scale in the integer modes: 32, or 256 for the K types whose
     kernels sum a super-block in integers (Q4_K, Q5_K, Q6_K); 0 without an integer path."""
     return int(library().sd_x_block(int(qtype)))
 
@@ -218,8 +232,9 @@ class Matrix:
         self.qtype, self.blocks, self.k, self.n = int(qtype), blocks, k, blocks.shape[0]
         self._lib = library()
 
-    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, int16: bool | None = None) -> torch.Tensor:
-        """x [m, k] @ W.T -> float32 [m, n]; int16 None: as `set_int16` chose."""
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None,
+               activations: str | None = None) -> torch.Tensor:
+        """x [m, k] @ W.T -> float32 [m, n]; activations None: as `set_activations` chose."""
         k, n = self.k, self.n
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_cpu or not x.is_contiguous():
             raise ValueError(f"x must be a contiguous float32 CPU tensor [m, {k}], got {x.dtype} {tuple(x.shape)} "
@@ -231,7 +246,7 @@ class Matrix:
             raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                              f"{tuple(out.shape)} on {out.device}")
         if self._lib.sd_matmul(self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
-                               threads(), _int16 if int16 is None else int16) != 0:
+                               threads(), _code(activations or _activations)) != 0:
             raise MemoryError("sd_matmul could not allocate its buffers")
         return out
 
@@ -249,9 +264,9 @@ def dequantize(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def matmul(qtype: Q, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor | None = None,
-           int16: bool | None = None) -> torch.Tensor:
+           activations: str | None = None) -> torch.Tensor:
     """x [m, k] @ W.T -> float32 [m, n], W being n rows of `qtype` blocks (uint8 [n, row_bytes])."""
-    return Matrix(qtype, blocks, k).matmul(x, out, int16)
+    return Matrix(qtype, blocks, k).matmul(x, out, activations)
 
 
 def _bench() -> None:
@@ -267,15 +282,15 @@ def _bench() -> None:
         blocks = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8)
         blocks[:, 1::2] &= 0x3F  # no inf/nan among the f16 scales wherever they are
         w = Matrix(qtype, blocks, k)
-        for m, int16 in ((1, False), (1, True), (4, False), (4, True)):
+        for m, mode in ((m, mode) for m in (1, 4) for mode in ACTIVATIONS):
             x, out = torch.randn(m, k), torch.empty(m, n)
             times = []
             for _ in range(20 if n > 100_000 else 500):
                 t0 = time.perf_counter()
-                w.matmul(x, out, int16)
+                w.matmul(x, out, mode)
                 times.append(time.perf_counter() - t0)
             best, median = min(times), statistics.median(times)
-            print(f"{qtype.name:5} {n:>6} x {k:<5} m={m} {'int16' if int16 else 'float'}: best {best * 1e3:7.3f} ms "
+            print(f"{qtype.name:5} {n:>6} x {k:<5} m={m} {mode:5}: best {best * 1e3:7.3f} ms "
                   f"({blocks.numel() / best / 1e9:5.1f} GB/s)  median {median * 1e3:7.3f} ms")
 
 

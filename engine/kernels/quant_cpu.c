@@ -13,13 +13,14 @@
  *    reduction (and, for float types with k not a multiple of 32, a scalar tail; the portable
  *    build has its own single order). So y[i, j] depends on W[j] and x[i] only: not on m, on which
  *    rows share a pass, on the path taken or on the thread split (batch invariance).
- *  - integer mode (AVX2 only) first rounds each x row to int16 per block of 32 (scale
- *    max|x|/32767; per super-block of 256 for Q4_K/Q5_K/Q6_K), then takes integer dot products of
- *    each block: y[i, j] = the fixed-order sum over blocks of float(int dot) * (weight scale * x
- *    scale), plus the minimums' terms in a separate sum. The K types above sum a whole super-block
- *    (their sub-block scales applied in integers) before the one float product. Fewer instructions than widening every weight to float (integer multiply-adds
- *    of 16 pairs), a relative rounding of x of 1.5e-5 (llama.cpp rounds x to int8: 4e-3), and
- *    still a function of W[j] and x[i] only.
+ *  - integer modes (AVX2 only) first round each x row to int16 (scale max|x|/32767) or int8 (scale
+ *    max|x|/127, llama.cpp's rounding) per block of 32 (per super-block of 256 for Q4_K/Q5_K/Q6_K),
+ *    then take integer dot products of each block: y[i, j] = the fixed-order sum over blocks of
+ *    float(int dot) * (weight scale * x scale), plus the minimums' terms in a separate sum. The K
+ *    types above sum a whole super-block (their sub-block scales applied in integers) before the
+ *    one float product. Fewer instructions than widening every weight to float; int16 rounds x by
+ *    1.5e-5 of each block's largest |x|, int8 by 4e-3 for half the multiply-adds (32 byte pairs
+ *    an instruction instead of 16 int16 pairs); both still a function of W[j] and x[i] only.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,6 +61,20 @@ static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
         *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
         *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
     }
+}
+
+/* All 8 scales and minimums of a Q4_K / Q5_K block at once (k4_scale_min for j = 0..7), four per
+ * 32-bit word: sub-blocks 0-3 keep 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take a
+ * nibble of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) or 4-7 (minimums) above it. */
+static inline void k4_scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t w[3], out[4];
+    memcpy(w, s, 12);
+    out[0] = w[0] & 0x3f3f3f3fu;
+    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    out[2] = w[1] & 0x3f3f3f3fu;
+    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(mn, out + 2, 8);
 }
 
 /* ---- 32 int8 lanes ------------------------------------------------------------------------------
@@ -130,17 +145,21 @@ static inline q32 high_bits32(uint32_t qh) {
  *   emit_scale:  w[l] = d * q[l]          (d0 for l < 16, d1 for the rest: K types scale per 16)
  *   emit_affine: w[l] = d * q[l] - m      (the product rounded first, as in the reference)
  * which store w (mode STORE: dequantize) or, with AVX2, multiply-add it into the dot products of
- * 1 to 4 x rows (mode = the number of rows, | INT16 for int16 x rows) without going through memory.
- * The walkers are always inlined with a constant mode, so each (type, mode) compiles to its own loop. */
+ * 1 to 4 x rows (mode = the number of rows, | INT16 or INT8 for x rows rounded to integers) without
+ * going through memory. The walkers are always inlined with a constant mode, so each (type, mode)
+ * compiles to its own loop. */
 
-enum { STORE = 0, MAX_ROWS = 4, INT16 = 8 }; /* INT16: x rows as int16 blocks (integer mode) */
+enum { STORE = 0, MAX_ROWS = 4, INT16 = 8, INT8 = 16 };
+#define ROWS(mode) ((mode) & 7)
+#define INTEGER(mode) ((mode) & (INT16 | INT8))
 
-/* The x rows of a product: float32 [rows, k], or (integer mode) their int16 blocks: q [rows, k], a
- * scale per `block` values d [rows, k / block] (32, or QK_K for the K types whose kernels sum a
- * whole super-block in integers) and the sum of each 16 values of q, s [rows, k / 16]. */
+/* The x rows of a product: float32 [rows, k], or (integer modes) their int16 or int8 blocks q or q8
+ * [rows, k], a scale per `block` values d [rows, k / block] (32, or QK_K for the K types whose
+ * kernels sum a whole super-block in integers) and the sum of each 16 values of q, s [rows, k / 16]. */
 typedef struct {
     const float *f;
     const int16_t *q;
+    const int8_t *q8;
     const float *d;
     const int32_t *s;
     int64_t k, block;
@@ -151,7 +170,8 @@ typedef struct {
     float *dst;
     const xrows *x;
     __m256 c[MAX_ROWS][2];
-    float cm[MAX_ROWS]; /* integer mode: the minimums' terms */
+    float cm[MAX_ROWS];   /* integer modes: the minimums' terms */
+    __m256 cmv[MAX_ROWS]; /* ... of the K types summed per super-block */
 } sink;
 
 INLINE void emit(sink *s, int mode, const __m256 w[4], int64_t off) {
@@ -200,9 +220,35 @@ INLINE void emit_int(sink *s, int rows, q32 q, int is_signed, int one_scale, flo
     }
 }
 
+/* int8 mode: as emit_int, with x row r's int8 block at off: byte-pair multiply-adds (the weights'
+ * magnitudes against x with the weights' signs when q is signed), then pairs of pairs; values 0-15
+ * land in lanes 0-3 and 16-31 in lanes 4-7, so two scales are one vector. */
+INLINE void emit_i8(sink *s, int rows, q32 q, int is_signed, float d0, float m0, float d1, float m1, int64_t off) {
+    const xrows *x = s->x;
+    int64_t b = off / 32; /* x->block is 32 here */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i mag = is_signed ? _mm256_abs_epi8(q) : q;
+    for (int r = 0; r < rows; r++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q8 + r * x->k + off));
+        if (is_signed) xv = _mm256_sign_epi8(xv, q);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv), ones);
+        float dx = x->d[r * (x->k / 32) + b];
+        __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * dx), _mm_set1_ps(d0 * dx));
+        s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, s->c[r][0]);
+        if (!is_signed) {
+            const int32_t *sums = x->s + r * (x->k / 16) + 2 * b;
+            s->cm[r] -= dx * (m0 * (float)sums[0] + m1 * (float)sums[1]);
+        }
+    }
+}
+
 INLINE void emit_scale(sink *s, int mode, q32 q, int one_scale, float d0, float d1, int64_t off) {
     if (mode & INT16) {
-        emit_int(s, mode & ~INT16, q, 1, one_scale, d0, 0.0f, d1, 0.0f, off);
+        emit_int(s, ROWS(mode), q, 1, one_scale, d0, 0.0f, d1, 0.0f, off);
+        return;
+    }
+    if (mode & INT8) {
+        emit_i8(s, ROWS(mode), q, 1, d0, 0.0f, d1, 0.0f, off);
         return;
     }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1);
@@ -214,7 +260,11 @@ INLINE void emit_scale(sink *s, int mode, q32 q, int one_scale, float d0, float 
 INLINE void emit_affine(sink *s, int mode, q32 q, int one_scale, float d0, float m0, float d1, float m1,
                         int64_t off) {
     if (mode & INT16) {
-        emit_int(s, mode & ~INT16, q, 0, one_scale, d0, m0, d1, m1, off);
+        emit_int(s, ROWS(mode), q, 0, one_scale, d0, m0, d1, m1, off);
+        return;
+    }
+    if (mode & INT8) {
+        emit_i8(s, ROWS(mode), q, 0, d0, m0, d1, m1, off);
         return;
     }
     __m256 w[4], a = _mm256_set1_ps(d0), b = _mm256_set1_ps(d1), ma = _mm256_set1_ps(m0), mb = _mm256_set1_ps(m1);
@@ -239,13 +289,15 @@ INLINE void emit_affine(sink *s, int mode, q32 q, int one_scale, float d0, float
 #endif
 
 #ifdef SD_AVX2
-/* ---- integer super-blocks (K types, integer mode) ----------------------------------------------
+/* ---- integer super-blocks (K types, integer modes) ---------------------------------------------
  * With x rounded per super-block (x->block == QK_K), a Q4_K/Q5_K/Q6_K block's dot product is summed
- * in integers: each 32 weights times their sub-block scale (at most 1953 * 32767 per product, 32
- * products a lane: below 2^31) multiply-added with x, one float product per super-block (Q6_K: one
- * per half, whose signed scales allow 16 products a lane), and the minimums through x's sums. */
+ * in integers, one float product per super-block, the minimums through x's sums:
+ *  - int16: each 32 weights times their sub-block scale (at most 1953 * 32767 per product, 32
+ *    products a lane: below 2^31), multiply-added with x (Q6_K, whose signed scales allow 16
+ *    products a lane: a float product per half);
+ *  - int8: byte-pair multiply-adds of the weights with x, then pairs of those times the scales. */
 
-/* 32 weights (int16 lo/hi: values 0-15, 16-31) times x row r's 32 values at off, added to acc. */
+/* 32 int16 weights (lo/hi: values 0-15, 16-31) times x row r's 32 values at off, added to acc. */
 INLINE __m256i madd32(__m256i acc, __m256i lo, __m256i hi, const xrows *x, int r, int64_t off) {
     const int16_t *xq = x->q + r * x->k + off;
     __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
@@ -253,62 +305,93 @@ INLINE __m256i madd32(__m256i acc, __m256i lo, __m256i hi, const xrows *x, int r
     return _mm256_add_epi32(acc, p);
 }
 
+/* 32 int8 weights (|w| when signed) times x row r's 32 int8 values at off (their signs moved by
+ * sign_of when signed), pairs of pairs times scales (int16: values 0-15 in lanes 0-7, 16-31 in
+ * lanes 8-15), added to acc. */
+INLINE __m256i madd32_i8(__m256i acc, __m256i mag, __m256i sign_of, int is_signed, __m256i scales,
+                         const xrows *x, int r, int64_t off) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q8 + r * x->k + off));
+    if (is_signed) xv = _mm256_sign_epi8(xv, sign_of);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv), scales));
+}
+
 INLINE float x_scale(const xrows *x, int r, int64_t o) { return x->d[r * (x->k / QK_K) + o / QK_K]; }
 
-/* The sum of x row r's 32 values at off. */
-INLINE int32_t x_sum32(const xrows *x, int r, int64_t off) {
+/* The sums of x row r's 8 runs of 32 values from off (a super-block), int32 in order. */
+INLINE __m256i x_sums32(const xrows *x, int r, int64_t off) {
     const int32_t *sums = x->s + r * (x->k / 16) + off / 16;
-    return sums[0] + sums[1];
+    __m256i pairs = _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)sums),
+                                      _mm256_loadu_si256((const __m256i *)(sums + 8)));
+    return _mm256_permute4x64_epi64(pairs, 0xd8); /* hadd's order 0 1 4 5 2 3 6 7 back to 0..7 */
 }
 
 /* Q4_K (qh NULL) and Q5_K (qh: the fifth bits). */
-INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_bytes, sink *s, int rows, int64_t o) {
+INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_bytes, sink *s, int mode, int64_t o) {
     const xrows *x = s->x;
+    int rows = ROWS(mode);
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    uint8_t sc[8], mn[8];
+    k4_scales_mins(src + 4, sc, mn);
     __m256i acc[MAX_ROWS];
-    int32_t mins[MAX_ROWS] = {0};
     q32 qh = qh_bytes ? load32(qh_bytes) : _mm256_setzero_si256();
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        k4_scale_min(src + 4, j, &sc, &mn);
         q32 q = and32(shr32(load32(qs + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
         if (qh_bytes) q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
-        __m256i scale = _mm256_set1_epi16((short)sc);
-        __m256i lo = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), scale);
-        __m256i hi = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), scale);
-        for (int r = 0; r < rows; r++) {
-            acc[r] = madd32(acc[r], lo, hi, x, r, o + 32 * j);
-            mins[r] += mn * x_sum32(x, r, o + 32 * j);
+        __m256i scale = _mm256_set1_epi16((short)sc[j]);
+        if (mode & INT8) {
+            for (int r = 0; r < rows; r++) acc[r] = madd32_i8(acc[r], q, q, 0, scale, x, r, o + 32 * j);
+        } else {
+            __m256i lo = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), scale);
+            __m256i hi = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), scale);
+            for (int r = 0; r < rows; r++) acc[r] = madd32(acc[r], lo, hi, x, r, o + 32 * j);
         }
     }
+    __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
     for (int r = 0; r < rows; r++) {
         float dx = x_scale(x, r, o);
         s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * dx), s->c[r][0]);
-        s->cm[r] -= dmin * dx * (float)mins[r];
+        __m256i m = _mm256_mullo_epi32(mins, x_sums32(x, r, o));
+        s->cmv[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx), s->cmv[r]);
     }
 }
 
-INLINE void sb_q6_k(const uint8_t *src, sink *s, int rows, int64_t o) {
+INLINE void sb_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     const xrows *x = s->x;
-    const int8_t *sc = (const int8_t *)(src + 192);
+    int rows = ROWS(mode);
     float d = f16_to_f32(src + 208);
+    /* the 16 scales as int16; a pair of them (sub-blocks j, j + 1) is 32-bit word j / 2 */
+    __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + 192)));
+    const __m256i first = _mm256_set1_epi16(0x0100), second = _mm256_set1_epi16(0x0302);
+    const __m256i halves = _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100));
+    __m256i acc[MAX_ROWS];
+#pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
-        __m256i acc[MAX_ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        if (h == 0 || !(mode & INT8))
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
         q32 qh = load32(src + 128 + h * 32);
+#pragma GCC unroll 4
         for (int g = 0; g < 4; g++) {
             q32 lo4 = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
             q32 hi2 = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
             q32 q = sub32(or32(lo4, hi2), bytes32(32));
-            int j = h * 8 + g * 2;
-            __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(sc[j]));
-            __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
-                                            _mm256_set1_epi16(sc[j + 1]));
-            for (int r = 0; r < rows; r++) acc[r] = madd32(acc[r], lo, hi, x, r, o + h * 128 + g * 32);
+            int64_t off = o + h * 128 + g * 32;
+            __m256i pair = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(h * 4 + g));
+            if (mode & INT8) {
+                __m256i mag = _mm256_abs_epi8(q), sc = _mm256_shuffle_epi8(pair, halves);
+                for (int r = 0; r < rows; r++) acc[r] = madd32_i8(acc[r], mag, q, 1, sc, x, r, off);
+            } else {
+                __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                                                _mm256_shuffle_epi8(pair, first));
+                __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                                _mm256_shuffle_epi8(pair, second));
+                for (int r = 0; r < rows; r++) acc[r] = madd32(acc[r], lo, hi, x, r, off);
+            }
         }
-        for (int r = 0; r < rows; r++)
-            s->c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * x_scale(x, r, o)), s->c[r][h]);
+        if (h == 1 || !(mode & INT8))
+            for (int r = 0; r < rows; r++)
+                s->c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * x_scale(x, r, o)), s->c[r][h]);
     }
 }
 #endif
@@ -319,7 +402,7 @@ INLINE void sb_q6_k(const uint8_t *src, sink *s, int rows, int64_t o) {
 INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
     float d = f16_to_f32(src);
 #ifdef SD_AVX2 /* widening straight from memory saves the shuffles of emit_scale's to_float32 */
-    if (mode & INT16) {
+    if (INTEGER(mode)) {
         emit_scale(s, mode, load32(src + 2), 1, d, d, o);
         return;
     }
@@ -393,8 +476,8 @@ INLINE void blk_q3_k(const uint8_t *src, sink *s, int mode, int64_t o) {
  * Sub-block j (32 values) is nibble j%2 of qs[(j/2)*32 ..]; w = (d*sc)*q - dmin*mn. */
 INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
 #ifdef SD_AVX2
-    if (mode & INT16) {
-        sb_q45_k(src, src + 16, NULL, s, mode & ~INT16, o);
+    if (INTEGER(mode)) {
+        sb_q45_k(src, src + 16, NULL, s, mode, o);
         return;
     }
 #endif
@@ -411,8 +494,8 @@ INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
 /* Q5_K: as Q4_K with qh[32] before qs: bit j of qh[l] is bit 4 of value l of sub-block j. */
 INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
 #ifdef SD_AVX2
-    if (mode & INT16) {
-        sb_q45_k(src, src + 48, src + 16, s, mode & ~INT16, o);
+    if (INTEGER(mode)) {
+        sb_q45_k(src, src + 48, src + 16, s, mode, o);
         return;
     }
 #endif
@@ -432,8 +515,8 @@ INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
  * nibble g/2 of ql[h*64 + (g%2)*32 + l], bits 2g..2g+1 of qh[h*32 + l] on top; w = (d*sc)*(q-32). */
 INLINE void blk_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
 #ifdef SD_AVX2
-    if (mode & INT16) {
-        sb_q6_k(src, s, mode & ~INT16, o);
+    if (INTEGER(mode)) {
+        sb_q6_k(src, s, mode, o);
         return;
     }
 #endif
@@ -482,11 +565,13 @@ static inline float hsum(const __m256 c[2]) {
     return _mm_cvtss_f32(h);
 }
 
-INLINE void sink_init(sink *s, const xrows *x) {
+/* Zeroes the accumulators of the first `rows` x rows only (a constant: no memset of the whole sink). */
+INLINE void sink_init(sink *s, const xrows *x, int rows) {
     s->x = x;
-    for (int r = 0; r < MAX_ROWS; r++) {
+    for (int r = 0; r < rows; r++) {
         s->c[r][0] = s->c[r][1] = _mm256_setzero_ps();
         s->cm[r] = 0.0f;
+        s->cmv[r] = _mm256_setzero_ps();
     }
 }
 
@@ -505,7 +590,7 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
     sink s;
     xrows xr = {.f = x, .k = k};
     int64_t k32 = k / 32 * 32;
-    sink_init(&s, &xr);
+    sink_init(&s, &xr, MAX_ROWS);
     switch (rows) {
     case 1: row_floats(a, k32, &s, 1); break;
     case 2: row_floats(a, k32, &s, 2); break;
@@ -519,9 +604,11 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
     }
 }
 
-/* x rows (k a multiple of `block`, 32 or QK_K) to int16 (xrows): per block of x, scale
- * max|x|/32767, values rounded to nearest even; the sums of each 16 values. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int16_t *q, float *d, int32_t *s) {
+/* x rows (k a multiple of `block`, 32 or QK_K) to integers (xrows): per block of x, scale
+ * max|x|/limit (32767 into q, or 127 into q8), values rounded to nearest even; the sums of each 16
+ * values. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int limit, int16_t *q, int8_t *q8,
+                          float *d, int32_t *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < m * k / block; b++) {
         const float *v = x + block * b;
@@ -531,20 +618,29 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, i
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         float top = _mm_cvtss_f32(h);
-        d[b] = top / 32767.0f;
-        __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        d[b] = top / (float)limit;
+        __m256 inv = _mm256_set1_ps(top > 0.0f ? (float)limit / top : 0.0f);
         for (int64_t i = block * b; i < block * (b + 1); i += 32) {
             __m256i n[4];
             for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), inv));
-            /* int32 -> int16 in order: the packs interleave 128-bit lanes, the permute undoes it */
-            for (int j = 0; j < 2; j++) {
-                __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2 * j], n[2 * j + 1]), 0xd8);
-                _mm256_storeu_si256((__m256i *)(q + i + 16 * j), p);
-            }
+            /* the packs interleave 128-bit lanes; the permutes put the values back in order */
+            __m256i p0 = _mm256_packs_epi32(n[0], n[1]), p1 = _mm256_packs_epi32(n[2], n[3]);
             int sum0 = 0, sum1 = 0;
-            for (int l = 0; l < 16; l++) {
-                sum0 += q[i + l];
-                sum1 += q[i + 16 + l];
+            if (q8) {
+                __m256i b8 = _mm256_packs_epi16(p0, p1);
+                b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256((__m256i *)(q8 + i), b8);
+                for (int l = 0; l < 16; l++) {
+                    sum0 += q8[i + l];
+                    sum1 += q8[i + 16 + l];
+                }
+            } else {
+                _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(p0, 0xd8));
+                _mm256_storeu_si256((__m256i *)(q + i + 16), _mm256_permute4x64_epi64(p1, 0xd8));
+                for (int l = 0; l < 16; l++) {
+                    sum0 += q[i + l];
+                    sum1 += q[i + 16 + l];
+                }
             }
             s[i / 16] = sum0;
             s[i / 16 + 1] = sum1;
@@ -581,7 +677,10 @@ typedef void (*dot_fn)(const uint8_t *, int64_t, int, const xrows *, int, float 
 
 #ifdef SD_AVX2
 INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
-    for (int r = 0; r < (mode & ~INT16); r++) y[r * ys] = (mode & INT16) ? hsum(s->c[r]) + s->cm[r] : hsum(s->c[r]);
+    for (int r = 0; r < ROWS(mode); r++) {
+        __m256 none = _mm256_setzero_ps(), minimums[2] = {s->cmv[r], none};
+        y[r * ys] = INTEGER(mode) ? hsum(s->c[r]) + s->cm[r] + hsum(minimums) : hsum(s->c[r]);
+    }
 }
 
 #define WALK2(t, BLOCK, BYTES, src, rb, k, sa, sb, mode)                                                \
@@ -595,23 +694,23 @@ INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
     INLINE void dot_body_##t(const uint8_t *src, int64_t rb, int nw, const xrows *x, float *y, int64_t ys, \
                              int mode) {                                                                \
         sink a, b;                                                                                      \
-        sink_init(&a, x);                                                                               \
-        if (nw == 2 && (mode & ~INT16) <= 2) {                                                           \
-            sink_init(&b, x);                                                                           \
+        sink_init(&a, x, ROWS(mode));                                                                   \
+        if (nw == 2 && ROWS(mode) <= 2) {                                                           \
+            sink_init(&b, x, ROWS(mode));                                                               \
             WALK2(t, BLOCK, BYTES, src, rb, x->k, &a, &b, mode);                                        \
             sink_store(&a, mode, y, ys);                                                                \
             sink_store(&b, mode, y + 1, ys);                                                            \
             return;                                                                                     \
         }                                                                                               \
         for (int w = 0; w < nw; w++, src += rb, y++) {                                                  \
-            sink_init(&a, x);                                                                           \
+            sink_init(&a, x, ROWS(mode));                                                               \
             WALK(t, BLOCK, BYTES, src, x->k, &a, mode);                                                 \
             sink_store(&a, mode, y, ys);                                                                \
         }                                                                                               \
     }                                                                                                   \
     static void dot_##t(const uint8_t *src, int64_t rb, int nw, const xrows *x, int rows, float *y,     \
                         int64_t ys) {                                                                   \
-        switch (rows | (x->q ? INT16 : 0)) {                                                             \
+        switch (rows | (x->q ? INT16 : x->q8 ? INT8 : 0)) {                                               \
         case 1: dot_body_##t(src, rb, nw, x, y, ys, 1); break;                                          \
         case 2: dot_body_##t(src, rb, nw, x, y, ys, 2); break;                                          \
         case 3: dot_body_##t(src, rb, nw, x, y, ys, 3); break;                                          \
@@ -620,6 +719,10 @@ INLINE void sink_store(const sink *s, int mode, float *y, int64_t ys) {
         case INT16 | 2: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 2); break;                            \
         case INT16 | 3: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 3); break;                            \
         case INT16 | 4: dot_body_##t(src, rb, nw, x, y, ys, INT16 | 4); break;                            \
+        case INT8 | 1: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 1); break;                              \
+        case INT8 | 2: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 2); break;                              \
+        case INT8 | 3: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 3); break;                              \
+        case INT8 | 4: dot_body_##t(src, rb, nw, x, y, ys, INT8 | 4); break;                              \
         }                                                                                               \
     }
 #define DOT_OF(t) dot_##t
@@ -699,8 +802,8 @@ static inline void prefetch_next(const uint8_t *w, int64_t at, int64_t bytes, in
 
 int sd_supported(int type) { return info(type) != NULL; }
 
-/* Whether sd_matmul's integer mode exists for `type` here (AVX2 builds, block types). */
-int sd_int16(int type) {
+/* Whether sd_matmul's integer modes exist for `type` here (AVX2 builds, block types). */
+int sd_integer(int type) {
 #ifdef SD_AVX2
     const type_info *t = info(type);
     return t && t->dot;
@@ -711,7 +814,7 @@ int sd_int16(int type) {
 }
 
 /* How many x values share a scale in sd_matmul's integer mode for `type` (0: no integer mode). */
-int sd_x_block(int type) { return sd_int16(type) ? info(type)->x_block : 0; }
+int sd_x_block(int type) { return sd_integer(type) ? info(type)->x_block : 0; }
 
 /* Bytes of one row of k values, or -1 when the type is unknown or k is not a whole number of blocks. */
 int64_t sd_row_bytes(int type, int64_t k) {
@@ -725,7 +828,7 @@ typedef struct {
     const uint8_t *w;
     int64_t rb, n, k, m;
     const float *x;
-    xrows xq; /* integer mode: the quantized rows (q != NULL) */
+    xrows xq; /* integer activations: the rounded rows (q or q8 not NULL) */
     float *y;
     float *bufs; /* per-thread dequantized rows (stride floats each) */
     int64_t stride;
@@ -758,8 +861,9 @@ static void dot_pair(void *ctx, int64_t p, int thread) {
     for (int64_t i = 0; i < j->m; i += MAX_ROWS) {
         int rows = j->m - i < MAX_ROWS ? (int)(j->m - i) : MAX_ROWS;
         xrows x = j->xq;
-        if (x.q) {
-            x.q += i * j->k;
+        if (x.q || x.q8) {
+            x.q = x.q ? x.q + i * j->k : NULL;
+            x.q8 = x.q8 ? x.q8 + i * j->k : NULL;
             x.d += i * (j->k / x.block);
             x.s += i * (j->k / 16);
         } else {
@@ -785,32 +889,40 @@ static void dot_buffered(void *ctx, int64_t r, int thread) {
     }
 }
 
-/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. In integer mode (when sd_int16)
- * the x rows are quantized first and every weight row is dotted straight from its blocks. Otherwise
- * with m <= MAX_ROWS block rows are dotted straight from their blocks (dot_<t>); above, and for the
- * float types, each row is dequantized once into a per-thread buffer and dotted with the x rows
- * MAX_ROWS at a time. Returns 0, or -1 for a bad type or k, or no memory. */
+/* sd_matmul's x: float32 as given, or rounded to int16 or int8 (where sd_integer). */
+enum { X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
+
+/* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. With integer activations
+ * (when sd_integer) the x rows are rounded first and every weight row is dotted straight from its
+ * blocks. Otherwise with m <= MAX_ROWS block rows are dotted straight from their blocks (dot_<t>);
+ * above, and for the float types, each row is dequantized once into a per-thread buffer and dotted
+ * with the x rows MAX_ROWS at a time. Returns 0, or -1 for a bad type, k or activations, or no memory. */
 int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
-              int threads, int integer) {
+              int threads, int activations) {
     const type_info *t = info(type);
     int64_t rb = sd_row_bytes(type, k);
-    if (!t || rb < 0) return -1;
+    if (!t || rb < 0 || activations < X_FLOAT || activations > X_INT8) return -1;
     if (n <= 0 || m <= 0) return 0;
     if (threads < 1 || n * rb < PARALLEL_BYTES) threads = 1;
     job j = {.t = t, .w = w, .rb = rb, .n = n, .k = k, .m = m, .x = x, .y = y};
     void *mem = NULL;
-    if (integer && sd_int16(type)) {
+    if (activations != X_FLOAT && sd_integer(type)) {
 #ifdef SD_AVX2
         int64_t values = m * k, blocks = values / t->x_block;
+        size_t width = activations == X_INT8 ? 1 : 2;
         /* q first, on a cache line: its 32-byte loads then never straddle two lines */
-        mem = aligned_alloc(64, (size_t)values * sizeof(int16_t) + (size_t)(values / 16) * sizeof(int32_t) +
-                                    ((size_t)blocks * sizeof(float) + 63) / 64 * 64);
+        size_t bytes = (size_t)values * width + (size_t)(values / 16) * sizeof(int32_t) + (size_t)blocks * sizeof(float);
+        mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!mem) return -1;
-        int16_t *q = mem;
-        int32_t *s = (int32_t *)(q + values);
+        int32_t *s = (int32_t *)((char *)mem + (size_t)values * width);
         float *d = (float *)(s + values / 16);
-        quantize_rows(x, m, k, t->x_block, q, d, s);
-        j.xq = (xrows){.q = q, .d = d, .s = s, .k = k, .block = t->x_block};
+        j.xq = (xrows){.d = d, .s = s, .k = k, .block = t->x_block};
+        if (activations == X_INT8)
+            j.xq.q8 = mem;
+        else
+            j.xq.q = mem;
+        quantize_rows(x, m, k, t->x_block, activations == X_INT8 ? 127 : 32767, (int16_t *)j.xq.q,
+                      (int8_t *)j.xq.q8, d, s);
 #endif
     } else if (!(t->dot && m <= MAX_ROWS) && type != T_F32 && k > 0) {
         j.stride = (k + 15) / 16 * 16; /* floats: whole cache lines per thread */
@@ -819,7 +931,7 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     }
     /* Chunks of work handed out as threads free up: a thread that the OS holds back (the machine
      * is shared with the server and everything else) costs one chunk, not its whole share. */
-    if (j.xq.q || (t->dot && m <= MAX_ROWS))
+    if (j.xq.q || j.xq.q8 || (t->dot && m <= MAX_ROWS))
         sd_parallel(threads, (n + 1) / 2, (n + 1) / 2 / (8 * threads) + 1, dot_pair, &j);
     else
         sd_parallel(threads, n, n / (8 * threads) + 1, dot_buffered, &j);
