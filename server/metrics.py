@@ -219,6 +219,7 @@ class Metrics:
                         cpu_share=round(t.cpu / served, 4) if served else 0.0,
                         hit_rate=round(hit, 4) if hit is not None else None, swaps=t.swaps,
                         adapt_rounds=t.adapt_rounds, adapt_wait_ms=t.adapt_wait_ms,
+                        adapt_wait_total_ms=t.adapt_wait_total_ms, hot=t.hot,
                         experts_cached=t.experts_cached, experts_total=t.experts_total, mode=t.mode, slots=t.slots,
                         cache_mib=t.cache_mib, cpu_ms=t.cpu_ms, hits=t.hits, lookups=t.lookups,
                         offloaded=t.offloaded)
@@ -315,6 +316,9 @@ class _Collector:
             yield gauge("strata_expert_hit_ratio", "VRAM expert cache hit rate", snap.tier.hit_rate)
             yield counter("strata_expert_swaps", "experts swapped by the adaptive tier", snap.tier.swaps)
             yield counter("strata_expert_adapt_rounds", "adaptive tier rounds", snap.tier.adapt_rounds)
+            if snap.tier.adapt_wait_total_ms is not None:
+                yield counter("strata_expert_adapt_wait_seconds", "time decode windows waited for adapt rounds",
+                              snap.tier.adapt_wait_total_ms / 1000)
             yield counter("strata_expert_cpu_seconds", "time computing routed experts on the CPU", snap.tier.cpu_ms / 1000)
         if snap.stats is not None:
             yield counter("strata_windows", "decode windows run", snap.stats.windows)

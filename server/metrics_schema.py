@@ -28,6 +28,17 @@ class _Model(BaseModel):
 # What the engine sends on its STATS line (engine -> server, JSON after the word STATS)
 
 
+class HotExpert(BaseModel):
+    """One of the tier's hottest experts (STATS `tier.hot`): its share of its layer's recent routing
+    (the decayed counts the adapt rounds rank by) and whether a cache slot holds it."""
+
+    model_config = ConfigDict(extra="ignore")
+    layer: int
+    expert: int
+    share: float
+    cached: bool
+
+
 class StatsTier(BaseModel):
     """Expert-tier figures (docs/protocol.md, STATS). vram/pcie/cpu may be shares or counts of the
     routed experts served each way; the server normalizes them to shares."""
@@ -41,7 +52,9 @@ class StatsTier(BaseModel):
     lookups: int | None = None
     swaps: int = 0  # experts moved by the adaptive tier (total)
     adapt_rounds: int = 0
-    adapt_wait_ms: float = 0.0  # main-thread time waiting for the tier, per window (recent)
+    adapt_wait_ms: float = 0.0  # main-thread time waiting for the tier, mean per window since start
+    adapt_wait_total_ms: float | None = None  # the same, in all (total)
+    hot: list[HotExpert] = Field(default_factory=list)  # the hottest experts, hottest first
     experts_cached: int | None = None  # experts held in the VRAM cache now
     experts_total: int | None = None  # routed experts in the model
     slots: int | None = None  # cache slots (all layers)
@@ -237,9 +250,11 @@ class TierView(_Model):
     pcie_share: float = 0.0
     cpu_share: float = 0.0
     hit_rate: float | None = None
-    swaps: int = 0
+    swaps: int = 0  # total, as adapt_rounds
     adapt_rounds: int = 0
-    adapt_wait_ms: float = 0.0
+    adapt_wait_ms: float = 0.0  # mean per decode window since start
+    adapt_wait_total_ms: float | None = None  # total: two snapshots give the wait between them
+    hot: list[HotExpert] = Field(default_factory=list)  # the hottest experts now, hottest first
     experts_cached: int | None = None
     experts_total: int | None = None
     mode: str | None = None  # "resident": every expert in the model's memory, no cache; "simulated": the CPU's tier
