@@ -176,7 +176,7 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
     shares = sorted(((float(c[e] / c.sum()), layer, e) for layer, c in enumerate(tier.counts)
                      for e in range(len(c)) if c[e] > 0), reverse=True)
     hot = snap["hot"]
-    assert [h["share"] for h in hot] == [round(s, 4) for s, _, _ in shares[:5]]
+    assert [h["share"] for h in hot] == [round(s, 4) for s, _, _ in shares[:4]]
     for h in hot:
         counts = tier.counts[h["layer"]]
         assert h["share"] == round(float(counts[h["expert"]] / counts.sum()), 4)

@@ -126,6 +126,19 @@ def moe_window_rate(window: int) -> float:
     return round(0.2 + 0.7 * min(1.0, window / 20), 4)
 
 
+MOE_ROUNDS = 4  # adapt rounds between two reports
+MOE_WAIT_MS = 1.6  # what the decode windows waited for them
+
+
+def moe_window_swaps(window: int) -> int:
+    """Experts the adapt rounds copied into slots in `window`: many while the cache fills, then few."""
+    return 4 if window < 10 else 1
+
+
+MOE_HOT = [{"layer": 0, "expert": 3, "share": 0.31, "cached": True}, {"layer": 2, "expert": 11, "share": 0.27, "cached": True},
+           {"layer": 1, "expert": 7, "share": 0.22, "cached": True}, {"layer": 3, "expert": 0, "share": 0.19, "cached": False}]
+
+
 def cpu_moe_simulated(window: int = MOE_WINDOWS - 1) -> MetricsSnapshot:
     """The `--demo moe` shape on a machine without a GPU: a generated qwen3moe model whose experts
     run from the simulated tier (`--expert-cache N`), two slots decoding; the tier's totals as
@@ -155,9 +168,11 @@ def cpu_moe_simulated(window: int = MOE_WINDOWS - 1) -> MetricsSnapshot:
     lookups = MOE_LOOKUPS * (window + 1)
     rate = round(hits / lookups, 4)
     data["tier"] = {"mode": "simulated", "vram_share": rate, "pcie_share": 0.0, "cpu_share": round(1 - rate, 4),
-                    "hit_rate": rate, "hits": hits, "lookups": lookups, "offloaded": 0, "swaps": 57,
-                    "adapt_rounds": 31, "adapt_wait_ms": 0.8, "experts_cached": 24, "experts_total": 64, "slots": 24,
-                    "cache_mib": 3.0, "cpu_ms": 1840.0}
+                    "hit_rate": rate, "hits": hits, "lookups": lookups, "offloaded": 0,
+                    "swaps": sum(moe_window_swaps(k) for k in range(window + 1)),
+                    "adapt_rounds": MOE_ROUNDS * (window + 1), "adapt_wait_ms": round(MOE_WAIT_MS * (window + 1) / 560, 2),
+                    "adapt_wait_total_ms": round(MOE_WAIT_MS * (window + 1), 1), "hot": MOE_HOT,
+                    "experts_cached": 24, "experts_total": 64, "slots": 24, "cache_mib": 3.0, "cpu_ms": 1840.0}
     data["stats"] = {"windows": 560, "rows": 1090, "ms_per_window": 62.5, "rows_per_window": 2.0,
                      "at": T0 - 0.3 - 2.0 * (MOE_WINDOWS - 1 - window)}
     return MetricsSnapshot.model_validate(data)

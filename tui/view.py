@@ -129,6 +129,9 @@ class TierWindow:
     vram_share: float  # the cache's hit rate over the window
     pcie_share: float
     cpu_share: float
+    swaps: int = 0  # experts the adapt rounds copied into slots in the window
+    adapt_rounds: int = 0
+    adapt_wait_ms: float | None = None  # what the window's decoding waited for those rounds (None: not sent)
 
 
 def tier_window(before: TierView, before_at: float, now: TierView, now_at: float) -> TierWindow | None:
@@ -137,10 +140,16 @@ def tier_window(before: TierView, before_at: float, now: TierView, now_at: float
     if before.hits is None or before.lookups is None or now.hits is None or now.lookups is None:
         return None
     lookups, hits, pcie = now.lookups - before.lookups, now.hits - before.hits, now.offloaded - before.offloaded
-    if lookups <= 0 or hits < 0 or pcie < 0 or hits + pcie > lookups:
+    swaps, rounds = now.swaps - before.swaps, now.adapt_rounds - before.adapt_rounds
+    if lookups <= 0 or hits < 0 or pcie < 0 or hits + pcie > lookups or swaps < 0 or rounds < 0:
+        return None
+    wait = (now.adapt_wait_total_ms - before.adapt_wait_total_ms
+            if now.adapt_wait_total_ms is not None and before.adapt_wait_total_ms is not None else None)
+    if wait is not None and wait < 0:
         return None
     return TierWindow(seconds=max(0.0, now_at - before_at), lookups=lookups, vram_share=hits / lookups,
-                      pcie_share=pcie / lookups, cpu_share=(lookups - hits - pcie) / lookups)
+                      pcie_share=pcie / lookups, cpu_share=(lookups - hits - pcie) / lookups,
+                      swaps=swaps, adapt_rounds=rounds, adapt_wait_ms=wait)
 
 
 @dataclass

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
 WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
-HOT_EXPERTS = 5  # the hottest experts `figures` names
+HOT_EXPERTS = 4  # the hottest experts `figures` names (the dashboard's line holds 4)
 
 
 class TierError(ValueError):
