@@ -346,6 +346,13 @@ class _Collector:
             if g.util_pct is not None:
                 util.add_metric([str(g.index)], g.util_pct / 100)
         yield util
+        pcie = GaugeMetricFamily("strata_gpu_pcie_bytes_per_second", "PCIe traffic (NVML's 20 ms sample)",
+                                 labels=["gpu", "direction"])
+        for g in snap.devices:
+            if g.pcie_to_mib_s is not None and g.pcie_from_mib_s is not None:
+                pcie.add_metric([str(g.index), "to_gpu"], g.pcie_to_mib_s * 2**20)
+                pcie.add_metric([str(g.index), "from_gpu"], g.pcie_from_mib_s * 2**20)
+        yield pcie
         yield gauge("strata_host_cpu_ratio", "host CPU use", snap.host.cpu_pct / 100)
         yield gauge("strata_host_memory_used_bytes", "host RAM in use", snap.host.ram_used_mib * 2**20)
         yield gauge("strata_host_memory_total_bytes", "host RAM", snap.host.ram_total_mib * 2**20)

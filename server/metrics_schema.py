@@ -231,6 +231,8 @@ class GpuInfo(_Model):
     temp_c: float | None = None
     power_w: float | None = None
     power_limit_w: float | None = None
+    pcie_to_mib_s: float | None = None  # PCIe traffic to the GPU (host -> GPU), MiB/s, NVML's 20 ms sample
+    pcie_from_mib_s: float | None = None  # and from it; both None where NVML has no counters
     split: MemorySplit | None = None  # filled from STATS when the engine reported this device
 
 

@@ -1,5 +1,5 @@
 """One GPU: a VRAM bar split into weights, expert cache, slot sessions, KV, other and free, with
-util, temperature and power."""
+util, temperature, power and its PCIe traffic."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class GpuCard(Vertical):
         update_text(self.query_one(".gpu-title", Static), gpu_title(gpu))
         segs = gpu_segments(gpu)
         self.query_one(SegmentBar).segments = tuple(segs)
-        update_text(self.query_one(".gpu-legend", Static), legend(segs))
+        update_text(self.query_one(".gpu-legend", Static), legend(segs) + pcie_text(gpu))
 
 
 def gpu_title(gpu: GpuInfo) -> Text:
@@ -88,3 +88,10 @@ def gpu_title(gpu: GpuInfo) -> Text:
         if gpu.power_limit_w:
             title.append(f"/{gpu.power_limit_w:.0f}", style="dim")
     return title
+
+
+def pcie_text(gpu: GpuInfo) -> Text:
+    """`PCIe to GPU 1.2 GiB/s  from GPU 40 MiB/s` (NVML's sample); empty where NVML has no counters."""
+    if gpu.pcie_to_mib_s is None or gpu.pcie_from_mib_s is None:
+        return Text()
+    return Text.assemble(("PCIe ", "bold"), f"to GPU {mib(gpu.pcie_to_mib_s)}/s  from GPU {mib(gpu.pcie_from_mib_s)}/s")
