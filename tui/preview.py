@@ -80,15 +80,36 @@ def busy() -> MetricsSnapshot:
     data["devices"][0].update({"util_pct": 97, "temp_c": 71, "power_w": 388, "used_mib": 22010, "free_mib": 2554})
     data["devices"][0]["split"].update({"kv_mib": 872, "free_mib": 2554})
     data["host"]["cpu_pct"] = 38.0
-    data["tier"].update({"vram_share": 0.842, "pcie_share": 0.071, "cpu_share": 0.087, "hit_rate": 0.842})
+    data["devices"][0].update({"pcie_to_mib_s": 2310.0, "pcie_from_mib_s": 38.0})
+    data["tier"].update({"vram_share": 0.842, "pcie_share": 0.071, "cpu_share": 0.087, "hit_rate": 0.842,
+                         "mode": "gpu", "hot": BUSY_HOT, **busy_tier_totals(BUSY_POLLS)})
+    data["stats"]["at"] = T0 - 0.4
     return MetricsSnapshot.model_validate(data)
+
+
+BUSY_POLLS = 60  # busy_history's snapshots before busy()
+BUSY_HOT = [{"layer": 11, "expert": 87, "share": 0.094, "cached": True},
+            {"layer": 3, "expert": 5, "share": 0.081, "cached": True},
+            {"layer": 40, "expert": 19, "share": 0.077, "cached": False},
+            {"layer": 27, "expert": 112, "share": 0.069, "cached": True}]
+
+
+def busy_tier_totals(poll: int) -> dict[str, Any]:
+    """The GPU tier's totals at `poll` (one engine report a second): 4,800 lookups a report, 84.2% from
+    VRAM and 7.1% over PCIe, 2 adapt rounds and 6 swaps a report."""
+    lookups = 4800 * (100 + poll)
+    return {"lookups": lookups, "hits": round(lookups * 0.842), "offloaded": round(lookups * 0.071),
+            "swaps": 1176 + 6 * poll, "adapt_rounds": 91 + 2 * poll, "adapt_wait_total_ms": round(0.6 * (100 + poll), 1)}
 
 
 def busy_history() -> list[MetricsSnapshot]:
     """60 snapshots ramping up into `busy()`, so the sparklines have a shape."""
     out = []
-    for i in range(60):
+    for i in range(BUSY_POLLS):
         snap = busy()
+        for key, value in busy_tier_totals(i).items():
+            setattr(snap.tier, key, value)
+        snap.stats.at = T0 - 0.4 - (BUSY_POLLS - i)
         factor = min(1.0, 0.15 + i / 40) * (0.92 + 0.08 * ((i * 7) % 5) / 4)
         snap.live.tok_s = round(183.6 * factor, 1)
         for slot in snap.live.slots:

@@ -68,7 +68,12 @@ class GpuCard(Vertical):
         update_text(self.query_one(".gpu-title", Static), gpu_title(gpu))
         segs = gpu_segments(gpu)
         self.query_one(SegmentBar).segments = tuple(segs)
-        update_text(self.query_one(".gpu-legend", Static), legend(segs) + pcie_text(gpu))
+        text = legend(segs)
+        if pcie := pcie_text(gpu):
+            text.rstrip()
+            text.append("\n")
+            text.append_text(pcie)
+        update_text(self.query_one(".gpu-legend", Static), text)
 
 
 def gpu_title(gpu: GpuInfo) -> Text:
