@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 import psutil
 
@@ -25,7 +26,7 @@ _nvml_state: bool | None = None  # None: not tried yet
 class PcieSampler:
     """Each GPU's PCIe throughput (MiB/s: to the GPU, from it), read on a daemon thread when asked."""
 
-    def __init__(self, nv) -> None:  # noqa: ANN001 - the pynvml module (or a stand-in)
+    def __init__(self, nv: Any) -> None:  # the pynvml module (or a stand-in)
         self.nv = nv
         self.last: dict[int, tuple[float, float]] = {}  # GPU index -> (to the GPU, from it)
         self._asked: list[tuple[int, object]] = []
