@@ -136,7 +136,8 @@ def adapt_text(tier: TierView, window: TierWindow | None) -> Text:
 def hot_text(hot: list[HotExpert]) -> Text:
     """The hottest experts as layer/expert and their share of the layer's recent routing, one not in
     the cache marked "miss" (each time it is routed, it is served from host memory)."""
-    text = Text("hottest (layer/expert, share of its layer's routing)\n", style="dim")
+    text = Text()
+    text.append("hottest (layer/expert, share of its layer's routing)\n", style="dim")
     for i, h in enumerate(hot):
         text.append("  " if i else "")
         text.append(f"L{h.layer}/E{h.expert} {pct(h.share)}")
