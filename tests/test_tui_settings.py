@@ -1,7 +1,7 @@
 """The settings form against today's engine: which options would have no effect as the form stands
 (no expert cache, a dense model, the simulated tier's pcie_frac, a round's options while adapt_every
-is 0, one parking limit at 0), the notes following each keystroke; the expert cache and parking
-rows edit the config's values. Fixed snapshots (`tui.preview`), no server."""
+is 0, one parking limit at 0, groups without batch slots), the notes following each keystroke; the
+expert cache and parking rows edit the config's values. Fixed snapshots (`tui.preview`), no server."""
 
 from __future__ import annotations
 
@@ -80,5 +80,7 @@ async def test_form_notes_follow_the_values() -> None:
         await set_field("adapt_every", "4")
         await set_field("conversation_cache_slots", "0")
         assert message("conversation_cache_mib") == NO_EFFECT + "parking is off while conversation-cache-slots is 0"
+        await set_field("parallel", "1")
+        assert message("batch_groups").startswith("parallel 1: no batch slots to group")
         assert form.candidate is not None and form.candidate.expert_cache == "auto"
         assert form.candidate.conversation_cache_slots == 0

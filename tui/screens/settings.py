@@ -190,7 +190,9 @@ class SettingsScreen(Screen[SettingsResult | None]):
         groups = data.get("batch_groups")
         split = self.base.layer_split
         allowed = "auto or " + ", ".join(str(d) for d in divisors(max(1, parallel)))
-        if not split:
+        if parallel == 1:
+            where = "parallel 1: no batch slots to group, one window at a time"
+        elif not split:
             where = "no layer split (one GPU): groups only matter with a layer split"
         elif unsplit := layer_split_note(self.snapshot.engine if self.snapshot else None):
             where = f"layer split {split}: {unsplit}"
