@@ -199,13 +199,15 @@ class Metrics:
     def _devices(self, layers: dict[int, str]) -> list[GpuInfo]:
         gpus = hardware.probe_gpus()
         split = {d.cuda_index: d for d in self.stats.memory} if self.stats else {}
+        tier_slots = self.stats.tier.device_slots if self.stats and self.stats.tier else {}
         for g in gpus:
             d = split.get(g.index)
             if d is not None:
                 known = d.weights_mib + d.slots_mib + d.kv_mib
                 g.split = MemorySplit(weights_mib=d.weights_mib, experts_mib=d.experts_mib, slots_mib=d.slots_mib,
                                       kv_mib=d.kv_mib, free_mib=d.free_mib if d.free_mib is not None else g.free_mib,
-                                      other_mib=max(0.0, g.used_mib - known), layers=layers.get(g.index))
+                                      other_mib=max(0.0, g.used_mib - known), layers=layers.get(g.index),
+                                      expert_slots=tier_slots.get(d.device))
         return gpus
 
     def _tier(self) -> TierView | None:

@@ -58,6 +58,7 @@ class StatsTier(BaseModel):
     experts_cached: int | None = None  # experts held in the VRAM cache now
     experts_total: int | None = None  # routed experts in the model
     slots: int | None = None  # cache slots (all layers)
+    device_slots: dict[str, int] = Field(default_factory=dict)  # the GPU tier's slots per device ("cuda:0")
     cache_mib: float | None = None  # the slots' bytes
     offloaded: int = 0  # decode entries served over PCIe (DONE's offloaded, summed)
     cpu_ms: float = 0.0  # time spent computing the CPU's entries (total)
@@ -219,6 +220,7 @@ class MemorySplit(_Model):
     free_mib: float | None = None
     other_mib: float | None = None  # used by NVML's count but by nothing above (CUDA context, others)
     layers: str | None = None  # the layer range this card runs on a layer split ("0-23"), from INFO layer_split
+    expert_slots: int | None = None  # the GPU expert tier's cache slots on this card (experts_mib is their bytes)
 
 
 class GpuInfo(_Model):

@@ -182,6 +182,7 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
         assert h["share"] == round(float(counts[h["expert"]] / counts.sum()), 4)
         assert h["cached"] == (int(tier.layers[h["layer"]].slots.slot_of[h["expert"]]) >= 0)
     assert snap["experts_cached"] == 8 and snap["experts_total"] == 32 and snap["slots"] == 8
+    assert snap["device_slots"] == {}  # the simulated tier's slots are host buffers, on no GPU
     assert snap["cache_mib"] == round(8 * 3 * 32 * 64 * 4 / 2**20, 1)  # 8 slots x 3 f32 matrices of 32 x 64
     assert snap["hits"] == stats.experts.vram and snap["lookups"] == stats.experts.lookups > 0 and snap["offloaded"] == 0
     assert snap["vram"] + snap["cpu"] == pytest.approx(1) and snap["pcie"] == 0

@@ -81,6 +81,7 @@ def busy() -> MetricsSnapshot:
     data["devices"][0]["split"].update({"kv_mib": 872, "free_mib": 2554})
     data["host"]["cpu_pct"] = 38.0
     data["devices"][0].update({"pcie_to_mib_s": 2310.0, "pcie_from_mib_s": 38.0})
+    data["devices"][0]["split"]["expert_slots"] = 4480
     data["tier"].update({"vram_share": 0.842, "pcie_share": 0.071, "cpu_share": 0.087, "hit_rate": 0.842,
                          "mode": "gpu", "hot": BUSY_HOT, **busy_tier_totals(BUSY_POLLS)})
     data["stats"]["at"] = T0 - 0.4

@@ -121,6 +121,16 @@ class Tier:
         for swap in plan:
             self.layers[swap.layer].slots.load(swap.slot, swap.expert)
 
+    def slots_by_device(self) -> dict[str, int]:
+        """The GPU tier's cache slots per device, keyed as STATS `memory` keys them; {} for the simulated tier."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            device = getattr(layer.slots, "device", None)
+            if device is not None:
+                key = f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
+                out[key] = out.get(key, 0) + layer.slots.size
+        return out
+
     def hottest(self, n: int = HOT_EXPERTS) -> list[dict[str, int | float | bool]]:
         """The `n` experts with the largest share of their layer's decayed routing counts (what the
         rounds rank by), each with whether a slot holds it; none before the first decode window."""
@@ -140,7 +150,7 @@ class Tier:
                 "adapt_wait_ms": round(self.adapt_wait_s * 1000 / max(self.windows, 1), 4),
                 "adapt_wait_total_ms": round(self.adapt_wait_s * 1000, 3), "hot": self.hottest(),
                 "experts_cached": self.cached(), "experts_total": self.experts_total, "slots": self.slots,
-                "cache_mib": round(self.cache_bytes() / MIB, 1)}
+                "device_slots": self.slots_by_device(), "cache_mib": round(self.cache_bytes() / MIB, 1)}
 
 
 def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: float) -> list[GpuTieredExperts]:

@@ -9,7 +9,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from server.metrics_schema import GpuInfo
-from tui.format import mib
+from tui.format import count, mib
 from tui.widgets.quiet import update_text
 from tui.widgets.segment_bar import Segment, SegmentBar
 
@@ -42,13 +42,17 @@ def gpu_segments(gpu: GpuInfo) -> list[Segment]:
     return segs
 
 
-def legend(segs: list[Segment]) -> Text:
+def legend(segs: list[Segment], expert_slots: int | None = None) -> Text:
+    """Each part's size; with the GPU expert tier the experts are its cache, with its slots."""
     text = Text()
     for seg in segs:
         if seg.value <= 0 and seg.label not in ("free",):
             continue
         text.append("■ ", style=seg.style if seg.label != "free" else "grey50")
-        text.append(f"{seg.label} {mib(seg.value)}  ")
+        if seg.label == "experts" and expert_slots is not None:
+            text.append(f"expert cache {mib(seg.value)} ({count(expert_slots)} slots)  ")
+        else:
+            text.append(f"{seg.label} {mib(seg.value)}  ")
     return text
 
 
@@ -68,7 +72,7 @@ class GpuCard(Vertical):
         update_text(self.query_one(".gpu-title", Static), gpu_title(gpu))
         segs = gpu_segments(gpu)
         self.query_one(SegmentBar).segments = tuple(segs)
-        text = legend(segs)
+        text = legend(segs, gpu.split.expert_slots if gpu.split is not None else None)
         if pcie := pcie_text(gpu):
             text.rstrip()
             text.append("\n")
