@@ -42,7 +42,7 @@ def test_a_card_shows_its_expert_cache_slots(monkeypatch) -> None:
     cards = metrics._devices({})
     assert [g.split.expert_slots for g in cards] == [2240, 1120]
     text = legend(gpu_segments(cards[1]), cards[1].split.expert_slots).plain
-    assert "expert cache 5.9 GiB (1,120 slots)" in text and "■ experts" not in text
+    assert "expert cache 5.9 GiB (1,120 experts)" in text and "■ experts" not in text
     metrics.on_stats({"memory": memory, "tier": {"mode": "resident"}})  # no tier: the experts as they are
     resident = metrics._devices({})[0]
     assert resident.split.expert_slots is None

@@ -50,7 +50,7 @@ def legend(segs: list[Segment], expert_slots: int | None = None) -> Text:
             continue
         text.append("■ ", style=seg.style if seg.label != "free" else "grey50")
         if seg.label == "experts" and expert_slots is not None:
-            text.append(f"expert cache {mib(seg.value)} ({count(expert_slots)} slots)  ")
+            text.append(f"expert cache {mib(seg.value)} ({count(expert_slots)} experts)  ")  # a slot holds one
         else:
             text.append(f"{seg.label} {mib(seg.value)}  ")
     return text
