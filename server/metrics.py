@@ -199,13 +199,15 @@ class Metrics:
     def _devices(self, layers: dict[int, str]) -> list[GpuInfo]:
         gpus = hardware.probe_gpus()
         split = {d.cuda_index: d for d in self.stats.memory} if self.stats else {}
+        tier_slots = self.stats.tier.device_slots if self.stats and self.stats.tier else {}
         for g in gpus:
             d = split.get(g.index)
             if d is not None:
                 known = d.weights_mib + d.slots_mib + d.kv_mib
                 g.split = MemorySplit(weights_mib=d.weights_mib, experts_mib=d.experts_mib, slots_mib=d.slots_mib,
                                       kv_mib=d.kv_mib, free_mib=d.free_mib if d.free_mib is not None else g.free_mib,
-                                      other_mib=max(0.0, g.used_mib - known), layers=layers.get(g.index))
+                                      other_mib=max(0.0, g.used_mib - known), layers=layers.get(g.index),
+                                      expert_slots=tier_slots.get(d.device))
         return gpus
 
     def _tier(self) -> TierView | None:
@@ -219,6 +221,7 @@ class Metrics:
                         cpu_share=round(t.cpu / served, 4) if served else 0.0,
                         hit_rate=round(hit, 4) if hit is not None else None, swaps=t.swaps,
                         adapt_rounds=t.adapt_rounds, adapt_wait_ms=t.adapt_wait_ms,
+                        adapt_wait_total_ms=t.adapt_wait_total_ms, hot=t.hot,
                         experts_cached=t.experts_cached, experts_total=t.experts_total, mode=t.mode, slots=t.slots,
                         cache_mib=t.cache_mib, cpu_ms=t.cpu_ms, hits=t.hits, lookups=t.lookups,
                         offloaded=t.offloaded)
@@ -315,6 +318,9 @@ class _Collector:
             yield gauge("strata_expert_hit_ratio", "VRAM expert cache hit rate", snap.tier.hit_rate)
             yield counter("strata_expert_swaps", "experts swapped by the adaptive tier", snap.tier.swaps)
             yield counter("strata_expert_adapt_rounds", "adaptive tier rounds", snap.tier.adapt_rounds)
+            if snap.tier.adapt_wait_total_ms is not None:
+                yield counter("strata_expert_adapt_wait_seconds", "time decode windows waited for adapt rounds",
+                              snap.tier.adapt_wait_total_ms / 1000)
             yield counter("strata_expert_cpu_seconds", "time computing routed experts on the CPU", snap.tier.cpu_ms / 1000)
         if snap.stats is not None:
             yield counter("strata_windows", "decode windows run", snap.stats.windows)
@@ -342,6 +348,13 @@ class _Collector:
             if g.util_pct is not None:
                 util.add_metric([str(g.index)], g.util_pct / 100)
         yield util
+        pcie = GaugeMetricFamily("strata_gpu_pcie_bytes_per_second", "PCIe traffic (NVML's 20 ms sample)",
+                                 labels=["gpu", "direction"])
+        for g in snap.devices:
+            if g.pcie_to_mib_s is not None and g.pcie_from_mib_s is not None:
+                pcie.add_metric([str(g.index), "to_gpu"], g.pcie_to_mib_s * 2**20)
+                pcie.add_metric([str(g.index), "from_gpu"], g.pcie_from_mib_s * 2**20)
+        yield pcie
         yield gauge("strata_host_cpu_ratio", "host CPU use", snap.host.cpu_pct / 100)
         yield gauge("strata_host_memory_used_bytes", "host RAM in use", snap.host.ram_used_mib * 2**20)
         yield gauge("strata_host_memory_total_bytes", "host RAM", snap.host.ram_total_mib * 2**20)

@@ -28,6 +28,17 @@ class _Model(BaseModel):
 # What the engine sends on its STATS line (engine -> server, JSON after the word STATS)
 
 
+class HotExpert(BaseModel):
+    """One of the tier's hottest experts (STATS `tier.hot`): its share of its layer's recent routing
+    (the decayed counts the adapt rounds rank by) and whether a cache slot holds it."""
+
+    model_config = ConfigDict(extra="ignore")
+    layer: int
+    expert: int
+    share: float
+    cached: bool
+
+
 class StatsTier(BaseModel):
     """Expert-tier figures (docs/protocol.md, STATS). vram/pcie/cpu may be shares or counts of the
     routed experts served each way; the server normalizes them to shares."""
@@ -41,10 +52,13 @@ class StatsTier(BaseModel):
     lookups: int | None = None
     swaps: int = 0  # experts moved by the adaptive tier (total)
     adapt_rounds: int = 0
-    adapt_wait_ms: float = 0.0  # main-thread time waiting for the tier, per window (recent)
+    adapt_wait_ms: float = 0.0  # main-thread time waiting for the tier, mean per window since start
+    adapt_wait_total_ms: float | None = None  # the same, in all (total)
+    hot: list[HotExpert] = Field(default_factory=list)  # the hottest experts, hottest first
     experts_cached: int | None = None  # experts held in the VRAM cache now
     experts_total: int | None = None  # routed experts in the model
     slots: int | None = None  # cache slots (all layers)
+    device_slots: dict[str, int] = Field(default_factory=dict)  # the GPU tier's slots per device ("cuda:0")
     cache_mib: float | None = None  # the slots' bytes
     offloaded: int = 0  # decode entries served over PCIe (DONE's offloaded, summed)
     cpu_ms: float = 0.0  # time spent computing the CPU's entries (total)
@@ -206,6 +220,7 @@ class MemorySplit(_Model):
     free_mib: float | None = None
     other_mib: float | None = None  # used by NVML's count but by nothing above (CUDA context, others)
     layers: str | None = None  # the layer range this card runs on a layer split ("0-23"), from INFO layer_split
+    expert_slots: int | None = None  # the GPU expert tier's cache slots on this card (experts_mib is their bytes)
 
 
 class GpuInfo(_Model):
@@ -218,6 +233,8 @@ class GpuInfo(_Model):
     temp_c: float | None = None
     power_w: float | None = None
     power_limit_w: float | None = None
+    pcie_to_mib_s: float | None = None  # PCIe traffic to the GPU (host -> GPU), MiB/s, NVML's 20 ms sample
+    pcie_from_mib_s: float | None = None  # and from it; both None where NVML has no counters
     split: MemorySplit | None = None  # filled from STATS when the engine reported this device
 
 
@@ -237,9 +254,11 @@ class TierView(_Model):
     pcie_share: float = 0.0
     cpu_share: float = 0.0
     hit_rate: float | None = None
-    swaps: int = 0
+    swaps: int = 0  # total, as adapt_rounds
     adapt_rounds: int = 0
-    adapt_wait_ms: float = 0.0
+    adapt_wait_ms: float = 0.0  # mean per decode window since start
+    adapt_wait_total_ms: float | None = None  # total: two snapshots give the wait between them
+    hot: list[HotExpert] = Field(default_factory=list)  # the hottest experts now, hottest first
     experts_cached: int | None = None
     experts_total: int | None = None
     mode: str | None = None  # "resident": every expert in the model's memory, no cache; "simulated": the CPU's tier

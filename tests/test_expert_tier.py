@@ -171,7 +171,18 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
     snap = line["tier"]
     assert snap["mode"] == "simulated" and snap["swaps"] == tier.swaps > 0 and snap["adapt_rounds"] == tier.rounds > 0
     assert snap["adapt_wait_ms"] == round(tier.adapt_wait_s * 1000 / tier.windows, 4) > 0
+    assert snap["adapt_wait_total_ms"] == round(tier.adapt_wait_s * 1000, 3) > 0
+    # the hottest experts: the largest shares of a layer's decayed counts, hottest first, cached or not
+    shares = sorted(((float(c[e] / c.sum()), layer, e) for layer, c in enumerate(tier.counts)
+                     for e in range(len(c)) if c[e] > 0), reverse=True)
+    hot = snap["hot"]
+    assert [h["share"] for h in hot] == [round(s, 4) for s, _, _ in shares[:4]]
+    for h in hot:
+        counts = tier.counts[h["layer"]]
+        assert h["share"] == round(float(counts[h["expert"]] / counts.sum()), 4)
+        assert h["cached"] == (int(tier.layers[h["layer"]].slots.slot_of[h["expert"]]) >= 0)
     assert snap["experts_cached"] == 8 and snap["experts_total"] == 32 and snap["slots"] == 8
+    assert snap["device_slots"] == {}  # the simulated tier's slots are host buffers, on no GPU
     assert snap["cache_mib"] == round(8 * 3 * 32 * 64 * 4 / 2**20, 1)  # 8 slots x 3 f32 matrices of 32 x 64
     assert snap["hits"] == stats.experts.vram and snap["lookups"] == stats.experts.lookups > 0 and snap["offloaded"] == 0
     assert snap["vram"] + snap["cpu"] == pytest.approx(1) and snap["pcie"] == 0
@@ -184,6 +195,9 @@ def test_tier_figures_reach_stats_and_done(window_driver, profile):
     assert view.mode == "simulated" and view.slots == 8 and view.experts_cached == 8 and view.swaps == tier.swaps
     assert view.hit_rate == round(snap["hits"] / snap["lookups"], 4) and view.vram_share + view.cpu_share == pytest.approx(1)
     assert view.cache_mib == snap["cache_mib"] and view.cpu_ms == snap["cpu_ms"] > 0
+    assert view.adapt_wait_total_ms == snap["adapt_wait_total_ms"] and view.adapt_rounds == tier.rounds
+    assert [(h.layer, h.expert, h.share, h.cached) for h in view.hot] == [
+        (h["layer"], h["expert"], h["share"], h["cached"]) for h in hot]
 
 
 def test_a_prompt_read_counts_for_the_profile_not_for_adaptation(window_driver):

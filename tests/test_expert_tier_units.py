@@ -155,6 +155,10 @@ def test_engine_process_runs_the_tier_and_saves_its_profile(tiny_model, tmp_path
     assert info["tier"] == "simulated" and info["expert_slots"] == 8 and "adapt_every" not in info["unsupported"]
     done = next(x for x in r if isinstance(x, P.Done))
     assert done.lookups == (done.generated - 1) * 4 * 2 and 0 <= done.hits <= done.lookups and done.offloaded == 0
+    tier = [x for x in r if isinstance(x, P.Stats)][-1].data["tier"]  # what the server reads for /metrics
+    assert tier["lookups"] == done.lookups and tier["adapt_rounds"] == (done.generated - 1) // 2 > 0
+    assert tier["adapt_wait_total_ms"] > 0 and len(tier["hot"]) == 4
+    assert all(h.keys() == {"layer", "expert", "share", "cached"} and 0 < h["share"] <= 1 for h in tier["hot"])
     assert "decode expert cache hit rate" in out.stderr and f"routing profile written to {saved}" in out.stderr
     profile = RoutingProfile.load(saved)
     assert profile.layers == 4 and profile.experts == 8 and sum(map(sum, profile.counts)) > 0

@@ -207,8 +207,9 @@ async def test_live_settings_validation(tmp_path: Path) -> None:
         await set_field("parallel", "4")
         await set_field("adapt_decay", "1.5")
         assert "less than or equal to 1" in message("adapt_decay")
-        await set_field("adapt_decay", "0.8")  # valid; this engine's tier is not adaptive, so it is only kept
-        assert message("adapt_decay") == "kept in the config; no effect yet: this engine holds every expert in memory"
+        await set_field("adapt_decay", "0.8")  # valid; without an expert cache it is only kept
+        assert message("adapt_decay") == ("kept in the config; no effect: no expert cache (expert-cache empty: "
+                                          "every expert stays in memory)")
         # options this engine lacks are shown as such, and their switches cannot be turned on
         assert "not supported by this engine yet" in message("batch_mtp")
         assert "not supported by this engine yet" in message("adapt_async")

@@ -4,7 +4,7 @@ Textual: which message wins in each lifecycle phase, and which keys are offered.
 from __future__ import annotations
 
 from tui import preview
-from tui.view import GENERATED_NOTE, DeskState, banner, header_info, layer_split_note, tier_option_notes
+from tui.view import GENERATED_NOTE, DeskState, banner, header_info, layer_split_note
 
 URL = "http://127.0.0.1:8080/v1"
 
@@ -59,15 +59,10 @@ def test_header_from_a_snapshot() -> None:
     assert header_info(desk("failed", failure=("x", []))).state == "error"
 
 
-def test_tier_options_say_why_they_have_no_effect() -> None:
-    resident = preview.busy().engine
-    resident.info["unsupported"] = "batch_mtp,pcie_frac,layer_split,adapt_every,adapt_swaps,adapt_decay,adapt_min_gain"
-    notes = tier_option_notes(resident)
-    assert set(notes) == {"pcie_frac", "adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain"}
-    assert all(n == "kept in the config; no effect yet: this engine holds every expert in memory"
-               for n in notes.values())
-    assert layer_split_note(resident) == "not run by this engine yet: one device runs every layer"
-    simulated = preview.cpu_moe_simulated().engine  # a tier: the adapt options run, pcie_frac runs 0
-    assert tier_option_notes(simulated) == {
-        "pcie_frac": "kept in the config; no effect yet: the simulated tier (no GPU) reads nothing over PCIe, it runs 0"}
-    assert tier_option_notes(None) == {} and layer_split_note(None) is None
+def test_layer_split_note_only_from_an_engine_that_lists_it() -> None:
+    """Which options have no effect as the form stands: tests/test_tui_settings.py."""
+    engine = preview.busy().engine
+    assert layer_split_note(engine) is None
+    engine.info["unsupported"] = "batch_mtp,layer_split"
+    assert layer_split_note(engine) == "not run by this engine yet: one device runs every layer"
+    assert layer_split_note(None) is None

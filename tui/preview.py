@@ -80,15 +80,37 @@ def busy() -> MetricsSnapshot:
     data["devices"][0].update({"util_pct": 97, "temp_c": 71, "power_w": 388, "used_mib": 22010, "free_mib": 2554})
     data["devices"][0]["split"].update({"kv_mib": 872, "free_mib": 2554})
     data["host"]["cpu_pct"] = 38.0
-    data["tier"].update({"vram_share": 0.842, "pcie_share": 0.071, "cpu_share": 0.087, "hit_rate": 0.842})
+    data["devices"][0].update({"pcie_to_mib_s": 2310.0, "pcie_from_mib_s": 38.0})
+    data["devices"][0]["split"]["expert_slots"] = 4480
+    data["tier"].update({"vram_share": 0.842, "pcie_share": 0.071, "cpu_share": 0.087, "hit_rate": 0.842,
+                         "mode": "gpu", "hot": BUSY_HOT, **busy_tier_totals(BUSY_POLLS)})
+    data["stats"]["at"] = T0 - 0.4
     return MetricsSnapshot.model_validate(data)
+
+
+BUSY_POLLS = 60  # busy_history's snapshots before busy()
+BUSY_HOT = [{"layer": 11, "expert": 87, "share": 0.094, "cached": True},
+            {"layer": 3, "expert": 5, "share": 0.081, "cached": True},
+            {"layer": 40, "expert": 19, "share": 0.077, "cached": False},
+            {"layer": 27, "expert": 112, "share": 0.069, "cached": True}]
+
+
+def busy_tier_totals(poll: int) -> dict[str, Any]:
+    """The GPU tier's totals at `poll` (one engine report a second): 4,800 lookups a report, 84.2% from
+    VRAM and 7.1% over PCIe, 2 adapt rounds and 6 swaps a report."""
+    lookups = 4800 * (100 + poll)
+    return {"lookups": lookups, "hits": round(lookups * 0.842), "offloaded": round(lookups * 0.071),
+            "swaps": 1176 + 6 * poll, "adapt_rounds": 91 + 2 * poll, "adapt_wait_total_ms": round(0.6 * (100 + poll), 1)}
 
 
 def busy_history() -> list[MetricsSnapshot]:
     """60 snapshots ramping up into `busy()`, so the sparklines have a shape."""
     out = []
-    for i in range(60):
+    for i in range(BUSY_POLLS):
         snap = busy()
+        for key, value in busy_tier_totals(i).items():
+            setattr(snap.tier, key, value)
+        snap.stats.at = T0 - 0.4 - (BUSY_POLLS - i)
         factor = min(1.0, 0.15 + i / 40) * (0.92 + 0.08 * ((i * 7) % 5) / 4)
         snap.live.tok_s = round(183.6 * factor, 1)
         for slot in snap.live.slots:
@@ -126,6 +148,19 @@ def moe_window_rate(window: int) -> float:
     return round(0.2 + 0.7 * min(1.0, window / 20), 4)
 
 
+MOE_ROUNDS = 4  # adapt rounds between two reports
+MOE_WAIT_MS = 1.6  # what the decode windows waited for them
+
+
+def moe_window_swaps(window: int) -> int:
+    """Experts the adapt rounds copied into slots in `window`: many while the cache fills, then few."""
+    return 4 if window < 10 else 1
+
+
+MOE_HOT = [{"layer": 0, "expert": 3, "share": 0.31, "cached": True}, {"layer": 2, "expert": 11, "share": 0.27, "cached": True},
+           {"layer": 1, "expert": 7, "share": 0.22, "cached": True}, {"layer": 3, "expert": 0, "share": 0.19, "cached": False}]
+
+
 def cpu_moe_simulated(window: int = MOE_WINDOWS - 1) -> MetricsSnapshot:
     """The `--demo moe` shape on a machine without a GPU: a generated qwen3moe model whose experts
     run from the simulated tier (`--expert-cache N`), two slots decoding; the tier's totals as
@@ -155,9 +190,11 @@ def cpu_moe_simulated(window: int = MOE_WINDOWS - 1) -> MetricsSnapshot:
     lookups = MOE_LOOKUPS * (window + 1)
     rate = round(hits / lookups, 4)
     data["tier"] = {"mode": "simulated", "vram_share": rate, "pcie_share": 0.0, "cpu_share": round(1 - rate, 4),
-                    "hit_rate": rate, "hits": hits, "lookups": lookups, "offloaded": 0, "swaps": 57,
-                    "adapt_rounds": 31, "adapt_wait_ms": 0.8, "experts_cached": 24, "experts_total": 64, "slots": 24,
-                    "cache_mib": 3.0, "cpu_ms": 1840.0}
+                    "hit_rate": rate, "hits": hits, "lookups": lookups, "offloaded": 0,
+                    "swaps": sum(moe_window_swaps(k) for k in range(window + 1)),
+                    "adapt_rounds": MOE_ROUNDS * (window + 1), "adapt_wait_ms": round(MOE_WAIT_MS * (window + 1) / 560, 2),
+                    "adapt_wait_total_ms": round(MOE_WAIT_MS * (window + 1), 1), "hot": MOE_HOT,
+                    "experts_cached": 24, "experts_total": 64, "slots": 24, "cache_mib": 3.0, "cpu_ms": 1840.0}
     data["stats"] = {"windows": 560, "rows": 1090, "ms_per_window": 62.5, "rows_per_window": 2.0,
                      "at": T0 - 0.3 - 2.0 * (MOE_WINDOWS - 1 - window)}
     return MetricsSnapshot.model_validate(data)

@@ -7,6 +7,7 @@ Keeping these rules out of the widgets means the widgets only lay things out, an
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,10 +16,10 @@ from server.metrics_schema import EngineView, LiveView, MetricsSnapshot, TierVie
 DashState = Literal["loading", "ready", "busy", "error", "stopped"]
 
 # Options the engine may not run yet; a running engine lists the ones it accepts but does not run
-# in its INFO key `unsupported` (docs/protocol.md). The first three change what a window does; the
-# tier options only tune an expert tier that is not the whole model.
+# in its INFO key `unsupported` (docs/protocol.md). They change what a window does.
 OPTIONAL_OPTIONS = ("batch_mtp", "adapt_async", "batch_groups")
-TIER_OPTIONS = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "pcie_frac")
+ADAPT_OPTIONS = ("adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count")  # what a round does
+TIER_OPTIONS = ("adapt_every", *ADAPT_OPTIONS, "pcie_frac")  # what tunes an expert cache
 
 
 def unsupported_options(engine: EngineView | None) -> set[str]:
@@ -35,18 +36,36 @@ def supported_options(engine: EngineView | None) -> set[str]:
     return set(OPTIONAL_OPTIONS) - unsupported_options(engine)
 
 
-NO_EFFECT = "kept in the config; no effect yet: "
+NO_EFFECT = "kept in the config; no effect: "
 
 
-def tier_option_notes(engine: EngineView | None) -> dict[str, str]:
-    """Why each tier option the engine lists as unsupported has no effect: without an expert cache
-    every expert is in memory (nothing to tune); the simulated tier on the CPU runs pcie_frac as 0."""
-    unsupported = unsupported_options(engine)
-    simulated = engine is not None and engine.info.get("tier") == "simulated"
-    notes = {option: NO_EFFECT + "this engine holds every expert in memory"
-             for option in TIER_OPTIONS if option in unsupported}
-    if "pcie_frac" in notes and simulated:
-        notes["pcie_frac"] = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
+def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[str, str]:
+    """Why options of the settings form would have no effect as the form now stands (`data`, the
+    values being edited) on this model and machine (`engine`, None before one has started): the tier
+    options without an expert cache or on a dense model, pcie_frac on the simulated tier (no GPU),
+    a round's options while adapt_every is 0, one parking limit while the other is 0; and what the
+    expert cache is on a machine without a GPU."""
+    notes: dict[str, str] = {}
+    info = engine.info if engine is not None else {}
+    on_cpu = str(info.get("device", data.get("device", ""))) == "cpu"
+    if info.get("experts") == 0:
+        notes.update({option: NO_EFFECT + "a dense model has no routed experts"
+                      for option in ("expert_cache", *TIER_OPTIONS)})
+    elif data.get("expert_cache") is None:
+        notes.update({option: NO_EFFECT + "no expert cache (expert-cache empty: every expert stays in memory)"
+                      for option in TIER_OPTIONS})
+    else:
+        if on_cpu:
+            notes["expert_cache"] = ("the simulated tier (no GPU): slots in host RAM, to watch the tier's figures; "
+                                     "it does not make the CPU faster")
+            notes["pcie_frac"] = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
+        if data.get("adapt_every") == 0:
+            notes.update({option: NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
+                          for option in ADAPT_OPTIONS})
+    for option, other in (("conversation_cache_mib", "conversation_cache_slots"),
+                          ("conversation_cache_slots", "conversation_cache_mib")):
+        if data.get(other) == 0 and data.get(option) != 0:
+            notes[option] = NO_EFFECT + f"parking is off while {other.replace('_', '-')} is 0"
     return notes
 
 
@@ -129,6 +148,9 @@ class TierWindow:
     vram_share: float  # the cache's hit rate over the window
     pcie_share: float
     cpu_share: float
+    swaps: int = 0  # experts the adapt rounds copied into slots in the window
+    adapt_rounds: int = 0
+    adapt_wait_ms: float | None = None  # what the window's decoding waited for those rounds (None: not sent)
 
 
 def tier_window(before: TierView, before_at: float, now: TierView, now_at: float) -> TierWindow | None:
@@ -137,10 +159,16 @@ def tier_window(before: TierView, before_at: float, now: TierView, now_at: float
     if before.hits is None or before.lookups is None or now.hits is None or now.lookups is None:
         return None
     lookups, hits, pcie = now.lookups - before.lookups, now.hits - before.hits, now.offloaded - before.offloaded
-    if lookups <= 0 or hits < 0 or pcie < 0 or hits + pcie > lookups:
+    swaps, rounds = now.swaps - before.swaps, now.adapt_rounds - before.adapt_rounds
+    if lookups <= 0 or hits < 0 or pcie < 0 or hits + pcie > lookups or swaps < 0 or rounds < 0:
+        return None
+    wait = (now.adapt_wait_total_ms - before.adapt_wait_total_ms
+            if now.adapt_wait_total_ms is not None and before.adapt_wait_total_ms is not None else None)
+    if wait is not None and wait < 0:
         return None
     return TierWindow(seconds=max(0.0, now_at - before_at), lookups=lookups, vram_share=hits / lookups,
-                      pcie_share=pcie / lookups, cpu_share=(lookups - hits - pcie) / lookups)
+                      pcie_share=pcie / lookups, cpu_share=(lookups - hits - pcie) / lookups,
+                      swaps=swaps, adapt_rounds=rounds, adapt_wait_ms=wait)
 
 
 @dataclass

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
 WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
+HOT_EXPERTS = 4  # the hottest experts `figures` names (the dashboard's line holds 4)
 
 
 class TierError(ValueError):
@@ -120,12 +121,36 @@ class Tier:
         for swap in plan:
             self.layers[swap.layer].slots.load(swap.slot, swap.expert)
 
-    def figures(self) -> dict[str, int | float | str]:
+    def slots_by_device(self) -> dict[str, int]:
+        """The GPU tier's cache slots per device, keyed as STATS `memory` keys them; {} for the simulated tier."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            device = getattr(layer.slots, "device", None)
+            if device is not None:
+                key = f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
+                out[key] = out.get(key, 0) + layer.slots.size
+        return out
+
+    def hottest(self, n: int = HOT_EXPERTS) -> list[dict[str, int | float | bool]]:
+        """The `n` experts with the largest share of their layer's decayed routing counts (what the
+        rounds rank by), each with whether a slot holds it; none before the first decode window."""
+        hot: list[tuple[float, int, int]] = []
+        for layer, counts in enumerate(self.counts):
+            total = float(counts.sum())
+            if total > 0:
+                top = torch.topk(counts, min(n, len(counts)))
+                hot += [(float(c) / total, layer, int(e)) for c, e in zip(top.values, top.indices, strict=True) if c > 0]
+        hot.sort(key=lambda h: (-h[0], h[1], h[2]))
+        return [{"layer": layer, "expert": expert, "share": round(share, 4),
+                 "cached": bool(self.layers[layer].slots.slot_of[expert] >= 0)} for share, layer, expert in hot[:n]]
+
+    def figures(self) -> dict[str, object]:
         """The tier's own STATS fields (the entries' counts come from the loop)."""
         return {"mode": self.mode, "swaps": self.swaps, "adapt_rounds": self.rounds,
-                "adapt_wait_ms": round(self.adapt_wait_s * 1000 / max(self.windows, 1), 4), "experts_cached": self.cached(),
-                "experts_total": self.experts_total, "slots": self.slots,
-                "cache_mib": round(self.cache_bytes() / MIB, 1)}
+                "adapt_wait_ms": round(self.adapt_wait_s * 1000 / max(self.windows, 1), 4),
+                "adapt_wait_total_ms": round(self.adapt_wait_s * 1000, 3), "hot": self.hottest(),
+                "experts_cached": self.cached(), "experts_total": self.experts_total, "slots": self.slots,
+                "device_slots": self.slots_by_device(), "cache_mib": round(self.cache_bytes() / MIB, 1)}
 
 
 def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: float) -> list[GpuTieredExperts]:

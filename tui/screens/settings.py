@@ -1,5 +1,6 @@
 """`s`: the engine and tier options, validated live by RunConfig itself, applied with a diff and a
-restart (drain or now). Options this engine does not run yet are shown as such."""
+restart (drain or now). Options this engine does not run yet, and options that would have no effect as
+the form stands (`tui.view.option_notes`), are shown as such."""
 
 from __future__ import annotations
 
@@ -21,20 +22,25 @@ from server.metrics_schema import MetricsSnapshot
 from tui.lifecycle import RestartMode
 from tui.messages import SnapshotUpdated
 from tui.screens.restart import RestartScreen, config_diff
-from tui.view import OPTIONAL_OPTIONS, layer_split_note, supported_options, tier_option_notes
+from tui.view import OPTIONAL_OPTIONS, layer_split_note, option_notes, supported_options
 from tui.widgets.setting_row import Kind, SettingRow
 
 SETTINGS: list[tuple[str, Kind, str]] = [
     ("parallel", "int", "batch slots: up to N conversations decode together (1 = one at a time; 1-8)"),
     ("batch_groups", "groups", "pipeline groups on a layer split: auto, or a number that divides parallel"),
     ("batch_mtp", "bool", "each batch slot verifies one MTP draft per window (needs --mtp)"),
+    ("expert_cache", "cache", "expert tier: cache slots over all layers, or auto (what fits the free VRAM); "
+                              "empty = every expert in memory"),
     ("adapt_every", "int", "re-rank the VRAM expert tier every N windows (0 = the tier stays fixed)"),
     ("adapt_swaps", "int", "most experts swapped into VRAM per re-rank"),
     ("adapt_decay", "float", "routing counts are multiplied by this after each re-rank (near 1 = long memory)"),
     ("adapt_async", "bool", "swap experts on a helper thread instead of holding a window up"),
     ("adapt_min_gain", "float", "a swap must gain this factor in routing count (higher = fewer swaps)"),
     ("adapt_min_count", "float", "routing count an uncached expert needs before it displaces a cached one"),
-    ("pcie_frac", "float", "share of missed experts read over PCIe to the GPU instead of run on the CPU (0-1)"),
+    ("pcie_frac", "float", "share of missed experts read over PCIe to the GPU instead of run on the CPU "
+                           "(0-1; -1 = the engine measures and chooses)"),
+    ("conversation_cache_mib", "int", "host RAM for conversations parked when their slot is taken, MiB (0 = off)"),
+    ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
     ("prefill", "int", "prompt chunk in tokens; the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
 ]
@@ -169,7 +175,7 @@ class SettingsScreen(Screen[SettingsResult | None]):
             else:
                 notes[option] = UNSUPPORTED
         notes.setdefault("batch_groups", self._groups_note(data))
-        for option, note in tier_option_notes(self.snapshot.engine if self.snapshot else None).items():
+        for option, note in option_notes(data, self.snapshot.engine if self.snapshot else None).items():
             notes.setdefault(option, note)
         for row in self.rows():
             row.show_message(errors.get(row.key), notes.get(row.key))
@@ -184,7 +190,9 @@ class SettingsScreen(Screen[SettingsResult | None]):
         groups = data.get("batch_groups")
         split = self.base.layer_split
         allowed = "auto or " + ", ".join(str(d) for d in divisors(max(1, parallel)))
-        if not split:
+        if parallel == 1:
+            where = "parallel 1: no batch slots to group, one window at a time"
+        elif not split:
             where = "no layer split (one GPU): groups only matter with a layer split"
         elif unsplit := layer_split_note(self.snapshot.engine if self.snapshot else None):
             where = f"layer split {split}: {unsplit}"

@@ -1,5 +1,5 @@
 """One GPU: a VRAM bar split into weights, expert cache, slot sessions, KV, other and free, with
-util, temperature and power."""
+util, temperature, power and its PCIe traffic."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from server.metrics_schema import GpuInfo
-from tui.format import mib
+from tui.format import count, mib
 from tui.widgets.quiet import update_text
 from tui.widgets.segment_bar import Segment, SegmentBar
 
@@ -42,13 +42,17 @@ def gpu_segments(gpu: GpuInfo) -> list[Segment]:
     return segs
 
 
-def legend(segs: list[Segment]) -> Text:
+def legend(segs: list[Segment], expert_slots: int | None = None) -> Text:
+    """Each part's size; with the GPU expert tier the experts are its cache, with its slots."""
     text = Text()
     for seg in segs:
         if seg.value <= 0 and seg.label not in ("free",):
             continue
         text.append("■ ", style=seg.style if seg.label != "free" else "grey50")
-        text.append(f"{seg.label} {mib(seg.value)}  ")
+        if seg.label == "experts" and expert_slots is not None:
+            text.append(f"expert cache {mib(seg.value)} ({count(expert_slots)} experts)  ")  # a slot holds one
+        else:
+            text.append(f"{seg.label} {mib(seg.value)}  ")
     return text
 
 
@@ -68,7 +72,12 @@ class GpuCard(Vertical):
         update_text(self.query_one(".gpu-title", Static), gpu_title(gpu))
         segs = gpu_segments(gpu)
         self.query_one(SegmentBar).segments = tuple(segs)
-        update_text(self.query_one(".gpu-legend", Static), legend(segs))
+        text = legend(segs, gpu.split.expert_slots if gpu.split is not None else None)
+        if pcie := pcie_text(gpu):
+            text.rstrip()
+            text.append("\n")
+            text.append_text(pcie)
+        update_text(self.query_one(".gpu-legend", Static), text)
 
 
 def gpu_title(gpu: GpuInfo) -> Text:
@@ -88,3 +97,10 @@ def gpu_title(gpu: GpuInfo) -> Text:
         if gpu.power_limit_w:
             title.append(f"/{gpu.power_limit_w:.0f}", style="dim")
     return title
+
+
+def pcie_text(gpu: GpuInfo) -> Text:
+    """`PCIe to GPU 1.2 GiB/s  from GPU 40 MiB/s` (NVML's sample); empty where NVML has no counters."""
+    if gpu.pcie_to_mib_s is None or gpu.pcie_from_mib_s is None:
+        return Text()
+    return Text.assemble(("PCIe ", "bold"), f"to GPU {mib(gpu.pcie_to_mib_s)}/s  from GPU {mib(gpu.pcie_from_mib_s)}/s")

@@ -8,18 +8,18 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Input, Label, Static, Switch
 
-Kind = Literal["int", "float", "bool", "groups"]
+Kind = Literal["int", "float", "bool", "groups", "cache"]  # cache: empty (None), auto or a whole number
 
 
 class SettingRow(Vertical):
     DEFAULT_CSS = """
     SettingRow { height: auto; padding: 0 1; margin-bottom: 1; }
     SettingRow > Horizontal { height: auto; }
-    SettingRow .setting-name { width: 16; text-style: bold; }
+    SettingRow .setting-name { width: 25; text-style: bold; }
     SettingRow Input { width: 12; }
     SettingRow Switch { width: 12; height: 1; border: none; padding: 0; }
     SettingRow .setting-desc { width: 1fr; padding: 0 0 0 2; color: $text-muted; }
-    SettingRow .setting-msg { height: auto; padding: 0 0 0 17; display: none; }
+    SettingRow .setting-msg { height: auto; padding: 0 0 0 26; display: none; }
     SettingRow.-error .setting-msg { display: block; color: $error; }
     SettingRow.-note .setting-msg { display: block; color: $warning; }
     SettingRow.-changed .setting-name { color: $accent; }
@@ -45,6 +45,8 @@ class SettingRow(Vertical):
 
     @staticmethod
     def _text(value: object) -> str:
+        if value is None:
+            return ""
         if isinstance(value, float):
             return f"{value:g}"
         return str(value)
@@ -70,13 +72,16 @@ class SettingRow(Vertical):
         if self.kind == "bool":
             return bool(raw)
         text = str(raw)
-        if self.kind == "groups":
+        if self.kind == "cache" and not text:
+            return None
+        if self.kind in ("groups", "cache"):
             if text.lower() == "auto":
                 return "auto"
             try:
                 return int(text)
             except ValueError:
-                raise ValueError("enter auto or a whole number") from None
+                hint = "enter auto or a whole number" + (", or leave it empty" if self.kind == "cache" else "")
+                raise ValueError(hint) from None
         if self.kind == "int":
             try:
                 return int(text)

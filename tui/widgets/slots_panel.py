@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable, Static
 
-from server.metrics_schema import LiveView, MetricsSnapshot
+from server.metrics_schema import LiveView, MetricsSnapshot, ParkingView
 from tui.format import count, duration, mib, rate, spark
 from tui.view import History, solo_active, solo_tok_s
 from tui.widgets.panel import Panel
@@ -103,8 +103,20 @@ class SlotsPanel(Panel):
             note = "a request alone runs on the solo path" if solo_active(live) else ""
         if live.waiting_for_slot:
             note = (note + "  " if note else "") + f"{live.waiting_for_slot} waiting for a slot"
-        parking = snapshot.parking
-        if parking is not None and parking.parked:
-            note = (note + "  " if note else "") + f"{parking.parked} parked ({mib(parking.parked_mib)} host RAM)"
+        if parked := parking_note(snapshot.parking):
+            note = (note + "  " if note else "") + parked
         update_text(self.query_one("#slots-note", Static), note)
         self.query_one("#slots-note", Static).display = bool(note)
+
+
+def parking_note(parking: ParkingView | None) -> str:
+    """The conversations parked in host RAM now and how many came back from there since start;
+    empty while parking is off or has done nothing."""
+    if parking is None or not (parking.parked or parking.restores):
+        return ""
+    note = f"{parking.parked} parked ({mib(parking.parked_mib)} host RAM)"
+    if parking.restores:
+        note += f", {count(parking.restores)} restored"
+        if parking.restore_ms_mean:
+            note += f" (mean {parking.restore_ms_mean:.0f} ms)"
+    return note

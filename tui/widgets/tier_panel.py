@@ -1,8 +1,8 @@
 """Expert tier: share of routed experts served from VRAM / over PCIe / on the CPU and the cache's hit
 rate, over the last window between two engine reports when the server sends the totals (else since
 the engine started), the hit rate's sparkline (or "every expert resident" when the engine's tier mode
-says there is no cache), swaps and adapt rounds, adapt wait; clear states for a dense model and for
-no data yet."""
+says there is no cache), swaps, adapt rounds and adapt wait over the last window and since start,
+the hottest experts; clear states for a dense model and for no data yet."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from server.metrics_schema import MetricsSnapshot
+from server.metrics_schema import HotExpert, MetricsSnapshot, TierView
 from tui.format import count, pct, spark
-from tui.view import History, has_tier_data, is_dense
+from tui.view import History, TierWindow, has_tier_data, is_dense
 from tui.widgets.panel import Panel
 from tui.widgets.quiet import update_text
 from tui.widgets.segment_bar import Segment, SegmentBar
@@ -74,7 +74,7 @@ class TierPanel(Panel):
 
 def tier_lines(snapshot: MetricsSnapshot, history: History) -> Text:
     """The lines under the share bar: the cache (or "every expert resident" when the tier mode says
-    so), its hit-rate trend, swaps, adapt rounds and wait, the window time."""
+    so), its hit-rate trend, swaps, adapt rounds and wait, the hottest experts, the window time."""
     tier = snapshot.tier
     assert tier is not None
     lines = Text()
@@ -100,15 +100,47 @@ def tier_lines(snapshot: MetricsSnapshot, history: History) -> Text:
             lines.append("\nhit rate trend ", style="dim")
             lines.append(spark(history.hit_rate, HIT_SPARK, top=1.0), style="green3")
             lines.append(" (per window)" if history.tier_window is not None else " (since start)", style="dim")
-    lines.append("\nswaps ", style="dim")
-    lines.append(count(tier.swaps))
-    lines.append("  adapt rounds ", style="dim")
-    lines.append(count(tier.adapt_rounds))
-    lines.append("  adapt wait ", style="dim")
-    lines.append(f"{tier.adapt_wait_ms:.1f} ms")
+    if tier.mode != "resident":  # without a cache nothing is swapped or ranked
+        lines.append("\n")
+        lines.append_text(adapt_text(tier, history.tier_window))
+        if tier.hot:
+            lines.append("\n")
+            lines.append_text(hot_text(tier.hot))
     if snapshot.stats is not None and snapshot.stats.ms_per_window is not None:
         lines.append("\nwindow ", style="dim")
         lines.append(f"{snapshot.stats.ms_per_window:.1f} ms")
         if snapshot.stats.rows_per_window is not None:
             lines.append(f"  {snapshot.stats.rows_per_window:.1f} rows", style="")
     return lines
+
+
+def adapt_text(tier: TierView, window: TierWindow | None) -> Text:
+    """Swaps, adapt rounds and adapt wait in the last window between two engine reports, then since
+    start (the wait as its mean per decode window); since start only without a window."""
+    text = Text()
+    if window is not None:
+        text.append(f"last {window.seconds:.0f} s: ", style="dim")
+        text.append("swaps ", style="dim")
+        text.append(count(window.swaps), style="bold")
+        text.append("  adapt rounds ", style="dim")
+        text.append(count(window.adapt_rounds), style="bold")
+        if window.adapt_wait_ms is not None:
+            text.append("  adapt wait ", style="dim")
+            text.append(f"{window.adapt_wait_ms:.1f} ms", style="bold")
+        text.append("\n")
+    text.append("since start: ", style="dim")
+    text.append(f"swaps {count(tier.swaps)}  rounds {count(tier.adapt_rounds)}  wait {tier.adapt_wait_ms:.1f} ms/window")
+    return text
+
+
+def hot_text(hot: list[HotExpert]) -> Text:
+    """The hottest experts as layer/expert and their share of the layer's recent routing, one not in
+    the cache marked "miss" (each time it is routed, it is served from host memory)."""
+    text = Text()
+    text.append("hottest (layer/expert, share of its layer's routing)\n", style="dim")
+    for i, h in enumerate(hot):
+        text.append("  " if i else "")
+        text.append(f"L{h.layer}/E{h.expert} {pct(h.share)}")
+        if not h.cached:
+            text.append(" miss", style="orange_red1")
+    return text

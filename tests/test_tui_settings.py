@@ -1,0 +1,86 @@
+"""The settings form against today's engine: which options would have no effect as the form stands
+(no expert cache, a dense model, the simulated tier's pcie_frac, a round's options while adapt_every
+is 0, one parking limit at 0, groups without batch slots), the notes following each keystroke; the
+expert cache and parking rows edit the config's values. Fixed snapshots (`tui.preview`), no server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import App
+
+from server.config import RunConfig
+from server.metrics_schema import MetricsSnapshot
+from tui import preview
+from tui.screens.settings import SettingsScreen
+from tui.view import NO_EFFECT, option_notes
+
+NO_CACHE = NO_EFFECT + "no expert cache (expert-cache empty: every expert stays in memory)"
+DENSE = NO_EFFECT + "a dense model has no routed experts"
+SIMULATED_PCIE = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
+STATIC = NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
+TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "pcie_frac"}
+ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count"}
+
+
+def test_option_notes() -> None:
+    gpu = preview.busy().engine  # a MoE model on a GPU
+    data = RunConfig(model="m.gguf").model_dump()
+    assert option_notes(data, gpu) == dict.fromkeys(TIER, NO_CACHE)
+    assert option_notes({**data, "expert_cache": "auto"}, gpu) == {}  # every tier option runs on the GPU tier
+    assert option_notes({**data, "expert_cache": 24, "adapt_every": 0}, gpu) == dict.fromkeys(ROUND, STATIC)
+    cpu = preview.cpu_moe_simulated().engine
+    notes = option_notes({**data, "expert_cache": 24}, cpu)
+    assert set(notes) == {"expert_cache", "pcie_frac"} and notes["pcie_frac"] == SIMULATED_PCIE
+    assert "does not make the CPU faster" in notes["expert_cache"]
+    # before an engine has said anything, the config's device stands for it
+    assert option_notes({**data, "expert_cache": 24, "device": "cpu"}, None)["pcie_frac"] == SIMULATED_PCIE
+    assert option_notes({**data, "expert_cache": 24}, None) == {}
+    assert option_notes({**data, "expert_cache": 24}, preview.cpu_dense().engine) == dict.fromkeys(
+        TIER | {"expert_cache"}, DENSE)
+    assert option_notes({**data, "conversation_cache_slots": 0}, gpu)["conversation_cache_mib"] == (
+        NO_EFFECT + "parking is off while conversation-cache-slots is 0")
+    both_off = option_notes({**data, "conversation_cache_slots": 0, "conversation_cache_mib": 0}, gpu)
+    assert "conversation_cache_mib" not in both_off and "conversation_cache_slots" not in both_off
+
+
+class _Host(App):
+    def __init__(self, config: RunConfig, snapshot: MetricsSnapshot):
+        super().__init__()
+        self.form = SettingsScreen(config, Path("strata.json"), snapshot)
+
+    def on_mount(self) -> None:
+        self.push_screen(self.form)
+
+
+async def test_form_notes_follow_the_values() -> None:
+    config = RunConfig(model="m.gguf", expert_cache=24, parallel=2)
+    app = _Host(config, preview.cpu_moe_simulated())
+    async with app.run_test(size=(120, 60)) as pilot:
+        form = app.form
+
+        def message(name: str) -> str:
+            return str(form.query_one(f"#set-{name} .setting-msg").content)
+
+        async def set_field(name: str, value: str) -> None:
+            form.query_one(f"#in-{name}").value = value
+            await pilot.pause()
+
+        await pilot.pause()
+        assert form.query_one("#in-expert_cache").value == "24"
+        assert message("pcie_frac") == SIMULATED_PCIE and message("adapt_swaps") == ""
+        await set_field("adapt_every", "0")
+        assert all(message(o) == STATIC for o in ROUND) and message("adapt_every") == ""
+        await set_field("expert_cache", "")  # no cache: every tier option has no effect
+        assert all(message(o) == NO_CACHE for o in TIER)
+        await set_field("expert_cache", "lots")
+        assert message("expert_cache") == "enter auto or a whole number, or leave it empty"
+        assert form.query_one("#apply").disabled
+        await set_field("expert_cache", "auto")
+        await set_field("adapt_every", "4")
+        await set_field("conversation_cache_slots", "0")
+        assert message("conversation_cache_mib") == NO_EFFECT + "parking is off while conversation-cache-slots is 0"
+        await set_field("parallel", "1")
+        assert message("batch_groups").startswith("parallel 1: no batch slots to group")
+        assert form.candidate is not None and form.candidate.expert_cache == "auto"
+        assert form.candidate.conversation_cache_slots == 0
