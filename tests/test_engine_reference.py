@@ -36,9 +36,9 @@ def our_logits(driver: Driver, ids: list[int], n: int) -> tuple[list[int], torch
     return out, torch.stack(rows)
 
 
-def check(path, driver, prompt: str, n: int, atol: float, activations: str = "float"):
+def check(path, driver, prompt: str, n: int, atol: float, activations: str = "float", greedy: bool = True):
     """Float32 activations in the CPU kernels (the reference's arithmetic) unless told ("int16": the
-    engine's default)."""
+    engine's default); with `greedy`, our greedy tokens must be the reference's too."""
     ids = Tokenizer.from_gguf(path).encode(prompt)
     cpu.set_activations(activations)
     try:
@@ -49,7 +49,7 @@ def check(path, driver, prompt: str, n: int, atol: float, activations: str = "fl
     assert ours.shape == ref.shape
     err = (ours - ref).abs().max().item()
     assert err < atol, f"max logit difference {err} for {prompt!r}"
-    assert ref.argmax(-1).tolist() == tokens, f"greedy continuation differs for {prompt!r}"
+    assert not greedy or ref.argmax(-1).tolist() == tokens, f"greedy continuation differs for {prompt!r}"
     return tokens
 
 
@@ -59,7 +59,7 @@ def check(path, driver, prompt: str, n: int, atol: float, activations: str = "fl
 # models, so 1e-3. The default int16 activations move them by up to 0.0074 on the demo and 0.0024 on
 # the tiny Q8_0 model, so 1e-2; the default fp16 KV by up to 0.023 on the demo and 0.015 on the tiny
 # model, so 3e-2 for the defaults together (a bf16 KV would move them by up to 0.11; llama.cpp's
-# int8 activations by up to 1.5 on the demo). Greedy tokens are equal in every case.
+# int8 activations, opt-in here, by up to 1.96 on the demo). Greedy tokens are equal in every case but int8.
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,14 @@ def test_demo_matches_reference(demo, prompt):
 def test_demo_with_int16_activations_matches_reference(demo, prompt):
     path, driver = demo
     check(path, driver, prompt, 16, atol=1e-2, activations="int16")
+
+
+def test_demo_with_int8_activations_stays_within_llama_cpp_rounding(demo):
+    """int8 activations (llama.cpp's rounding, opt-in) move the demo's logits by up to 1.96 and change
+    greedy replies within 16 tokens on 2 of the 4 prompts, as llama.cpp's own do; the logits (taken
+    on our tokens) stay that close."""
+    path, driver = demo
+    check(path, driver, PROMPTS[2], 16, atol=2.5, activations="int8", greedy=False)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[1:3])
