@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import median
 
 import torch
 
@@ -130,8 +131,8 @@ class Peer:
     build: str
 
 
-def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int) -> Peer:
-    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-o", "json"]
+def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int, reps: int = 5) -> Peer:
+    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-r", str(reps), "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()[-300:]}")
@@ -139,6 +140,13 @@ def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int)
     prefill = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
     gen = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
     return Peer(prefill["avg_ts"], gen["avg_ts"], f"{prefill.get('build_commit', '?')} ({prefill.get('backends', '?')})")
+
+
+def spread(values: list[float]) -> str:
+    """`12.3 tok/s`, or over several rounds their median with the lowest and highest."""
+    if len(values) == 1:
+        return f"{values[0]:.1f} tok/s"
+    return f"{median(values):.1f} tok/s (median of {len(values)} rounds, {min(values):.1f}-{max(values):.1f})"
 
 
 def profile(runner: Runner, rows: list, device: torch.device, windows: int = 3) -> str:
@@ -175,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
                    "hand-off's cost between stages")
     p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
                    "print its figures beside ours")
+    p.add_argument("--rounds", type=int, default=1, help="time prefill and decode this many times (with "
+                   "--llama-bench: each round followed by one of llama.cpp's) and print the medians: on a shared "
+                   "machine single runs of either move by 20%%")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_kernels.set_activations(args.cpu_activations)
@@ -191,7 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 256 << 20)
     per_token = model.bytes_per_token()
-    r = run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup)
+    rounds: list[Figures] = []
+    peers: list[Peer] = []
+    threads = torch.get_num_threads()
+    for _ in range(args.rounds):
+        rounds.append(run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup))
+        if args.llama_bench:
+            peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
+                                     reps=1 if args.rounds > 1 else 5))
+    r = rounds[-1]
+    prefill_tok_s = median(f.prefill_tok_s for f in rounds)
+    decode_tok_s = median(f.decode_tok_s for f in rounds)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")
     print(f"device       {device} {name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
@@ -202,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"layer split  {model.placement.describe()}; hand-off {handoff_us(model, 1):.1f} us for one row, "
               f"{handoff_us(model, rows):.1f} us for {rows} rows ({model.hyper.hidden * dtype.itemsize} bytes a row), "
               f"{len(stages) - 1} per token")
-    print(f"prefill      {r.prefill_tok_s:.1f} tok/s ({args.prompt} tokens, one chunk)")
-    print(f"decode       {r.decode_tok_s:.1f} tok/s (one row)")
+    print(f"prefill      {spread([f.prefill_tok_s for f in rounds])} ({args.prompt} tokens, one chunk)")
+    print(f"decode       {spread([f.decode_tok_s for f in rounds])} (one row)")
     print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")
     bound = bw / per_token
-    print(f"bound        {bound:.1f} tok/s  -> decode is {100 * r.decode_tok_s / bound:.1f}% of the bound")
+    print(f"bound        {bound:.1f} tok/s  -> decode is {100 * decode_tok_s / bound:.1f}% of the bound")
     if model.tier is not None:
         s, tier = r.served, model.tier
         n = max(s.lookups, 1)
@@ -221,14 +244,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"start ({costs.pcie_us:.0f} us an entry over PCIe, {costs.cpu_us:.0f} us on the CPU): with an "
                   f"all-resident step of T ms, 1000 / (T + {miss_ms:.2f}) tok/s")
     if r.batch_tok_s is not None:
-        print(f"batch        {r.batch_tok_s:.1f} tok/s aggregate over {args.slots} rows "
-              f"({r.batch_tok_s / r.decode_tok_s:.2f}x one row)")
-    if args.llama_bench:
-        peer = llama_bench(args.llama_bench, args.model, torch.get_num_threads(), args.prompt, args.decode)
-        print(f"llama.cpp    {peer.build}, {torch.get_num_threads()} threads: prefill {peer.prefill_tok_s:.1f} tok/s, "
-              f"decode {peer.decode_tok_s:.1f} tok/s")
-        print(f"ratio        prefill {r.prefill_tok_s / peer.prefill_tok_s:.2f}x, "
-              f"decode {r.decode_tok_s / peer.decode_tok_s:.2f}x llama.cpp")
+        batch = [f.batch_tok_s for f in rounds if f.batch_tok_s is not None]
+        print(f"batch        {spread(batch)} aggregate over {args.slots} rows "
+              f"({median(batch) / decode_tok_s:.2f}x one row)")
+    if peers:
+        peer_prefill, peer_decode = median(q.prefill_tok_s for q in peers), median(q.decode_tok_s for q in peers)
+        print(f"llama.cpp    {peers[0].build}, {threads} threads: prefill {spread([q.prefill_tok_s for q in peers])}, "
+              f"decode {spread([q.decode_tok_s for q in peers])}")
+        print(f"ratio        prefill {prefill_tok_s / peer_prefill:.2f}x, decode {decode_tok_s / peer_decode:.2f}x "
+              f"llama.cpp{' (medians of rounds run in turn)' if len(peers) > 1 else ''}")
     if args.profile:
         print("\none row:\n" + profile(r.runner, [r.solo_row], device))
         if r.batch_rows:

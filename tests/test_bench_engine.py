@@ -1,0 +1,51 @@
+"""`strata-desk bench-engine` on the real engine (tiny model, CPU): the figures it prints and, with
+`--rounds`, the medians of rounds run in turn with the peer's (a stand-in llama-bench)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import bench
+
+# A stand-in for llama.cpp's llama-bench: its JSON for one prompt and one generation run, a different
+# speed each call (30, 10, 20 tok/s decode: the median is 20), counted in a file beside it.
+FAKE_LLAMA_BENCH = '''#!{python}
+import json, pathlib, sys
+calls = pathlib.Path(__file__).with_suffix(".calls")
+n = int(calls.read_text()) if calls.exists() else 0
+calls.write_text(str(n + 1))
+assert sys.argv[sys.argv.index("-r") + 1] == "1", sys.argv
+decode = (30.0, 10.0, 20.0)[n % 3]
+print(json.dumps([{{"n_prompt": 8, "n_gen": 0, "avg_ts": 10 * decode, "build_commit": "fake", "backends": "CPU"}},
+                  {{"n_prompt": 0, "n_gen": 4, "avg_ts": decode, "build_commit": "fake", "backends": "CPU"}}]))
+'''
+
+
+def test_rounds_print_medians_beside_the_peer(tiny_model_q8: Path, tmp_path: Path, capsys) -> None:
+    peer = tmp_path / "llama-bench"
+    peer.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    peer.chmod(0o755)
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "8", "--decode", "4", "--slots", "2",
+            "--context", "64", "--rounds", "3", "--llama-bench", str(peer)]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert int((tmp_path / "llama-bench.calls").read_text()) == 3
+    decode = re.search(r"^decode +([\d.]+) tok/s \(median of 3 rounds, ([\d.]+)-([\d.]+)\)", out, re.M)
+    assert decode, out
+    ours, low, high = (float(v) for v in decode.groups())
+    assert low <= ours <= high
+    assert "decode 20.0 tok/s (median of 3 rounds, 10.0-30.0)" in out
+    ratio = re.search(r"^ratio +prefill ([\d.]+)x, decode ([\d.]+)x llama.cpp \(medians of rounds run in turn\)", out, re.M)
+    assert ratio and abs(float(ratio.group(2)) - ours / 20.0) <= 0.01
+    assert re.search(r"^batch +[\d.]+ tok/s \(median of 3 rounds", out, re.M)
+
+
+def test_rounds_below_one_are_refused(tiny_model_q8: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--model", str(tiny_model_q8), "--rounds", "0"])
+    assert exc.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
