@@ -12,8 +12,15 @@ from engine.kernels import cpu
 _KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+_ready = False  # the kernels loaded (checked until they are: a step asks hundreds of times)
+
+
 def usable(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu.available()
+    global _ready
+    if x.dtype != torch.float32 or not x.is_cpu:
+        return False
+    _ready = _ready or cpu.available()
+    return _ready
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
