@@ -42,6 +42,11 @@ def test_option_notes() -> None:
         NO_EFFECT + "parking is off while conversation-cache-slots is 0")
     both_off = option_notes({**data, "conversation_cache_slots": 0, "conversation_cache_mib": 0}, gpu)
     assert "conversation_cache_mib" not in both_off and "conversation_cache_slots" not in both_off
+    # the CPU's activations matter on a GPU only for the experts a cache leaves on the CPU
+    assert option_notes({**data, "device": "cuda"}, None)["cpu_activations"] == (
+        NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)")
+    assert "cpu_activations" not in option_notes({**data, "device": "cuda", "expert_cache": "auto"}, None)
+    assert "cpu_activations" not in option_notes({**data, "device": "cpu"}, None)
 
 
 class _Host(App):
@@ -80,7 +85,11 @@ async def test_form_notes_follow_the_values() -> None:
         await set_field("adapt_every", "4")
         await set_field("conversation_cache_slots", "0")
         assert message("conversation_cache_mib") == NO_EFFECT + "parking is off while conversation-cache-slots is 0"
+        await set_field("cpu_activations", "int4")
+        assert "'int16', 'int8' or 'float'" in message("cpu_activations") and form.query_one("#apply").disabled
+        await set_field("cpu_activations", "INT8")
+        assert message("cpu_activations") == ""
         await set_field("parallel", "1")
         assert message("batch_groups").startswith("parallel 1: no batch slots to group")
         assert form.candidate is not None and form.candidate.expert_cache == "auto"
-        assert form.candidate.conversation_cache_slots == 0
+        assert form.candidate.conversation_cache_slots == 0 and form.candidate.cpu_activations == "int8"

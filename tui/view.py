@@ -43,11 +43,13 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
     """Why options of the settings form would have no effect as the form now stands (`data`, the
     values being edited) on this model and machine (`engine`, None before one has started): the tier
     options without an expert cache or on a dense model, pcie_frac on the simulated tier (no GPU),
-    a round's options while adapt_every is 0, one parking limit while the other is 0; and what the
-    expert cache is on a machine without a GPU."""
+    a round's options while adapt_every is 0, one parking limit while the other is 0, the CPU's
+    activations when nothing runs on the CPU (a GPU with every expert in VRAM); and what the expert
+    cache is on a machine without a GPU."""
     notes: dict[str, str] = {}
     info = engine.info if engine is not None else {}
-    on_cpu = str(info.get("device", data.get("device", ""))) == "cpu"
+    device = str(info.get("device", data.get("device", "")))
+    on_cpu = device == "cpu"
     if info.get("experts") == 0:
         notes.update({option: NO_EFFECT + "a dense model has no routed experts"
                       for option in ("expert_cache", *TIER_OPTIONS)})
@@ -62,6 +64,8 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
         if data.get("adapt_every") == 0:
             notes.update({option: NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
                           for option in ADAPT_OPTIONS})
+    if device.startswith("cuda") and data.get("expert_cache") is None:
+        notes["cpu_activations"] = NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)"
     for option, other in (("conversation_cache_mib", "conversation_cache_slots"),
                           ("conversation_cache_slots", "conversation_cache_mib")):
         if data.get(other) == 0 and data.get(option) != 0:

@@ -41,6 +41,8 @@ SETTINGS: list[tuple[str, Kind, str]] = [
                            "(0-1; -1 = the engine measures and chooses)"),
     ("conversation_cache_mib", "int", "host RAM for conversations parked when their slot is taken, MiB (0 = off)"),
     ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
+    ("cpu_activations", "choice", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
+                                  "rounding, fastest) or float"),
     ("prefill", "int", "prompt chunk in tokens; the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
 ]

@@ -8,7 +8,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Input, Label, Static, Switch
 
-Kind = Literal["int", "float", "bool", "groups", "cache"]  # cache: empty (None), auto or a whole number
+# cache: empty (None), auto or a whole number; choice: a word, checked by RunConfig against its choices
+Kind = Literal["int", "float", "bool", "groups", "cache", "choice"]
 
 
 class SettingRow(Vertical):
@@ -72,6 +73,8 @@ class SettingRow(Vertical):
         if self.kind == "bool":
             return bool(raw)
         text = str(raw)
+        if self.kind == "choice":
+            return text.lower()
         if self.kind == "cache" and not text:
             return None
         if self.kind in ("groups", "cache"):
