@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.split_spec import parse_split
+
 
 def on_device(t: torch.Tensor, device: torch.device) -> bool:
     """Whether `t` lives on `device` (`cuda` without an index, an unsplit engine's: any CUDA device)."""
@@ -109,25 +111,20 @@ def plan_stages(spec: str, layers: int, device: torch.device, visible: int | Non
     `"24"` / `"12,24,36"`: the first layer of each later stage, rising, each in 1 .. layers - 1.
     """
     spec = spec.strip()
+    parsed = parse_split(spec)
     if device.type == "cuda" and visible is None:
         visible = torch.cuda.device_count()
-    if not spec or (spec == "auto" and (device.type != "cuda" or (visible or 0) < 2)):
+    if parsed is None or (parsed == "auto" and (device.type != "cuda" or (visible or 0) < 2)):
         return Placement.single(device, layers)
-    if spec == "auto":
+    if parsed == "auto":
         n = min(visible or 1, layers)
         bounds = [round(k * layers / n) for k in range(1, n)]
     else:
-        try:
-            bounds = [int(part) for part in spec.split(",")]
-        except ValueError:
-            raise ValueError(f"--layer-split {spec!r}: expected 'auto' or the first layer of each later stage, "
-                             "e.g. '24' or '12,24,36'") from None
+        bounds = list(parsed)
         for b in bounds:
-            if not 1 <= b < layers:
+            if b >= layers:
                 raise ValueError(f"--layer-split {spec!r}: layer {b} is out of range (a stage starts at a layer "
                                  f"in 1..{layers - 1}; the model has {layers} layers)")
-        if any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
-            raise ValueError(f"--layer-split {spec!r}: the layers must rise (each stage starts after the one before)")
     starts = [0, *bounds]
     if device.type == "cuda":
         if len(starts) > (visible or 0):

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.protocol import CONVERSATION_CACHE_MIB, CONVERSATION_CACHE_SLOTS, MAX_SLOTS, VRAM_RESERVE_MIB
+from engine.split_spec import parse_split
 
 
 class ConfigError(ValueError):
@@ -118,6 +119,14 @@ class RunConfig(BaseModel):
         if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             return value
         raise ValueError("must be 'auto' or a number of slots >= 0")
+
+    @field_validator("layer_split", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if value is None or not isinstance(value, str):
+            return value
+        parse_split(value)  # the format; the layers and GPUs are the engine's to check
+        return value.strip() or None
 
     @field_validator("pcie_frac")
     @classmethod

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
 from textual.app import App
 
 from server.config import RunConfig
@@ -47,6 +49,20 @@ def test_option_notes() -> None:
         NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)")
     assert "cpu_activations" not in option_notes({**data, "device": "cuda", "expert_cache": "auto"}, None)
     assert "cpu_activations" not in option_notes({**data, "device": "cpu"}, None)
+    assert option_notes({**data, "device": "cpu", "layer_split": "2"}, None)["layer_split"] == (
+        "on the CPU the stages take turns on the same cores: no speed-up")
+    assert "layer_split" not in option_notes({**data, "device": "cuda", "layer_split": "2"}, None)
+
+
+def test_layer_split_format_is_the_config_s_to_check() -> None:
+    """RunConfig checks a split's format (the layers and GPUs are the engine's to check) with the
+    engine's own parser (engine/split_spec.py); an empty split is none."""
+    assert RunConfig(model="m.gguf", layer_split=" 12,24 ").layer_split == "12,24"
+    assert RunConfig(model="m.gguf", layer_split="").layer_split is None
+    for bad, why in (("x", "expected 'auto' or the first layer"), ("3,1", "the layers must rise"),
+                     ("0", "layer 0 is out of range")):
+        with pytest.raises(ValidationError, match=why):
+            RunConfig(model="m.gguf", layer_split=bad)
 
 
 class _Host(App):
@@ -85,6 +101,12 @@ async def test_form_notes_follow_the_values() -> None:
         await set_field("adapt_every", "4")
         await set_field("conversation_cache_slots", "0")
         assert message("conversation_cache_mib") == NO_EFFECT + "parking is off while conversation-cache-slots is 0"
+        await set_field("layer_split", "24,12")
+        assert "the layers must rise" in message("layer_split") and form.query_one("#apply").disabled
+        await set_field("layer_split", "12,24")
+        assert message("layer_split") == "on the CPU the stages take turns on the same cores: no speed-up"
+        assert message("batch_groups").startswith("layer split 12,24: ")  # the form's split, not the config's
+        await set_field("layer_split", "")
         await set_field("cpu_activations", "int4")
         assert "'int16', 'int8' or 'float'" in message("cpu_activations") and form.query_one("#apply").disabled
         await set_field("cpu_activations", "INT8")

@@ -45,7 +45,7 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
     options without an expert cache or on a dense model, pcie_frac on the simulated tier (no GPU),
     a round's options while adapt_every is 0, one parking limit while the other is 0, the CPU's
     activations when nothing runs on the CPU (a GPU with every expert in VRAM); and what the expert
-    cache is on a machine without a GPU."""
+    cache and a layer split are on a machine without a GPU."""
     notes: dict[str, str] = {}
     info = engine.info if engine is not None else {}
     device = str(info.get("device", data.get("device", "")))
@@ -64,6 +64,8 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
         if data.get("adapt_every") == 0:
             notes.update({option: NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
                           for option in ADAPT_OPTIONS})
+    if on_cpu and data.get("layer_split") not in (None, "", "auto"):
+        notes["layer_split"] = "on the CPU the stages take turns on the same cores: no speed-up"
     if device.startswith("cuda") and data.get("expert_cache") is None:
         notes["cpu_activations"] = NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)"
     for option, other in (("conversation_cache_mib", "conversation_cache_slots"),

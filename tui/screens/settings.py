@@ -27,6 +27,8 @@ from tui.widgets.setting_row import Kind, SettingRow
 
 SETTINGS: list[tuple[str, Kind, str]] = [
     ("parallel", "int", "batch slots: up to N conversations decode together (1 = one at a time; 1-8)"),
+    ("layer_split", "text", "layers across GPUs: the first layer of each later GPU (24 or 12,24,36), auto, "
+                            "or empty (one device)"),
     ("batch_groups", "groups", "pipeline groups on a layer split: auto, or a number that divides parallel"),
     ("batch_mtp", "bool", "each batch slot verifies one MTP draft per window (needs --mtp)"),
     ("expert_cache", "cache", "expert tier: cache slots over all layers, or auto (what fits the free VRAM); "
@@ -41,7 +43,7 @@ SETTINGS: list[tuple[str, Kind, str]] = [
                            "(0-1; -1 = the engine measures and chooses)"),
     ("conversation_cache_mib", "int", "host RAM for conversations parked when their slot is taken, MiB (0 = off)"),
     ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
-    ("cpu_activations", "choice", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
+    ("cpu_activations", "text", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
                                   "rounding, fastest) or float"),
     ("prefill", "int", "prompt chunk in tokens; the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
@@ -190,7 +192,7 @@ class SettingsScreen(Screen[SettingsResult | None]):
     def _groups_note(self, data: dict[str, Any]) -> str:
         parallel = data.get("parallel") if isinstance(data.get("parallel"), int) else self.base.parallel
         groups = data.get("batch_groups")
-        split = self.base.layer_split
+        split = data.get("layer_split") if isinstance(data.get("layer_split"), str) else None
         allowed = "auto or " + ", ".join(str(d) for d in divisors(max(1, parallel)))
         if parallel == 1:
             where = "parallel 1: no batch slots to group, one window at a time"
@@ -199,7 +201,7 @@ class SettingsScreen(Screen[SettingsResult | None]):
         elif unsplit := layer_split_note(self.snapshot.engine if self.snapshot else None):
             where = f"layer split {split}: {unsplit}"
         else:
-            stages = len([p for p in split.split(",") if p.strip()]) + 1
+            stages = "one per GPU" if split == "auto" else len([p for p in split.split(",") if p.strip()]) + 1
             where = f"layer split {split}: {stages} stages"
             if isinstance(groups, int) and groups >= 1 and parallel % groups == 0:
                 where += f", {parallel} slots in {groups} group(s) of {parallel // groups}"

@@ -8,8 +8,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Input, Label, Static, Switch
 
-# cache: empty (None), auto or a whole number; choice: a word, checked by RunConfig against its choices
-Kind = Literal["int", "float", "bool", "groups", "cache", "choice"]
+# cache: empty (None), auto or a whole number; text: as typed, for RunConfig to check (a word, a split)
+Kind = Literal["int", "float", "bool", "groups", "cache", "text"]
 
 
 class SettingRow(Vertical):
@@ -73,7 +73,7 @@ class SettingRow(Vertical):
         if self.kind == "bool":
             return bool(raw)
         text = str(raw)
-        if self.kind == "choice":
+        if self.kind == "text":
             return text.lower()
         if self.kind == "cache" and not text:
             return None
