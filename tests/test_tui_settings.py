@@ -31,6 +31,9 @@ def test_option_notes() -> None:
     assert option_notes(data, gpu) == dict.fromkeys(TIER, NO_CACHE)
     assert option_notes({**data, "expert_cache": "auto"}, gpu) == {}  # every tier option runs on the GPU tier
     assert option_notes({**data, "expert_cache": 24, "adapt_every": 0}, gpu) == dict.fromkeys(ROUND, STATIC)
+    assert option_notes({**data, "expert_cache": 24, "adapt_every": 1_000_000}, gpu) == dict.fromkeys(
+        ROUND, NO_EFFECT + "adapt-every 1,000,000: a fixed cache (no round comes), as 0 is")
+    assert option_notes({**data, "expert_cache": 24, "adapt_every": 999_999}, gpu) == {}
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
     assert set(notes) == {"expert_cache", "pcie_frac"} and notes["pcie_frac"] == SIMULATED_PCIE

@@ -39,6 +39,9 @@ def supported_options(engine: EngineView | None) -> set[str]:
 NO_EFFECT = "kept in the config; no effect: "
 
 
+FIXED_CACHE_WINDOWS = 1_000_000  # upstream's way to write a cache that never adapts (`--adapt-every 1000000`)
+
+
 def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[str, str]:
     """Why options of the settings form would have no effect as the form now stands (`data`, the
     values being edited) on this model and machine (`engine`, None before one has started): the tier
@@ -61,8 +64,12 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
             notes["expert_cache"] = ("the simulated tier (no GPU): slots in host RAM, to watch the tier's figures; "
                                      "it does not make the CPU faster")
             notes["pcie_frac"] = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
-        if data.get("adapt_every") == 0:
+        every = data.get("adapt_every")
+        if every == 0:
             notes.update({option: NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
+                          for option in ADAPT_OPTIONS})
+        elif isinstance(every, int) and every >= FIXED_CACHE_WINDOWS:
+            notes.update({option: NO_EFFECT + f"adapt-every {every:,}: a fixed cache (no round comes), as 0 is"
                           for option in ADAPT_OPTIONS})
     if on_cpu and data.get("layer_split") not in (None, "", "auto"):
         notes["layer_split"] = "on the CPU the stages take turns on the same cores: no speed-up"
