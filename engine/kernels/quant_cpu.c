@@ -52,20 +52,10 @@ static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-/* The 6-bit scale and minimum of sub-block j (0..7) of Q4_K / Q5_K. */
-static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-    }
-}
-
-/* All 8 scales and minimums of a Q4_K / Q5_K block at once (k4_scale_min for j = 0..7), four per
- * 32-bit word: sub-blocks 0-3 keep 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take a
- * nibble of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) or 4-7 (minimums) above it. */
+/* The 6-bit scales and minimums of a Q4_K / Q5_K block's 8 sub-blocks, four per 32-bit word:
+ * sub-blocks 0-3 keep 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take a nibble of bytes
+ * 8-11 (low: scales, high: minimums) and the top 2 bits of bytes 0-3 (scales) or 4-7 (minimums)
+ * above it. */
 static inline void k4_scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     uint32_t w[3], out[4];
     memcpy(w, s, 12);
@@ -482,11 +472,11 @@ INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     }
 #endif
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    uint8_t sc[8], mn[8];
+    k4_scales_mins(src + 4, sc, mn);
     for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        k4_scale_min(src + 4, j, &sc, &mn);
         q32 q = and32(shr32(load32(src + 16 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
-        float ds = d * (float)sc, dm = dmin * (float)mn;
+        float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
         emit_affine(s, mode, q, 1, ds, dm, ds, dm, o + 32 * j);
     }
 }
@@ -501,12 +491,12 @@ INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
 #endif
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
     q32 qh = load32(src + 16);
+    uint8_t sc[8], mn[8];
+    k4_scales_mins(src + 4, sc, mn);
     for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        k4_scale_min(src + 4, j, &sc, &mn);
         q32 q = and32(shr32(load32(src + 48 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
         q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
-        float ds = d * (float)sc, dm = dmin * (float)mn;
+        float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
         emit_affine(s, mode, q, 1, ds, dm, ds, dm, o + 32 * j);
     }
 }
