@@ -19,16 +19,30 @@ def screen_lines(app: StrataDeskApp) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def dashboard_on(snapshots: list) -> StrataDeskApp:
+    """A dashboard attached to a server that always answers the last snapshot, the ones before it
+    already in its history."""
+    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(snapshots[-1]), poll_interval=3600)
+    for past in snapshots[:-1]:
+        app.history.push(past)
+    return app
+
+
+async def first_poll(pilot, app: StrataDeskApp) -> None:
+    """Until the first snapshot is in and drawn."""
+    while app.snapshot is None:
+        await pilot.pause(0.05)
+    await pilot.pause(0.2)
+
+
 async def shown(snapshot, size: tuple[int, int], log: bool = False) -> tuple[int, list[str]]:
     """(the log panel's width, the screen's lines)"""
-    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(snapshot), poll_interval=3600)
+    app = dashboard_on([snapshot])
     if log:
         for source, text in preview.SAMPLE_LOG:
             app.logbuf.add(source, text)
     async with app.run_test(size=size) as pilot:
-        while app.snapshot is None:
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        await first_poll(pilot, app)
         return app.dashboard.query_one(LogPanel).size.width, screen_lines(app)
 
 
@@ -115,14 +129,9 @@ async def test_throughput_sparkline_follows_the_width() -> None:
     again at the new width without waiting for the next poll."""
     from textual.widgets import Static
 
-    history = preview.busy_history()
-    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(history[-1]), poll_interval=3600)
-    for past in history[:-1]:
-        app.history.push(past)
+    app = dashboard_on(preview.busy_history())
     async with app.run_test(size=(80, 40)) as pilot:
-        while app.snapshot is None:
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        await first_poll(pilot, app)
         spark = app.dashboard.query_one("#tp-spark", Static)
         narrow = len(str(spark.render()).splitlines()[0])
         await pilot.resize_terminal(110, 40)

@@ -6,7 +6,7 @@ those of the last window between two engine reports."""
 from __future__ import annotations
 
 import pytest
-from test_tui_layout import screen_lines, shown
+from test_tui_layout import dashboard_on, first_poll, screen_lines, shown
 
 from tui import preview
 from tui.preview import MOE_ROUNDS, MOE_WAIT_MS, moe_window_rate, moe_window_swaps
@@ -100,16 +100,8 @@ def test_tier_window_from_the_totals() -> None:
 
 
 async def test_tier_bar_shows_the_last_window() -> None:
-    from tui.app import StrataDeskApp
-    from tui.client import FixedSource
-
-    history = preview.cpu_moe_history()
-    app = StrataDeskApp(attach_url="http://127.0.0.1:8080", source=FixedSource(history[-1]), poll_interval=3600)
-    for past in history[:-1]:
-        app.history.push(past)
+    app = dashboard_on(preview.cpu_moe_history())
     async with app.run_test(size=(150, 44)) as pilot:
-        while app.snapshot is None:
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        await first_poll(pilot, app)
         text = "\n".join(screen_lines(app))
     assert "VRAM 90.0%" in text and "CPU 10.0%" in text and "66.3% since start" in text, text
