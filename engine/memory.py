@@ -17,6 +17,11 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
     return vm.available, vm.total
 
 
+def device_key(device: torch.device) -> str:
+    """How STATS names a device: `cpu`, or `cuda:N` (an unsplit engine's bare `cuda` is `cuda:0`)."""
+    return str(device) if device.type == "cpu" else f"cuda:{device.index or 0}"
+
+
 def memory_split(model, n_slots: int) -> list[dict]:
     """One entry per device the model uses (a layer split: each stage's), with the weights and KV it holds;
     the GPU expert tier's slots count as experts on their layers' device."""
@@ -28,7 +33,7 @@ def memory_split(model, n_slots: int) -> list[dict]:
         per_session = model.kv.session_bytes(device)
         free, total = free_bytes(device)
         out.append({
-            "device": str(device) if device.type == "cpu" else f"cuda:{device.index or 0}",
+            "device": device_key(device),
             "total_mib": total // MIB,
             "weights_mib": (weights.get(str(device), 0) + cache) // MIB,
             "experts_mib": (experts.get(str(device), 0) + cache) // MIB,

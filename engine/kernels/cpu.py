@@ -201,10 +201,6 @@ def set_activations(name: str) -> None:
     _activations = name
 
 
-def activations() -> str:
-    return _activations
-
-
 def _code(name: str) -> int:
     if name not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {name!r}")

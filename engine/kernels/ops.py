@@ -12,15 +12,8 @@ from engine.kernels import cpu
 _KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-_ready = False  # the kernels loaded (checked until they are: a step asks hundreds of times)
-
-
 def usable(x: torch.Tensor) -> bool:
-    global _ready
-    if x.dtype != torch.float32 or not x.is_cpu:
-        return False
-    _ready = _ready or cpu.available()
-    return _ready
+    return x.dtype == torch.float32 and x.is_cpu and cpu.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

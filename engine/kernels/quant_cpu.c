@@ -183,6 +183,12 @@ INLINE void to_float32(q32 q, __m256 f[4]) {
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
 }
 
+/* Integer modes, affine types: x row r's sums of block b (values 0-15, 16-31) times the minimums. */
+INLINE void minimums(sink *s, int r, int64_t b, float dx, float m0, float m1) {
+    const int32_t *sums = s->x->s + r * (s->x->k / 16) + 2 * b;
+    s->cm[r] -= dx * (m0 * (float)sums[0] + m1 * (float)sums[1]);
+}
+
 /* integer mode: per x row, the integer dot products of q with the row's int16 block at off (values
  * 0-15 and 16-31 apart), scaled by d0 and d1 times the row's scale (one product when d0 == d1). q is
  * signed (scale types) or unsigned 0..63 (affine types, whose minimum m0/m1 is applied through the
@@ -203,10 +209,7 @@ INLINE void emit_int(sink *s, int rows, q32 q, int is_signed, int one_scale, flo
             s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dx), s->c[r][0]);
             s->c[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * dx), s->c[r][1]);
         }
-        if (!is_signed) {
-            const int32_t *sums = x->s + r * (x->k / 16) + 2 * b;
-            s->cm[r] -= dx * (m0 * (float)sums[0] + m1 * (float)sums[1]);
-        }
+        if (!is_signed) minimums(s, r, b, dx, m0, m1);
     }
 }
 
@@ -225,10 +228,7 @@ INLINE void emit_i8(sink *s, int rows, q32 q, int is_signed, float d0, float m0,
         float dx = x->d[r * (x->k / 32) + b];
         __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * dx), _mm_set1_ps(d0 * dx));
         s->c[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, s->c[r][0]);
-        if (!is_signed) {
-            const int32_t *sums = x->s + r * (x->k / 16) + 2 * b;
-            s->cm[r] -= dx * (m0 * (float)sums[0] + m1 * (float)sums[1]);
-        }
+        if (!is_signed) minimums(s, r, b, dx, m0, m1);
     }
 }
 
@@ -278,6 +278,23 @@ INLINE void emit_affine(sink *s, int mode, q32 q, int one_scale, float d0, float
 }
 #endif
 
+/* ---- K-type values, 32 at a time, as every path reads them --------------------------------------- */
+
+/* Sub-block j (0..7) of a Q4_K / Q5_K block: nibble j%2 of qs[(j/2)*32 + l]; with qh (Q5_K's fifth
+ * bits, loaded), bit j of qh[l] as bit 4. */
+INLINE q32 k45_values(const uint8_t *qs, const q32 *qh, int j) {
+    q32 q = and32(shr32(load32(qs + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
+    return qh ? or32(q, and32(has32(*qh, 1 << j), bytes32(16))) : q;
+}
+
+/* Values h*128 + g*32 .. +32 of a Q6_K block, minus 32: nibble g/2 of ql[h*64 + (g%2)*32 + l], bits
+ * 2g..2g+1 of qh[h*32 + l] (loaded) on top. */
+INLINE q32 q6_values(const uint8_t *src, q32 qh, int h, int g) {
+    q32 lo = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
+    q32 hi = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
+    return sub32(or32(lo, hi), bytes32(32));
+}
+
 #ifdef SD_AVX2
 /* ---- integer super-blocks (K types, integer modes) ---------------------------------------------
  * With x rounded per super-block (x->block == QK_K), a Q4_K/Q5_K/Q6_K block's dot product is summed
@@ -315,7 +332,7 @@ INLINE __m256i x_sums32(const xrows *x, int r, int64_t off) {
     return _mm256_permute4x64_epi64(pairs, 0xd8); /* hadd's order 0 1 4 5 2 3 6 7 back to 0..7 */
 }
 
-/* Q4_K (qh NULL) and Q5_K (qh: the fifth bits). */
+/* Q4_K (qh_bytes NULL) and Q5_K (qh_bytes: the fifth bits). */
 INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_bytes, sink *s, int mode, int64_t o) {
     const xrows *x = s->x;
     int rows = ROWS(mode);
@@ -323,12 +340,11 @@ INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_by
     uint8_t sc[8], mn[8];
     k4_scales_mins(src + 4, sc, mn);
     __m256i acc[MAX_ROWS];
-    q32 qh = qh_bytes ? load32(qh_bytes) : _mm256_setzero_si256();
+    q32 qh = qh_bytes ? load32(qh_bytes) : bytes32(0);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        q32 q = and32(shr32(load32(qs + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
-        if (qh_bytes) q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
+        q32 q = k45_values(qs, qh_bytes ? &qh : NULL, j);
         __m256i scale = _mm256_set1_epi16((short)sc[j]);
         if (mode & INT8) {
             for (int r = 0; r < rows; r++) acc[r] = madd32_i8(acc[r], q, q, 0, scale, x, r, o + 32 * j);
@@ -363,9 +379,7 @@ INLINE void sb_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
         q32 qh = load32(src + 128 + h * 32);
 #pragma GCC unroll 4
         for (int g = 0; g < 4; g++) {
-            q32 lo4 = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
-            q32 hi2 = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
-            q32 q = sub32(or32(lo4, hi2), bytes32(32));
+            q32 q = q6_values(src, qh, h, g);
             int64_t off = o + h * 128 + g * 32;
             __m256i pair = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(h * 4 + g));
             if (mode & INT8) {
@@ -381,7 +395,8 @@ INLINE void sb_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
         }
         if (h == 1 || !(mode & INT8))
             for (int r = 0; r < rows; r++)
-                s->c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * x_scale(x, r, o)), s->c[r][h]);
+                s->c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * x_scale(x, r, o)),
+                                             s->c[r][h]);
     }
 }
 #endif
@@ -462,43 +477,31 @@ INLINE void blk_q3_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     }
 }
 
-/* Q4_K: f16 d, f16 dmin, scales[12] (8 6-bit scales and mins), qs[128].
- * Sub-block j (32 values) is nibble j%2 of qs[(j/2)*32 ..]; w = (d*sc)*q - dmin*mn. */
-INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+/* Q4_K (qh NULL): f16 d, f16 dmin, scales[12] (8 6-bit scales and mins), qs[128]; Q5_K: qh[32]
+ * between scales and qs (k45_values); w = (d*sc)*q - dmin*mn. */
+INLINE void blk_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_bytes, sink *s, int mode, int64_t o) {
 #ifdef SD_AVX2
     if (INTEGER(mode)) {
-        sb_q45_k(src, src + 16, NULL, s, mode, o);
+        sb_q45_k(src, qs, qh_bytes, s, mode, o);
         return;
     }
 #endif
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    q32 qh = qh_bytes ? load32(qh_bytes) : bytes32(0);
     uint8_t sc[8], mn[8];
     k4_scales_mins(src + 4, sc, mn);
     for (int j = 0; j < 8; j++) {
-        q32 q = and32(shr32(load32(src + 16 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
         float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
-        emit_affine(s, mode, q, 1, ds, dm, ds, dm, o + 32 * j);
+        emit_affine(s, mode, k45_values(qs, qh_bytes ? &qh : NULL, j), 1, ds, dm, ds, dm, o + 32 * j);
     }
 }
 
-/* Q5_K: as Q4_K with qh[32] before qs: bit j of qh[l] is bit 4 of value l of sub-block j. */
+INLINE void blk_q4_k(const uint8_t *src, sink *s, int mode, int64_t o) {
+    blk_q45_k(src, src + 16, NULL, s, mode, o);
+}
+
 INLINE void blk_q5_k(const uint8_t *src, sink *s, int mode, int64_t o) {
-#ifdef SD_AVX2
-    if (INTEGER(mode)) {
-        sb_q45_k(src, src + 48, src + 16, s, mode, o);
-        return;
-    }
-#endif
-    float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
-    q32 qh = load32(src + 16);
-    uint8_t sc[8], mn[8];
-    k4_scales_mins(src + 4, sc, mn);
-    for (int j = 0; j < 8; j++) {
-        q32 q = and32(shr32(load32(src + 48 + (j / 2) * 32), 4 * (j % 2)), bytes32(15));
-        q = or32(q, and32(has32(qh, 1 << j), bytes32(16)));
-        float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
-        emit_affine(s, mode, q, 1, ds, dm, ds, dm, o + 32 * j);
-    }
+    blk_q45_k(src, src + 48, src + 16, s, mode, o);
 }
 
 /* Q6_K: ql[128], qh[64], int8 scales[16], f16 d. Values h*128 + g*32 + l (h < 2, g < 4):
@@ -515,10 +518,8 @@ INLINE void blk_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     for (int h = 0; h < 2; h++) {
         q32 qh = load32(src + 128 + h * 32);
         for (int g = 0; g < 4; g++) {
-            q32 lo = and32(shr32(load32(src + h * 64 + (g % 2) * 32), 4 * (g / 2)), bytes32(15));
-            q32 hi = and32(g < 2 ? shl32(qh, 4 - 2 * g) : shr32(qh, 2 * g - 4), bytes32(0x30));
             int j = h * 8 + g * 2;
-            emit_scale(s, mode, sub32(or32(lo, hi), bytes32(32)), 0, d * (float)sc[j], d * (float)sc[j + 1],
+            emit_scale(s, mode, q6_values(src, qh, h, g), 0, d * (float)sc[j], d * (float)sc[j + 1],
                        o + h * 128 + g * 32);
         }
     }

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.experts import ExpertStats, ResidentExperts
-from engine.memory import MIB
+from engine.memory import MIB, device_key
 from engine.models.base import Model
 from engine.tier.experts import TieredExperts
 from engine.tier.policy import AdaptPolicy, Swap, plan_round
@@ -127,7 +127,7 @@ class Tier:
         for layer in self.layers:
             device = getattr(layer.slots, "device", None)
             if device is not None:
-                key = f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
+                key = device_key(device)
                 out[key] = out.get(key, 0) + layer.slots.size
         return out
 
