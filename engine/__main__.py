@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU decode products with quantized weights: activations rounded to int16 per 32 "
                         "values, 256 for Q4_K/Q5_K/Q6_K (faster); int8 as llama.cpp rounds them (fastest, "
                         "logits move more); or float32 (the reference's arithmetic)")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                   help="replay decode windows from CUDA graphs (one launch a window; CUDA, no layer split)")
     p.add_argument("--batch-groups", default="auto",
                    help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")
@@ -86,7 +88,7 @@ def unsupported_by_tier(model: Model) -> tuple[str, ...]:
     return () if model.tier.mode == "gpu" else GPU_TIER_ONLY
 
 
-def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool, int], Runner] = Runner,
+def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Runner,
          make_loop: Callable[..., EngineLoop] = EngineLoop) -> int:
     """Load, announce, serve. `make_runner`/`make_loop` build the Runner and the EngineLoop (the test
     harness, engine/harness.py, passes subclasses that add its switches)."""
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None, make_runner: Callable[[Model, int, bool,
         info.update(batch_slots=slots, slot_cache=1, batch_groups=groups)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
     parking = ParkingStore(args.conversation_cache_mib * MIB, args.conversation_cache_slots, pin=device.type == "cuda")
-    loop = make_loop(make_runner(model, slots, args.exact, groups), stop_token_ids(g.metadata), args.prefill, share,
+    runner = make_runner(model, slots, args.exact, groups, graphs=args.cuda_graphs == "on")
+    info["cuda_graphs"] = "on" if runner.graphs is not None else "off"
+    loop = make_loop(runner, stop_token_ids(g.metadata), args.prefill, share,
                      parking=parking if parking.enabled else None)
     loop.emit(P.Info(info))
     loop.emit(P.Ready(context, stop=True))

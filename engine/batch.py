@@ -45,8 +45,8 @@ class Batch:
 
     @property
     def single_rows(self) -> bool:
-        """A decode step of several sessions, one row each."""
-        return len(self.spans) > 1 and all(s.length == 1 for s in self.spans)
+        """A decode step: one row for each of its sessions."""
+        return all(s.length == 1 for s in self.spans)
 
 
 class BatchBuilder:

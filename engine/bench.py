@@ -70,8 +70,9 @@ class Figures:
     served: ExpertStats  # routed entries of the timed one-row decode, by where they were served
 
 
-def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3) -> Figures:
-    runner = Runner(model, slots, exact=False)
+def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3,
+        graphs: bool = True) -> Figures:
+    runner = Runner(model, slots, exact=False, graphs=graphs)
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
     greedy = Sampling()
@@ -98,13 +99,14 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
             runner.copy(runner.solo, s)
             rows.append(Row(s, state["token"], greedy, 0))
 
-        def steps() -> None:
+        def steps(windows: int) -> None:
             nonlocal rows
-            for _ in range(decode):
+            for _ in range(windows):
                 tokens = runner.decode_window(rows)[0]
                 rows = [Row(r.session, t, greedy, 0) for r, t in zip(rows, tokens, strict=True)]
 
-        batch_tok_s = slots * decode / timed(device, steps)
+        steps(warmup)
+        batch_tok_s = slots * decode / timed(device, lambda: steps(decode))
     solo = Row(runner.solo, state["token"], greedy, 0)
     return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served)
 
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--cpu-activations", choices=tuple(cpu_kernels.ACTIVATIONS), default="int16",
                    help="CPU decode products: int16, int8 or float32 activations")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="decode windows replayed from CUDA "
+                   "graphs, as the engine's")
     p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
                    "adapts during them)")
     add_tier_flags(p)
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     peers: list[Peer] = []
     threads = torch.get_num_threads()
     for _ in range(args.rounds):
-        rounds.append(run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup))
+        rounds.append(run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup,
+                          graphs=args.cuda_graphs == "on"))
         if args.llama_bench:
             peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
                                      reps=1 if args.rounds > 1 else 5))
@@ -231,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")
     bound = bw / per_token
     print(f"bound        {bound:.1f} tok/s  -> decode is {100 * decode_tok_s / bound:.1f}% of the bound")
+    if r.runner.graphs is not None:
+        graphs = r.runner.graphs
+        print(f"cuda graphs  {graphs.captures} captured, {graphs.replays} windows replayed"
+              + (f"; off: {graphs.failed}" if graphs.failed else ""))
     if model.tier is not None:
         s, tier = r.served, model.tier
         n = max(s.lookups, 1)

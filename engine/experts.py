@@ -75,6 +75,21 @@ class Experts:
     def stats(self) -> ExpertStats:
         return self._stats + ExpertStats()  # a copy
 
+    def counted(self) -> ExpertStats:
+        """The entries counted on the host so far (`stats` may add counts kept on the device)."""
+        return self._stats + ExpertStats()
+
+    def recount(self, entries: ExpertStats) -> None:
+        """Add `entries` to the host's counts: a CUDA graph replays a call without its Python."""
+        self._stats = self._stats + entries
+
+    def replayable(self, rows: int) -> bool:
+        """Whether a call of `rows` rows can be captured in a CUDA graph (no host sync, no host work)."""
+        return False
+
+    def before_replay(self) -> None:
+        """Bring what a captured call reads up to date (called before each replay)."""
+
 
 def by_expert(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A window's (row, expert) pairs sorted by expert, stably: (the flat expert ids, the sort order);
@@ -94,6 +109,9 @@ class ResidentExperts(Experts):
         self.grouped = (self.on_gpu and all(s.dense is not None and s.dense.dtype == torch.bfloat16
                                             for s in (gate, up, down)) and hasattr(torch, "_grouped_mm"))
         self._stats = ExpertStats()
+
+    def replayable(self, rows: int) -> bool:
+        return self.grouped
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape

@@ -36,6 +36,9 @@ class BlockExperts(Experts):
         self.on_gpu = device.type == "cuda"
         self._stats = ExpertStats()
 
+    def replayable(self, rows: int) -> bool:
+        return self.on_gpu
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         y, routing = triton_moe.swiglu_experts(self.gate, self.up, self.down, x, ids, self.slot_of)

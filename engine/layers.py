@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.batch import Batch
+from engine.batch import Batch, Span
 from engine.kernels import ops as cpu_ops
 
 ATTEND_BUCKET = 256
@@ -83,7 +83,7 @@ def attend(
     p % length (a sliding layer's ring; the identity for a full layer). Returns [N, Hq * D].
     `window` limits each query to the last `window` positions (sliding-window layers).
     """
-    if rows.single_rows and q.is_cuda:  # one launch for the step; on the CPU the padding costs more
+    if rows.single_rows and q.is_cuda:  # one launch, of a shape a CUDA graph keeps; on the CPU padding costs more
         return _attend_rows(q, k, v, k_cache, v_cache, rows, scale, window)
     out = []
     row = 0
@@ -134,17 +134,22 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     return torch.bmm(weights, values).reshape(1, -1)
 
 
+def attend_bucket(spans: list[Span]) -> int:
+    """The keys a decode step attends over: its longest session padded to a multiple of ATTEND_BUCKET,
+    so that the attention kernels see a handful of shapes instead of a new one every step (cuDNN plans
+    a kernel per shape, ~3 ms of CPU each; a CUDA graph is captured per shape)."""
+    return -(-max(s.end for s in spans) // ATTEND_BUCKET) * ATTEND_BUCKET
+
+
 def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: int | None) -> torch.Tensor:
     """A decode step (one row per session) in one attention call over the sessions' caches,
-    padded to the longest and masked per row. Its reductions depend on the other rows' lengths,
-    which is why exact mode never comes here (it runs rows one at a time)."""
+    padded to `attend_bucket` and masked per row. Its reductions depend on the other rows' lengths,
+    which is why exact mode runs rows one at a time (a row alone pads to its own bucket)."""
     spans, sessions, pos = rows.spans, rows.sessions, rows.positions
     ring = k_cache.shape[2]
     k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
     v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
-    # padded to a multiple of ATTEND_BUCKET: the attention kernels then see a handful of shapes
-    # instead of a new one every step (cuDNN plans a kernel per shape, ~3 ms of CPU each)
-    length = min(-(-max(s.end for s in spans) // ATTEND_BUCKET) * ATTEND_BUCKET, ring)
+    length = min(attend_bucket(spans), ring)
     n_rep = q.shape[1] // k.shape[1]
     keys = k_cache[sessions, :, :length].to(q.dtype).repeat_interleave(n_rep, dim=1)  # [R, Hq, L, D]
     values = v_cache[sessions, :, :length].to(q.dtype).repeat_interleave(n_rep, dim=1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import BatchBuilder, Span
+from engine.cuda_graphs import DecodeGraphs
 from engine.experts import ExpertStats
 from engine.kernels import cpu as cpu_kernels
 from engine.loading import log
@@ -45,9 +46,10 @@ class Row:
 
 class Runner:
     """`groups`: the slots in that many groups of consecutive slots (`--batch-groups`), each decoded in
-    its own window; the solo session goes with the last group."""
+    its own window; the solo session goes with the last group. `graphs`: decode windows replayed from
+    CUDA graphs where the model allows (engine/cuda_graphs.py)."""
 
-    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1):
+    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True):
         if groups < 1 or (n_slots and n_slots % groups):
             raise ValueError(f"{groups} groups do not divide {n_slots} slots")
         self.model = model
@@ -57,6 +59,7 @@ class Runner:
         self.sessions = [Session(i) for i in range(n_slots + 1)]
         self.batches = BatchBuilder(model.device, max(model.kv.max_chunk, n_slots + 1), n_slots + 1)
         cpu_kernels.set_threads(torch.get_num_threads())
+        self.graphs = DecodeGraphs(model) if graphs and DecodeGraphs.usable(model) else None
 
     @property
     def solo(self) -> Session:
@@ -130,8 +133,12 @@ class Runner:
     @torch.inference_mode()
     def forward(self, spans: list[Span], tokens: list[int]) -> torch.Tensor:
         """One forward pass; float32 logits of each span's last row, [len(spans), vocab]."""
+        batch = self.batches.build(spans, tokens)
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is not None:
+            return logits
         with self._torch_threads(len(tokens)):
-            return self.model.logits(self.model.forward(self.batches.build(spans, tokens)))
+            return self.model.logits(self.model.forward(batch))
 
     @contextmanager
     def _torch_threads(self, rows: int) -> Iterator[None]:

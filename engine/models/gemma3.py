@@ -29,10 +29,10 @@ class Gemma3(Model):
         self.rope_full = Rope(h.head_dim, h.rope_base, context, device)
         self.rope_local = Rope(h.head_dim, LOCAL_ROPE_BASE, context, device)
         self.scale = 1.0 / math.sqrt(h.head_dim)
-        self.embed_scale = torch.tensor(math.sqrt(h.hidden), dtype=dtype)
+        self.embed_scale = torch.tensor(math.sqrt(h.hidden), dtype=dtype, device=self.device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().embed(tokens) * self.embed_scale.to(self.device)
+        return super().embed(tokens) * self.embed_scale
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper

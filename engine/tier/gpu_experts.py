@@ -89,9 +89,22 @@ class GpuTieredExperts(Experts):
         far = round(self.pcie_frac * len(by_count))
         return by_count[:far], by_count[far:]
 
+    def replayable(self, rows: int) -> bool:
+        return rows <= MATVEC_ROWS and self.pcie_frac >= 1  # the in-place path: no host sync
+
+    def before_replay(self) -> None:
+        """The in-place table after the slots changed; the device counts' host copy marked stale (a
+        call counts into them)."""
+        if self._in_place_version != self.slots.version:
+            every = torch.arange(self.slots.experts, dtype=torch.int32)
+            cached = self.slots.slot_of
+            self.in_place_table.copy_(torch.where(cached >= 0, cached, triton_moe.far_slot(every)))
+            self._in_place_version = self.slots.version
+        self._counts.layer(self._index)
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        if n <= MATVEC_ROWS and self.pcie_frac >= 1:
+        if self.replayable(n):
             return self._in_place(x, weights, ids)
         ids_host = ids.cpu()  # the layer's one host sync: it decides who computes each expert
         counts = torch.bincount(ids_host.reshape(-1), minlength=self.slots.experts)
@@ -121,11 +134,7 @@ class GpuTieredExperts(Experts):
         experts from their slots and the others in place in pinned host memory, and the entries are
         counted on the device. So the window stays as asynchronous as with every expert resident."""
         n, k = ids.shape
-        if self._in_place_version != self.slots.version:
-            every = torch.arange(self.slots.experts, dtype=torch.int32)
-            cached = self.slots.slot_of
-            self.in_place_table.copy_(torch.where(cached >= 0, cached, triton_moe.far_slot(every)))
-            self._in_place_version = self.slots.version
+        self.before_replay()
         flat = ids.reshape(-1)
         counts = self._counts.layer(self._index)
         counts[:-1].scatter_add_(0, flat, torch.ones_like(flat))

@@ -1,0 +1,103 @@
+"""Decode windows replayed from CUDA graphs (marker `gpu`): the eager windows' logits bit for bit, the same
+expert counts, across attention buckets, with the GPU expert tier adapting between windows."""
+
+import pytest
+import torch
+
+from engine.batch import Span
+from engine.experts import ExpertStats
+from engine.layers import ATTEND_BUCKET
+from engine.loading import open_model
+from engine.runner import Runner
+from engine.tier import AdaptPolicy, install_tier
+from strata_desk.testmodel import write_test_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+WINDOWS = 12
+
+
+@pytest.fixture(scope="module", params=["q4_k_m", "bf16"])
+def path(request, tmp_path_factory):
+    return str(write_test_model(tmp_path_factory.mktemp("q30") / f"q30-{request.param}.gguf",
+                                preset="qwen3-30b-a3b", layers=2, dtype=request.param, router_skew=1.0))
+
+
+def prompts(rows: int, vocab: int) -> list[list[int]]:
+    """Prompts whose decode crosses an attention bucket (a new graph) in the first row."""
+    lengths = [ATTEND_BUCKET - WINDOWS // 2] + [7 + 5 * r for r in range(1, rows)]
+    return [[(r * 131 + i * 7919) % (vocab - 1) + 1 for i in range(n)] for r, n in enumerate(lengths)]
+
+
+def windows(runner: Runner, rows: int, feed: list[list[int]] | None = None, tier=None) -> list[torch.Tensor]:
+    """Each slot reads its prompt, then `WINDOWS` decode windows of all the slots; each window's logits.
+    `feed`: the tokens each window feeds (else each row's argmax), so that two runs see the same inputs;
+    `tier`: told of each window (its rounds run between windows)."""
+    model = runner.model
+    lengths = []
+    for s, ids in zip(runner.sessions, prompts(rows, model.hyper.vocab), strict=False):
+        runner.forward([Span(s.index, 0, len(ids))], ids)
+        lengths.append(len(ids))
+    tokens = [1] * rows
+    out = []
+    with torch.inference_mode():
+        for w in range(WINDOWS):
+            if feed is not None:
+                tokens = feed[w]
+            spans = [Span(r, lengths[r] + w, 1) for r in range(rows)]
+            if tier is not None:
+                tier.window_start()
+            logits = runner.forward(spans, tokens)
+            if tier is not None:
+                tier.window_done(ExpertStats())
+            out.append(logits)
+            tokens = logits.argmax(-1).tolist()
+    return out
+
+
+def fed(logits: list[torch.Tensor], rows: int) -> list[list[int]]:
+    return [[1] * rows] + [w.argmax(-1).tolist() for w in logits[:-1]]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_replayed_windows_give_the_eager_bits(path, rows):
+    _, model = open_model(path, "cuda", None, 8, 1024, max_chunk=512)
+    eager_runner = Runner(model, 8, exact=False, graphs=False)
+    before = model.expert_stats()
+    eager = windows(eager_runner, rows)
+    eager_counts = model.expert_stats() - before
+    runner = Runner(model, 8, exact=False)
+    before = model.expert_stats()
+    replayed = windows(runner, rows, fed(eager, rows))
+    assert model.expert_stats() - before == eager_counts
+    assert runner.graphs is not None and runner.graphs.failed is None
+    assert runner.graphs.captures == 2  # the bucket the prompts end in, and the next
+    assert runner.graphs.replays == WINDOWS - 2  # each bucket's first window eager, then captured and replayed
+    for w, (a, b) in enumerate(zip(eager, replayed, strict=True)):
+        assert torch.equal(a, b), f"window {w}: {(a - b).abs().max()}"
+
+
+def test_the_expert_tier_adapts_between_replays(path):
+    """Half the experts in VRAM, misses read in place over PCIe, a round every 2 windows: the slots change
+    under the captured windows, whose logits and counts still match eager windows'."""
+    if "bf16" in path:
+        pytest.skip("the GPU tier's slots hold blocks the kernels read: the Q4_K_M mix")
+    results = []
+    for graphs in (False, True):
+        _, model = open_model(path, "cuda", None, 8, 1024, max_chunk=512, host_experts=True)
+        h = model.hyper
+        tier = install_tier(model, h.layers * h.experts // 2, AdaptPolicy(every=2, min_count=0), pcie_frac=1.0)
+        runner = Runner(model, 8, exact=False, graphs=graphs)
+        feed = None if not results else fed(results[0][0], 8)
+        logits = windows(runner, 8, feed, tier)
+        results.append((logits, model.expert_stats(), tier.swaps))
+        if graphs:
+            assert runner.graphs.replays > 0 and runner.graphs.failed is None
+    (eager, eager_stats, eager_swaps), (replayed, stats, swaps) = results
+    assert swaps == eager_swaps > 0
+    assert stats == eager_stats and stats.pcie > 0
+    for w, (a, b) in enumerate(zip(eager, replayed, strict=True)):
+        assert torch.equal(a, b), f"window {w}: {(a - b).abs().max()}"
