@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import Batch, Span
+from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
 
 ATTEND_BUCKET = 256
@@ -135,20 +136,28 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
 
 
 def attend_bucket(spans: list[Span]) -> int:
-    """The keys a decode step attends over: its longest session padded to a multiple of ATTEND_BUCKET,
+    """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (it reads
+    each row's length on the device), else the longest session padded to a multiple of ATTEND_BUCKET,
     so that the attention kernels see a handful of shapes instead of a new one every step (cuDNN plans
     a kernel per shape, ~3 ms of CPU each; a CUDA graph is captured per shape)."""
+    if gpu_kernels.available():
+        return 0
     return -(-max(s.end for s in spans) // ATTEND_BUCKET) * ATTEND_BUCKET
 
 
 def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: int | None) -> torch.Tensor:
-    """A decode step (one row per session) in one attention call over the sessions' caches,
-    padded to `attend_bucket` and masked per row. Its reductions depend on the other rows' lengths,
-    which is why exact mode runs rows one at a time (a row alone pads to its own bucket)."""
+    """A decode step (one row per session) over the sessions' caches in one launch: the fused kernel
+    (engine/kernels/triton_attention.py, each row over its own keys), or without Triton one attention
+    call padded to `attend_bucket` and masked per row, whose reductions depend on the other rows'
+    lengths (so exact mode runs rows one at a time: a row alone pads to its own bucket)."""
     spans, sessions, pos = rows.spans, rows.sessions, rows.positions
     ring = k_cache.shape[2]
     k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
     v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
+    if gpu_kernels.available():
+        from engine.kernels.triton_attention import decode_attention  # imports Triton: only on CUDA
+
+        return decode_attention(q, k_cache, v_cache, sessions, pos, scale, window)
     length = min(attend_bucket(spans), ring)
     n_rep = q.shape[1] // k.shape[1]
     keys = k_cache[sessions, :, :length].to(q.dtype).repeat_interleave(n_rep, dim=1)  # [R, Hq, L, D]

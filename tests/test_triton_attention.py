@@ -1,0 +1,85 @@
+"""The fused decode attention kernel (engine/kernels/triton_attention.py) at small shapes: in Triton's
+interpreter on the CPU (CI), compiled where there is a GPU. Against float64 attention over each row's own
+positions (full and sliding layers, rings that wrap), GQA, and each row's bits alone = in any window."""
+
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
+
+pytest.importorskip("triton")
+
+from engine.kernels.triton_attention import BLOCK_L, decode_attention  # noqa: E402
+
+SESSIONS, KV_HEADS, HEADS, D = 3, 2, 6, 32  # 3 query heads per KV head (a padded head block)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def caches(ring: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(SESSIONS, KV_HEADS, ring, D, generator=gen) for _ in range(2))
+    return k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+
+
+def reference(q, k_cache, v_cache, sessions, positions, scale, window):
+    """float64 softmax attention of each row over the positions it sees, read from ring slot p % ring."""
+    ring = k_cache.shape[2]
+    rep = HEADS // KV_HEADS
+    out = []
+    for row, (s, pos) in enumerate(zip(sessions.tolist(), positions.tolist(), strict=True)):
+        lo = 0 if window is None else max(0, pos - window + 1)
+        slots = torch.arange(lo, pos + 1) % ring
+        keys = k_cache[s][:, slots].double().cpu().repeat_interleave(rep, dim=0)  # [Hq, L, D]
+        values = v_cache[s][:, slots].double().cpu().repeat_interleave(rep, dim=0)
+        qr = q[row].double().cpu()  # [Hq, D]
+        weights = torch.softmax((keys @ qr[:, :, None])[..., 0] * scale, dim=-1)  # [Hq, L]
+        out.append((weights[:, None, :] @ values)[:, 0].reshape(-1))
+    return torch.stack(out)
+
+
+CASES = {  # ring, window, (session, position) of each row
+    "full": (200, None, [(0, 0), (1, 5), (2, BLOCK_L), (0, 150)]),
+    "sliding ring": (96, 40, [(0, 3), (1, 39), (2, 130), (1, 95)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_attention(case, dtype):
+    ring, window, rows = CASES[case]
+    k_cache, v_cache = caches(ring, dtype)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(len(rows), HEADS, D, generator=gen).to(DEVICE, dtype)
+    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
+    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    scale = D ** -0.5
+    got = decode_attention(q, k_cache, v_cache, sessions, positions, scale, window)
+    assert got.shape == (len(rows), HEADS * D) and got.dtype == dtype
+    want = reference(q, k_cache, v_cache, sessions, positions, scale, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.double().cpu(), want, atol=tolerance, rtol=tolerance), (got.double().cpu() - want).abs().max()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_row_alone_gives_its_bits_in_any_window(case):
+    ring, window, rows = CASES[case]
+    k_cache, v_cache = caches(ring, torch.float16, seed=2)
+    q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
+    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    together = decode_attention(q, k_cache, v_cache, sessions, positions, 0.2, window)
+    for i in range(len(rows)):
+        alone = decode_attention(q[i : i + 1], k_cache, v_cache, sessions[i : i + 1], positions[i : i + 1], 0.2, window)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_bad_shapes_are_refused():
+    k_cache, v_cache = caches(16, torch.float32)
+    q = torch.zeros(1, 5, D, device=DEVICE)  # 5 query heads over 2 KV heads
+    one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="query heads"):
+        decode_attention(q, k_cache, v_cache, one, one, 1.0)
