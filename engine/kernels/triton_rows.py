@@ -44,9 +44,11 @@ def _rope_kernel(x, y, positions, cos, sin, heads, half, NEOX: tl.constexpr, HEA
     s = tl.load(sin + at, mask=j < half, other=0.0)
     row = (n.to(tl.int64) * heads + h) * (2 * half)
     if NEOX:  # pairs (j, j + D/2)
-        first, second = row + j, row + j + half
+        first = row + j
+        second = first + half
     else:  # pairs (2j, 2j + 1)
-        first, second = row + 2 * j, row + 2 * j + 1
+        first = row + 2 * j
+        second = first + 1
     x1 = tl.load(x + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x + second, mask=mask, other=0.0).to(tl.float32)
     tl.store(y + first, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
