@@ -21,6 +21,10 @@ ATTEND_BUCKET = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
+
+        return triton_rows.rms_norm(x, weight, eps)
     if cpu_ops.usable(x):
         return cpu_ops.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
@@ -41,7 +45,6 @@ class Rope:
         self.cos = angles.cos().float().to(device)
         self.sin = angles.sin().float().to(device)
         self.neox = neox
-        self._positions: torch.Tensor | None = None
         self._copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +56,15 @@ class Rope:
         return self._copies[device]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim]; positions: [N]."""
+        """x: [N, heads, head_dim]; positions: [N], on x's device."""
+        cos, sin = self._tables(x.device)
+        if x.is_cuda:
+            from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
+
+            return triton_rows.rope(x, positions, cos, sin, self.neox)
         if cpu_ops.usable(x):
-            return cpu_ops.rope(x, positions, self.cos, self.sin, self.neox)
-        if positions is not self._positions:  # every layer of a stage rotates the same positions
-            self._positions = positions
-            cos, sin = self._tables(positions.device)
-            self._cos, self._sin = cos[positions][:, None, :], sin[positions][:, None, :]
-        cos, sin = self._cos, self._sin
+            return cpu_ops.rope(x, positions, cos, sin, self.neox)
+        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
         if self.neox:
             x1, x2 = x.float().chunk(2, dim=-1)
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -55,7 +55,7 @@ def test_normal_rope_rotates_adjacent_pairs_as_complex_numbers():
 
 
 def test_rope_fallback_in_torch_matches_the_kernel(monkeypatch):
-    """layers.Rope's torch path (CUDA, other dtypes) and the C kernel rotate alike, both variants."""
+    """layers.Rope's torch path (CPU tensors the C kernels do not take) and the C kernel rotate alike, both variants."""
     from engine.layers import Rope
 
     x, pos = torch.randn(5, 3, 64, generator=gen(12)), torch.tensor([0, 1, 2, 40, 63])

@@ -1,0 +1,110 @@
+"""Row-wise ops of a CUDA forward in one Triton launch each: RMSNorm and rotary embedding (what
+engine/layers.py's `rms_norm` and `Rope` run for CUDA tensors; in torch they took ~7 elementwise kernels
+each).
+
+Both compute in float32 and round once to x's dtype. No host sync and no shape that depends on data
+(they run inside CUDA graph capture): rope reads each row's position on the device. Tile sizes come from
+the row length (and the head count) only, and a row's result depends only on that row: the same bits
+whatever the number of rows in the call. Multiply-adds are not fused, as torch's separate kernels round
+each product.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TILE = 1024  # values a program handles when rows are shorter (several rows, or several heads)
+_UNFUSED = dict(enable_fp_fusion=False)
+
+
+@triton.jit(do_not_specialize=["rows"])  # one compiled kernel for every number of rows
+def _rms_norm_kernel(x, w, y, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    mask = (r < rows) & (i < d)
+    at = r.to(tl.int64) * d + i
+    v = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
+    out = v * scale * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)
+    tl.store(y + at, out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x, y, positions, cos, sin, heads, half, NEOX: tl.constexpr, HEADS: tl.constexpr,
+                 HALF: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    mask = (h < heads) & (j < half)
+    at = tl.load(positions + n).to(tl.int64) * half + j
+    c = tl.load(cos + at, mask=j < half, other=0.0)
+    s = tl.load(sin + at, mask=j < half, other=0.0)
+    row = (n.to(tl.int64) * heads + h) * (2 * half)
+    if NEOX:  # pairs (j, j + D/2)
+        first = row + j
+        second = first + half
+    else:  # pairs (2j, 2j + 1)
+        first = row + 2 * j
+        second = first + 1
+    x1 = tl.load(x + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + first, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
+    tl.store(y + second, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
+
+
+def _warps(values: int) -> int:
+    return min(16, max(1, values // 256))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension D of x [..., D] (float32/bf16/f16),
+    weight [D]; in x's dtype."""
+    if x.dtype not in DTYPES or x.dim() == 0:
+        raise ValueError(f"x must be a float32/bf16/f16 tensor [..., D], got {x.dtype} {tuple(x.shape)}")
+    d = x.shape[-1]
+    if weight.shape != (d,) or not weight.is_floating_point() or weight.device != x.device:
+        raise ValueError(f"weight must be a float vector [{d}] on {x.device}, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    rows, block = x.numel() // d, triton.next_power_of_2(d)
+    per_program = max(1, TILE // block)
+    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x, weight, y, rows, d, eps, ROWS=per_program, BLOCK=block, num_warps=_warps(per_program * block),
+        **_UNFUSED)
+    return y
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
+         ) -> torch.Tensor:
+    """x [N, heads, D] (float32/bf16/f16) rotated at positions [N] (integers on x's device, each in
+    [0, context): not checked, that would need a host sync), tables cos/sin float32 [context, D/2]:
+    pairs (i, i + D/2) when `neox`, else adjacent pairs (2i, 2i + 1), llama.cpp's normal rope. A new
+    tensor in x's dtype."""
+    if x.dtype not in DTYPES or x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be a float32/bf16/f16 tensor [N, heads, D] with D even, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    n, heads, d = x.shape
+    half = d // 2
+    if positions.shape != (n,) or positions.dtype not in (torch.int64, torch.int32) or positions.device != x.device:
+        raise ValueError(f"positions must be an int64/int32 vector [{n}] on {x.device}, got {positions.dtype} "
+                         f"{tuple(positions.shape)} on {positions.device}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != half or table.device != x.device:
+            raise ValueError(f"{name} must be a float32 table [context, {half}] on {x.device}, got {table.dtype} "
+                             f"{tuple(table.shape)} on {table.device}")
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    block = triton.next_power_of_2(half)
+    per_program = min(triton.next_power_of_2(heads), max(1, TILE // block))
+    _rope_kernel[(n, triton.cdiv(heads, per_program))](
+        x, y, positions, cos, sin, heads, half, NEOX=neox, HEADS=per_program, HALF=block,
+        num_warps=_warps(per_program * block), **_UNFUSED)
+    return y
