@@ -101,14 +101,20 @@ def test_prompt_matches_reference(qtype, dtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_decode_pairs_do_not_depend_on_the_window(qtype):
+    """Runs of two pairs agree in any window, as do pairs alone on their expert (one-row sums)."""
     stacks, _ = stacks_of(qtype, 7)
     x = random_x(3, torch.bfloat16, seed=2)
     ids = ids_of(DECODE_IDS)
     routing, _, y = run(stacks, x, ids, prompt=False)
     window = per_pair(routing, y)
-    for i in (0, 2):  # row 0: first of expert 1's run in the window; row 2: second of it
+    rows = [0, 2]  # expert 1's run again (rows 0 and 2), expert 3 now alone
+    sub, _, y = run(stacks, x[rows], ids[rows], prompt=False)
+    pairs = per_pair(sub, y)
+    assert_same_bits(pairs[0, 0], window[0, 0])
+    assert_same_bits(pairs[1, 1], window[2, 1])
+    for i, choice in ((1, 1), (2, 0)):  # experts 0 and 4: alone in the window and in a window of their row
         alone, _, y = run(stacks, x[i:i + 1], ids[i:i + 1], prompt=False)
-        assert_same_bits(per_pair(alone, y)[0], window[i])
+        assert_same_bits(per_pair(alone, y)[0, choice], window[i, choice])
 
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "

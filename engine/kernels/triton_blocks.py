@@ -161,11 +161,10 @@ def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.c
 
 
 @triton.jit
-def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-                BK: tl.constexpr):
-    """One row of x: each product accumulated where it lands, reduced once at the end (no reduction per
-    step, which is what bounds the general matvec at one row)."""
-    rows = tl.program_id(0) * R + tl.arange(0, R)
+def _row_dot(w, rows, n, x_at, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+             BK: tl.constexpr):
+    """[R] float32: weight rows `rows` times the x row at `x_at`, each product accumulated where it lands
+    and reduced once at the end (a reduction per step is what bounds the matvec of 2-8 rows at one)."""
     row = rows.to(tl.int64)[:, None, None] * row_bytes
     g_step = tl.arange(0, BK // GROUP)[None, :, None]
     i = tl.arange(0, GROUP)[None, None, :]
@@ -174,9 +173,17 @@ def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constex
     for e0 in range(0, k, BK):
         g = e0 // GROUP + g_step
         q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
-        xj = tl.load(x + g * GROUP + i, mask=g < groups, other=0.0).to(tl.float32)
+        xj = tl.load(x_at + g * GROUP + i, mask=g < groups, other=0.0).to(tl.float32)
         acc += (q * scale - minimum) * xj
-    tl.store(y + rows, tl.sum(tl.sum(acc, axis=2), axis=1).to(y.dtype.element_ty), mask=rows < n)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                BK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    acc = _row_dot(w, rows, n, x, k, row_bytes, QTYPE, GROUP, R, BK)
+    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m

@@ -10,16 +10,17 @@ the device, no host sync):
 
 - decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
   first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
-  the others return at once. So each routed expert's rows are read once for all its pairs.
+  the others return at once. So each routed expert's rows are read once for all its pairs. A pair alone
+  on its expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot.
 
 Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' types and shapes only (`Tiles`), so
-a pair's result does not depend on how many rows the window has or on the other pairs: in the matvec a
-pair runs the same instructions whatever its place in its expert's run, in the GEMM it is the same dots
-over the same tiles whatever its place in the tile (as in `triton_blocks`). The two paths round
-differently from each other.
+a pair's result depends on its own row, and in the matvec on whether its expert's run has company: in a run
+of 2-8 a pair runs the same instructions whatever its place, alone it runs the one-row sums (exact mode runs
+rows alone: always those); in the GEMM it is the same dots over the same tiles whatever its place in the
+tile (as in `triton_blocks`). The paths round differently from each other.
 
 `python -m engine.kernels.triton_moe` prints the fused kernel's time, GB/s and TFLOP/s for decode windows
 and a prompt chunk beside torch's bf16 grouped GEMMs (CUDA, qwen3-30b-a3b's expert shapes).
@@ -35,7 +36,16 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.gpu import SUPPORTED
-from engine.kernels.triton_blocks import _FUSED, GROUP, MATVEC_ROWS, X_DTYPES, _group, _partial, row_bytes
+from engine.kernels.triton_blocks import (
+    _FUSED,
+    GROUP,
+    MATVEC_ROWS,
+    X_DTYPES,
+    _group,
+    _partial,
+    _row_dot,
+    row_bytes,
+)
 
 HAS_MIN = (Q.Q4_K, Q.Q5_K)
 
@@ -84,15 +94,24 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, y, pairs, n, k,
     if (e != before) & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
-        acc = _matvec_run(_expert_at(w, wf, slot, expert_bytes), x, src, p, count, rows, n, k, row_bytes, QTYPE,
-                          GROUP, HAS_MIN, R, BK, ROWS)
-        if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
-            up = _matvec_run(_expert_at(w2, wf2, slot, expert_bytes2), x, src, p, count, rows, n, k, row_bytes2,
-                             QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS)
-            acc = acc * tl.sigmoid(acc) * up
-        r = tl.arange(0, ROWS)[:, None]
-        out = y + (p + r).to(tl.int64) * n + rows[None, :]
-        tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
+        if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
+            x_at = x + tl.load(src + p).to(tl.int64) * k
+            one = _row_dot(_expert_at(w, wf, slot, expert_bytes), rows, n, x_at, k, row_bytes, QTYPE, GROUP, R, BK)
+            if GATED:
+                up1 = _row_dot(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x_at, k, row_bytes2, QTYPE2,
+                               GROUP2, R, BK)
+                one = one * tl.sigmoid(one) * up1
+            tl.store(y + p.to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
+        else:
+            acc = _matvec_run(_expert_at(w, wf, slot, expert_bytes), x, src, p, count, rows, n, k, row_bytes, QTYPE,
+                              GROUP, HAS_MIN, R, BK, ROWS)
+            if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
+                up = _matvec_run(_expert_at(w2, wf2, slot, expert_bytes2), x, src, p, count, rows, n, k, row_bytes2,
+                                 QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS)
+                acc = acc * tl.sigmoid(acc) * up
+            r = tl.arange(0, ROWS)[:, None]
+            out = y + (p + r).to(tl.int64) * n + rows[None, :]
+            tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
 
 
 @triton.jit
