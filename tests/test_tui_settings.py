@@ -20,6 +20,7 @@ from tui.view import NO_EFFECT, option_notes
 NO_CACHE = NO_EFFECT + "no expert cache (expert-cache empty: every expert stays in memory)"
 DENSE = NO_EFFECT + "a dense model has no routed experts"
 SIMULATED_PCIE = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
+NO_GRAPHS = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
 STATIC = NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
 TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "pcie_frac"}
 ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count"}
@@ -36,7 +37,8 @@ def test_option_notes() -> None:
     assert option_notes({**data, "expert_cache": 24, "adapt_every": 999_999}, gpu) == {}
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
-    assert set(notes) == {"expert_cache", "pcie_frac"} and notes["pcie_frac"] == SIMULATED_PCIE
+    assert set(notes) == {"expert_cache", "pcie_frac", "cuda_graphs"} and notes["pcie_frac"] == SIMULATED_PCIE
+    assert notes["cuda_graphs"] == NO_GRAPHS
     assert "does not make the CPU faster" in notes["expert_cache"]
     # before an engine has said anything, the config's device stands for it
     assert option_notes({**data, "expert_cache": 24, "device": "cpu"}, None)["pcie_frac"] == SIMULATED_PCIE
@@ -54,7 +56,9 @@ def test_option_notes() -> None:
     assert "cpu_activations" not in option_notes({**data, "device": "cpu"}, None)
     assert option_notes({**data, "device": "cpu", "layer_split": "2"}, None)["layer_split"] == (
         "on the CPU the stages take turns on the same cores: no speed-up")
-    assert "layer_split" not in option_notes({**data, "device": "cuda", "layer_split": "2"}, None)
+    split = option_notes({**data, "device": "cuda", "layer_split": "2"}, None)
+    assert "layer_split" not in split
+    assert split["cuda_graphs"] == NO_EFFECT + "a layer split runs its stages' windows without graphs"
 
 
 def test_layer_split_format_is_the_config_s_to_check() -> None:

@@ -47,8 +47,8 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
     values being edited) on this model and machine (`engine`, None before one has started): the tier
     options without an expert cache or on a dense model, pcie_frac on the simulated tier (no GPU),
     a round's options while adapt_every is 0, one parking limit while the other is 0, the CPU's
-    activations when nothing runs on the CPU (a GPU with every expert in VRAM); and what the expert
-    cache and a layer split are on a machine without a GPU."""
+    activations when nothing runs on the CPU (a GPU with every expert in VRAM), CUDA graphs on the CPU
+    or with a layer split; and what the expert cache and a layer split are on a machine without a GPU."""
     notes: dict[str, str] = {}
     info = engine.info if engine is not None else {}
     device = str(info.get("device", data.get("device", "")))
@@ -73,6 +73,10 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
                           for option in ADAPT_OPTIONS})
     if on_cpu and data.get("layer_split") not in (None, "", "auto"):
         notes["layer_split"] = "on the CPU the stages take turns on the same cores: no speed-up"
+    if on_cpu:
+        notes["cuda_graphs"] = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
+    elif data.get("layer_split") not in (None, ""):
+        notes["cuda_graphs"] = NO_EFFECT + "a layer split runs its stages' windows without graphs"
     if device.startswith("cuda") and data.get("expert_cache") is None:
         notes["cpu_activations"] = NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)"
     for option, other in (("conversation_cache_mib", "conversation_cache_slots"),

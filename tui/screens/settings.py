@@ -45,6 +45,8 @@ SETTINGS: list[tuple[str, Kind, str]] = [
     ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
     ("cpu_activations", "text", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
                                   "rounding, fastest) or float"),
+    ("cuda_graphs", "bool", "replay each decode window from a CUDA graph: one launch instead of hundreds "
+                            "(GPU; turn off to rule it out when something looks wrong)"),
     ("prefill", "int", "prompt chunk in tokens; the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
 ]
