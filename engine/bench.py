@@ -18,6 +18,7 @@ from statistics import median
 
 import torch
 
+from engine.batch import Span
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
@@ -68,6 +69,7 @@ class Figures:
     solo_row: Row
     batch_rows: list[Row]
     served: ExpertStats  # routed entries of the timed one-row decode, by where they were served
+    replay_ms: float | None  # a one-row window's CUDA graph replayed alone (None: no graph)
 
 
 def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3,
@@ -92,6 +94,11 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
     before = model.expert_stats()
     decode_s = timed(device, lambda: one_row(decode))
     served = model.expert_stats() - before
+    replay_ms = None
+    if runner.graphs is not None and model.tier is None:  # the last window again (a tier would count it)
+        last = len(runner.solo.tokens) - 1
+        replay_ms = runner.graphs.replay_ms(runner.batches.build([Span(runner.solo.index, last, 1)],
+                                                                 [runner.solo.tokens[last]]))
     rows: list[Row] = []
     batch_tok_s = None
     if slots >= 2:
@@ -108,7 +115,7 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         steps(warmup)
         batch_tok_s = slots * decode / timed(device, lambda: steps(decode))
     solo = Row(runner.solo, state["token"], greedy, 0)
-    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served)
+    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served, replay_ms)
 
 
 def handoff_us(model: Model, rows: int, reps: int = 100) -> float:
@@ -240,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         graphs = r.runner.graphs
         print(f"cuda graphs  {graphs.captures} captured, {graphs.replays} windows replayed"
               + (f"; off: {graphs.failed}" if graphs.failed else ""))
+        if r.replay_ms is not None:
+            print(f"one row      {1000 / decode_tok_s:.3f} ms a window, {r.replay_ms:.3f} ms of it the graph's "
+                  f"replay (the GPU's work; the rest is the host's)")
     if model.tier is not None:
         s, tier = r.served, model.tier
         n = max(s.lookups, 1)

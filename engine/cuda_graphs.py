@@ -23,6 +23,7 @@ kernels of the eager run, on the same shapes, so a row's tokens are the same eit
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,21 @@ class DecodeGraphs:
             e.recount(entries)
         self.replays += 1
         return graph.logits.clone()  # the next replay of this graph overwrites its output
+
+    def replay_ms(self, batch: Batch, windows: int = 64) -> float | None:
+        """Milliseconds one replay of `batch`'s window takes, the host waiting (the GPU's part of a window:
+        what `bench-engine` sets beside a whole window's time); None when its shape was not captured. Give
+        it a window already decoded: each replay writes that window's KV entries again."""
+        key = self.key(batch)
+        graph = self._graphs.get(key) if key is not None else None
+        if graph is None or graph.inputs != batch.tokens.data_ptr():
+            return None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(windows):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000 / windows
 
     def _capture(self, key: tuple[int, int], batch: Batch) -> _Graph | None:
         for e in self.experts:  # what they copy from the host must be copied before the capture
