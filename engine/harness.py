@@ -73,8 +73,9 @@ class PacedRunner(Runner):
     """The runner at most as fast as the switches allow: a decode step and a prompt read take at
     least their share of a second."""
 
-    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, *, switches: Switches):
-        super().__init__(model, n_slots, exact, groups)
+    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True, *,
+                 switches: Switches):
+        super().__init__(model, n_slots, exact, groups, graphs)
         self.step_s = 1 / switches.tok_s if switches.tok_s else 0.0
         self.read_token_s = 1 / switches.prefill_tok_s if switches.prefill_tok_s else 0.0
 
