@@ -21,7 +21,7 @@ ATTEND_BUCKET = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda:
+    if x.is_cuda and gpu_kernels.available():
         from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
 
         return triton_rows.rms_norm(x, weight, eps)
@@ -58,7 +58,7 @@ class Rope:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N], on x's device."""
         cos, sin = self._tables(x.device)
-        if x.is_cuda:
+        if x.is_cuda and gpu_kernels.available():
             from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
 
             return triton_rows.rope(x, positions, cos, sin, self.neox)
