@@ -18,6 +18,11 @@ from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
 
 ATTEND_BUCKET = 256
+# The fused decode attention runs one program per (row, KV head), each over all its row's keys: past ~1K
+# keys a row's few programs leave most of a GPU idle, and the padded call, parallel over heads and key
+# blocks, is the faster one (on an H200 the fused kernel was faster at ~600 keys). A split over the keys
+# would lift this.
+FUSED_ATTEND_MAX = 1024
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,29 +145,33 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
 
 
 def attend_bucket(spans: list[Span]) -> int:
-    """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (it reads
-    each row's length on the device), else the longest session padded to a multiple of ATTEND_BUCKET,
-    so that the attention kernels see a handful of shapes instead of a new one every step (cuDNN plans
-    a kernel per shape, ~3 ms of CPU each; a CUDA graph is captured per shape)."""
-    if gpu_kernels.available():
+    """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (Triton, and
+    no session past `FUSED_ATTEND_MAX`: it reads each row's length on the device), else the longest
+    session padded to a multiple of ATTEND_BUCKET, so that the attention kernels see a handful of shapes
+    instead of a new one every step (cuDNN plans a kernel per shape, ~3 ms of CPU each; a CUDA graph is
+    captured per shape)."""
+    longest = max(s.end for s in spans)
+    if longest <= FUSED_ATTEND_MAX and gpu_kernels.available():
         return 0
-    return -(-max(s.end for s in spans) // ATTEND_BUCKET) * ATTEND_BUCKET
+    return -(-longest // ATTEND_BUCKET) * ATTEND_BUCKET
 
 
 def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: int | None) -> torch.Tensor:
     """A decode step (one row per session) over the sessions' caches in one launch: the fused kernel
-    (engine/kernels/triton_attention.py, each row over its own keys), or without Triton one attention
-    call padded to `attend_bucket` and masked per row, whose reductions depend on the other rows'
-    lengths (so exact mode runs rows one at a time: a row alone pads to its own bucket)."""
+    (engine/kernels/triton_attention.py, each row over its own keys), or (without Triton, or past
+    `FUSED_ATTEND_MAX` keys) one attention call padded to `attend_bucket` and masked per row, whose
+    reductions depend on the other rows' lengths (so exact mode runs rows one at a time: a row alone
+    takes the path and pads to the bucket of its own length)."""
     spans, sessions, pos = rows.spans, rows.sessions, rows.positions
     ring = k_cache.shape[2]
     k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
     v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
-    if gpu_kernels.available():
+    bucket = attend_bucket(spans)
+    if bucket == 0:
         from engine.kernels.triton_attention import decode_attention  # imports Triton: only on CUDA
 
         return decode_attention(q, k_cache, v_cache, sessions, pos, scale, window)
-    length = min(attend_bucket(spans), ring)
+    length = min(bucket, ring)
     n_rep = q.shape[1] // k.shape[1]
     keys = k_cache[sessions, :, :length].to(q.dtype).repeat_interleave(n_rep, dim=1)  # [R, Hq, L, D]
     values = v_cache[sessions, :, :length].to(q.dtype).repeat_interleave(n_rep, dim=1)

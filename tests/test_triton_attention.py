@@ -83,3 +83,15 @@ def test_bad_shapes_are_refused():
     one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="query heads"):
         decode_attention(q, k_cache, v_cache, one, one, 1.0)
+
+
+def test_long_windows_take_the_padded_call():
+    """Past FUSED_ATTEND_MAX keys a decode step takes the padded attention call (buckets of ATTEND_BUCKET);
+    the fused kernel (bucket 0) below, decided by the window's longest session."""
+    from engine.batch import Span
+    from engine.layers import ATTEND_BUCKET, FUSED_ATTEND_MAX, attend_bucket
+
+    assert attend_bucket([Span(0, 0, 1), Span(1, FUSED_ATTEND_MAX - 1, 1)]) == 0
+    longest = FUSED_ATTEND_MAX + 1
+    assert attend_bucket([Span(0, 5, 1), Span(1, longest - 1, 1)]) == -(-longest // ATTEND_BUCKET) * ATTEND_BUCKET
+
