@@ -116,14 +116,17 @@ class Page:
         self.el("#send").click()
 
     def messages(self) -> list[tuple[str, str, str]]:
-        """(role, text, state) of each message shown."""
+        """(role, text, state) of each message shown. The state is read before the text: the page sets
+        it after the reply's last text, so a final state comes with the whole text (read the other way
+        round, a chunk landing between the two reads gave a reply cut short marked done)."""
         from selenium.webdriver.common.by import By
 
         out = []
         for m in self.driver.find_elements(By.CSS_SELECTOR, "#conversation .message"):
             role = "user" if "user" in m.get_attribute("class").split() else "assistant"
+            state = m.get_attribute("data-state") or ""
             text = m.find_element(By.CSS_SELECTOR, ".content").get_attribute("textContent")
-            out.append((role, text, m.get_attribute("data-state") or ""))
+            out.append((role, text, state))
         return out
 
     def last_reply(self) -> tuple[str, str]:
