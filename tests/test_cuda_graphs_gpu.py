@@ -1,12 +1,12 @@
 """Decode windows replayed from CUDA graphs (marker `gpu`): the eager windows' logits bit for bit, the same
-expert counts, across attention buckets, with the GPU expert tier adapting between windows."""
+expert counts, through both attention paths, with the GPU expert tier adapting between windows."""
 
 import pytest
 import torch
 
 from engine.batch import Span
 from engine.experts import ExpertStats
-from engine.layers import ATTEND_BUCKET, attend_bucket
+from engine.layers import FUSED_ATTEND_MAX, attend_bucket
 from engine.loading import open_model
 from engine.runner import Runner
 from engine.tier import AdaptPolicy, install_tier
@@ -27,8 +27,9 @@ def path(request, tmp_path_factory):
 
 
 def prompts(rows: int, vocab: int) -> list[list[int]]:
-    """Prompts whose decode crosses an attention bucket (a new graph) in the first row."""
-    lengths = [ATTEND_BUCKET - WINDOWS // 2] + [7 + 5 * r for r in range(1, rows)]
+    """Prompts whose decode goes past `FUSED_ATTEND_MAX` keys in the first row: from the fused attention
+    kernel to the padded call, a new graph."""
+    lengths = [FUSED_ATTEND_MAX - WINDOWS // 2] + [7 + 5 * r for r in range(1, rows)]
     return [[(r * 131 + i * 7919) % (vocab - 1) + 1 for i in range(n)] for r, n in enumerate(lengths)]
 
 
@@ -64,7 +65,7 @@ def fed(logits: list[torch.Tensor], rows: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_replayed_windows_give_the_eager_bits(path, rows):
-    _, model = open_model(path, "cuda", None, 8, 1024, max_chunk=512)
+    _, model = open_model(path, "cuda", None, 8, 2048, max_chunk=512)
     eager_runner = Runner(model, 8, exact=False, graphs=False)
     before = model.expert_stats()
     eager = windows(eager_runner, rows)
@@ -76,7 +77,7 @@ def test_replayed_windows_give_the_eager_bits(path, rows):
     assert runner.graphs is not None and runner.graphs.failed is None
     lengths = [len(p) for p in prompts(rows, model.hyper.vocab)]
     shapes = {attend_bucket([Span(r, n + w, 1) for r, n in enumerate(lengths)]) for w in range(WINDOWS)}
-    assert runner.graphs.captures == len(shapes)  # one shape with the fused attention kernel, else 2 buckets
+    assert runner.graphs.captures == len(shapes) == 2  # the fused attention kernel's shape, then a bucket
     assert runner.graphs.replays == WINDOWS - len(shapes)  # each shape's first window eager, then replays
     for w, (a, b) in enumerate(zip(eager, replayed, strict=True)):
         assert torch.equal(a, b), f"window {w}: {(a - b).abs().max()}"
@@ -89,7 +90,7 @@ def test_the_expert_tier_adapts_between_replays(path):
         pytest.skip("the GPU tier's slots hold blocks the kernels read: the Q4_K_M mix")
     results = []
     for graphs in (False, True):
-        _, model = open_model(path, "cuda", None, 8, 1024, max_chunk=512, host_experts=True)
+        _, model = open_model(path, "cuda", None, 8, 2048, max_chunk=512, host_experts=True)
         h = model.hyper
         tier = install_tier(model, h.layers * h.experts // 2, AdaptPolicy(every=2, min_count=0), pcie_frac=1.0)
         runner = Runner(model, 8, exact=False, graphs=graphs)
