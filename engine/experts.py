@@ -19,8 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
 
-from engine.weights import Linear, LinearStack
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import ops as cpu_ops
+from engine.weights import MATVEC_ROWS, Linear, LinearStack
 
 
 @dataclass
@@ -103,6 +106,7 @@ class ResidentExperts(Experts):
         # kernels do not read), and those run one product per routed expert
         self.grouped = (self.on_gpu and all(s.dense is not None and s.dense.dtype == torch.bfloat16
                                             for s in (gate, up, down)) and hasattr(torch, "_grouped_mm"))
+        self.c_stacks = None if self.on_gpu else c_stacks(gate, up, down)
         self._stats = ExpertStats()
 
     def replayable(self, rows: int) -> bool:
@@ -110,6 +114,8 @@ class ResidentExperts(Experts):
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
+        if self.c_stacks is not None and n <= MATVEC_ROWS and cpu_ops.usable(x):
+            return self._in_c(x, weights, ids)
         flat, order = by_expert(ids)
         rows = order // k
         t0 = time.perf_counter()
@@ -119,6 +125,12 @@ class ResidentExperts(Experts):
             y = self._per_expert(x[rows], flat[order])
         self._count(n * k, time.perf_counter() - t0)
         return combine(y, order, weights)
+
+    def _in_c(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = cpu_ops.swiglu_experts(self.c_stacks, x, ids, weights)
+        self._count(ids.numel(), time.perf_counter() - t0)
+        return y
 
     def _count(self, entries: int, seconds: float) -> None:
         self._stats.lookups += entries
@@ -154,6 +166,21 @@ class ResidentExperts(Experts):
 def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:
     """One expert over its rows: down(silu(gate(x)) * up(x))."""
     return down(F.silu(gate(x)) * up(x))
+
+
+def c_stacks(*stacks: LinearStack) -> tuple[tuple[int, torch.Tensor], ...] | None:
+    """The stacks as the CPU kernels read them (`kernels/ops.py` `swiglu_experts`: a decode window's experts
+    in one call): (GGUF type, blocks) or (F32, float32 values) each, contiguous in host memory; None when
+    one is neither (or the kernels are not built)."""
+    out = []
+    for s in stacks:
+        if s.blocks is not None and s.qtype is not None and s.blocks.is_cpu and s.blocks.is_contiguous():
+            out.append((int(s.qtype), s.blocks))
+        elif s.dense is not None and s.dense.dtype == torch.float32 and s.dense.is_cpu and s.dense.is_contiguous():
+            out.append((int(Q.F32), s.dense))
+        else:
+            return None
+    return tuple(out) if cpu_kernels.available() else None
 
 
 def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device) -> Experts:

@@ -144,14 +144,14 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     return torch.bmm(weights, values).reshape(1, -1)
 
 
-def attend_bucket(spans: list[Span]) -> int:
-    """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (Triton, and
-    no session past `FUSED_ATTEND_MAX`: it reads each row's length on the device), else the longest
-    session padded to a multiple of ATTEND_BUCKET, so that the attention kernels see a handful of shapes
-    instead of a new one every step (cuDNN plans a kernel per shape, ~3 ms of CPU each; a CUDA graph is
-    captured per shape)."""
+def attend_bucket(spans: list[Span], fused: bool = True) -> int:
+    """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (`fused`:
+    CUDA tensors; Triton, and no session past `FUSED_ATTEND_MAX`: it reads each row's length on the
+    device), else the longest session padded to a multiple of ATTEND_BUCKET, so that the attention
+    kernels see a handful of shapes instead of a new one every step (cuDNN plans a kernel per shape,
+    ~3 ms of CPU each; a CUDA graph is captured per shape)."""
     longest = max(s.end for s in spans)
-    if longest <= FUSED_ATTEND_MAX and gpu_kernels.available():
+    if fused and longest <= FUSED_ATTEND_MAX and gpu_kernels.available():
         return 0
     return -(-longest // ATTEND_BUCKET) * ATTEND_BUCKET
 
@@ -166,7 +166,7 @@ def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: i
     ring = k_cache.shape[2]
     k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
     v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
-    bucket = attend_bucket(spans)
+    bucket = attend_bucket(spans, fused=q.is_cuda)
     if bucket == 0:
         from engine.kernels.triton_attention import decode_attention  # imports Triton: only on CUDA
 

@@ -31,7 +31,8 @@ from gguf import GGMLQuantizationType as Q
 
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "ops_cpu.c", "pool.c", "pool.h", "f16.h"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "ops_cpu.c", "moe_cpu.c", "pool.c", "pool.h",
+                                                            "f16.h"))
 # Contraction off: the C code writes its FMAs explicitly and needs plain rounding everywhere else
 # (to match gguf-py exactly, and to keep one summation order).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
@@ -115,6 +116,9 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_attend_row.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, c_int, i64, i64, i64, f32, ptr, c_int]
     lib.sd_attend_row.restype = c_int
     lib.sd_argmax.argtypes, lib.sd_argmax.restype = [ptr, i64, i64, ptr], None
+    lib.sd_swiglu_experts.argtypes = [c_int, ptr, c_int, ptr, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr,
+                                      c_int, c_int]
+    lib.sd_swiglu_experts.restype = c_int
     return lib
 
 
@@ -197,11 +201,13 @@ def set_activations(name: str) -> None:
     """The engine's choice for decode products (`Matrix.matmul(activations=None)`): `ACTIVATIONS`
     "int16" (the default), "int8" (llama.cpp's rounding) or "float"."""
     global _activations
-    _code(name)
+    activation_code(name)  # refuses an unknown name
     _activations = name
 
 
-def _code(name: str) -> int:
+def activation_code(name: str | None = None) -> int:
+    """The C kernels' code for activations `name` (None: as `set_activations` chose)."""
+    name = name or _activations
     if name not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {name!r}")
     return ACTIVATIONS[name]
@@ -242,7 +248,7 @@ class Matrix:
             raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                              f"{tuple(out.shape)} on {out.device}")
         if self._lib.sd_matmul(self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
-                               threads(), _code(activations or _activations)) != 0:
+                               threads(), activation_code(activations)) != 0:
             raise MemoryError("sd_matmul could not allocate its buffers")
         return out
 

@@ -1,6 +1,7 @@
-"""The float32 operations of a CPU decode step in C (ops_cpu.c): RMSNorm, rope (NEOX or normal), one query row's
-attention, argmax. engine/layers.py and engine/sampling.py call them for CPU float32 tensors when the kernels are available
-(`usable`); each matches its torch formulation to float32 rounding and computes every row on its own.
+"""The float32 operations of a CPU decode step in C (ops_cpu.c, moe_cpu.c): RMSNorm, rope (NEOX or normal), one
+query row's attention, a window's routed SwiGLU experts, argmax. engine/layers.py, engine/experts.py and
+engine/sampling.py call them for CPU float32 tensors when the kernels are available (`usable`); each matches
+its torch formulation to float32 rounding and computes every row on its own.
 """
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Te
                                    keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype], keys.shape[1], lo, hi,
                                    scale, out.data_ptr(), cpu.threads()) != 0:
         raise MemoryError("sd_attend_row could not allocate its scores")
+    return out
+
+
+def swiglu_experts(stacks: tuple[tuple[int, torch.Tensor], ...], x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """A window's routed SwiGLU experts in one call (moe_cpu.c): x [m, hidden] float32, ids [m, k],
+    weights [m, k]; `stacks` the gate, up and down stacks as (GGUF type, uint8 blocks [experts, rows,
+    row_bytes] or float32 [experts, rows, cols]), each contiguous. Returns [m, hidden]: each row's k
+    outputs weighted and summed in its order of choices, a row's bits whatever the window."""
+    (gt, gate), (ut, up), (dt, down) = stacks
+    experts, ff = gate.shape[:2]
+    x = x.contiguous()
+    m, hidden = x.shape
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty(m, hidden)
+    if cpu.library().sd_swiglu_experts(gt, gate.data_ptr(), ut, up.data_ptr(), dt, down.data_ptr(), experts, ff,
+                                       hidden, x.data_ptr(), m, ids.shape[1], ids.data_ptr(), weights.data_ptr(),
+                                       out.data_ptr(), cpu.threads(), cpu.activation_code()) != 0:
+        raise ValueError("sd_swiglu_experts refused its stacks or ids (or had no memory)")
     return out
 
 
