@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from engine.kernels import cpu as cpu_kernels
 from engine.kernels import ops as cpu_ops
 from engine.weights import MATVEC_ROWS, Linear, LinearStack
 
@@ -114,23 +113,16 @@ class ResidentExperts(Experts):
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        if self.c_stacks is not None and n <= MATVEC_ROWS and cpu_ops.usable(x):
-            return self._in_c(x, weights, ids)
-        flat, order = by_expert(ids)
-        rows = order // k
         t0 = time.perf_counter()
-        if self.grouped:
-            y = self._grouped(x[rows], flat, order)
+        if self.c_stacks is not None and n <= MATVEC_ROWS and cpu_ops.usable(x):  # a decode window, one C call
+            out = cpu_ops.swiglu_experts(self.c_stacks, x, ids, weights)
         else:
-            y = self._per_expert(x[rows], flat[order])
+            flat, order = by_expert(ids)
+            rows = order // k
+            y = self._grouped(x[rows], flat, order) if self.grouped else self._per_expert(x[rows], flat[order])
+            out = combine(y, order, weights)
         self._count(n * k, time.perf_counter() - t0)
-        return combine(y, order, weights)
-
-    def _in_c(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        y = cpu_ops.swiglu_experts(self.c_stacks, x, ids, weights)
-        self._count(ids.numel(), time.perf_counter() - t0)
-        return y
+        return out
 
     def _count(self, entries: int, seconds: float) -> None:
         self._stats.lookups += entries
@@ -171,7 +163,7 @@ def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Ten
 def c_stacks(*stacks: LinearStack) -> tuple[tuple[int, torch.Tensor], ...] | None:
     """The stacks as the CPU kernels read them (`kernels/ops.py` `swiglu_experts`: a decode window's experts
     in one call): (GGUF type, blocks) or (F32, float32 values) each, contiguous in host memory; None when
-    one is neither (or the kernels are not built)."""
+    one is neither."""
     out = []
     for s in stacks:
         if s.blocks is not None and s.qtype is not None and s.blocks.is_cpu and s.blocks.is_contiguous():
@@ -180,7 +172,7 @@ def c_stacks(*stacks: LinearStack) -> tuple[tuple[int, torch.Tensor], ...] | Non
             out.append((int(Q.F32), s.dense))
         else:
             return None
-    return tuple(out) if cpu_kernels.available() else None
+    return tuple(out)
 
 
 def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, device: torch.device) -> Experts:

@@ -25,8 +25,13 @@ ATTEND_BUCKET = 256
 FUSED_ATTEND_MAX = 1024
 
 
+def _on_triton(x: torch.Tensor) -> bool:
+    """Whether x's row ops run as Triton kernels (CUDA tensors, where the kernels can run)."""
+    return x.is_cuda and gpu_kernels.available()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda and gpu_kernels.available():
+    if _on_triton(x):
         from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
 
         return triton_rows.rms_norm(x, weight, eps)
@@ -63,7 +68,7 @@ class Rope:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N], on x's device."""
         cos, sin = self._tables(x.device)
-        if x.is_cuda and gpu_kernels.available():
+        if _on_triton(x):
             from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
 
             return triton_rows.rope(x, positions, cos, sin, self.neox)
