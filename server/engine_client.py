@@ -78,12 +78,13 @@ class EngineProcess:
             self._log_fh.write(f"--- engine start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command)}\n")
         t0 = time.monotonic()
         try:
-            # its own process group: Ctrl+C in the terminal of `strata-desk serve` reaches the server,
+            # its own session, so its own process group (uvloop, which uvicorn runs where it is installed,
+            # refuses `process_group`): Ctrl+C in the terminal of `strata-desk serve` reaches the server,
             # which ends the engine with QUIT, instead of a KeyboardInterrupt traceback in its log
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self.env, limit=16 << 20, process_group=0)
-        except OSError as exc:
+                stderr=asyncio.subprocess.PIPE, env=self.env, limit=16 << 20, start_new_session=True)
+        except (OSError, ValueError) as exc:  # ValueError: arguments the event loop does not take
             self._mark_dead(f"the engine could not be started: {exc}")
             raise EngineDied(self.death) from None
         self.pid = self._proc.pid
