@@ -2,7 +2,8 @@
 
 `route` picks each row's experts; an `Experts` object runs them. `ResidentExperts` holds every
 expert on the model's device and picks its path once, at load: grouped GEMMs on CUDA (Hopper and
-newer, bf16), else one product per routed expert over the rows routed to it; `resident_experts` picks
+newer, bf16), one C call for a whole window or prompt chunk on the CPU (`kernels/moe_cpu.c`), else one
+product per routed expert over the rows routed to it; `resident_experts` picks
 `BlockExperts` (engine/experts_blocks.py, the fused MoE kernel over the file's blocks) instead where
 the store kept a layer's stacks in their blocks on CUDA. The expert tier (a
 VRAM cache of experts with misses served elsewhere) is another `Experts` behind the same calls.
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import ops as cpu_ops
-from engine.weights import MATVEC_ROWS, Linear, LinearStack
+from engine.weights import Linear, LinearStack
 
 
 @dataclass
@@ -114,7 +115,7 @@ class ResidentExperts(Experts):
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         t0 = time.perf_counter()
-        if self.c_stacks is not None and n <= MATVEC_ROWS and cpu_ops.usable(x):  # a decode window, one C call
+        if self.c_stacks is not None and cpu_ops.usable(x):  # a window or a prompt chunk: one C call
             out = cpu_ops.swiglu_experts(self.c_stacks, x, ids, weights)
         else:
             flat, order = by_expert(ids)
@@ -161,7 +162,7 @@ def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Ten
 
 
 def c_stacks(*stacks: LinearStack) -> tuple[tuple[int, torch.Tensor], ...] | None:
-    """The stacks as the CPU kernels read them (`kernels/ops.py` `swiglu_experts`: a decode window's experts
+    """The stacks as the CPU kernels read them (`kernels/ops.py` `swiglu_experts`: a window's or chunk's experts
     in one call): (GGUF type, blocks) or (F32, float32 values) each, contiguous in host memory; None when
     one is neither."""
     out = []

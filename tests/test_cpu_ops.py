@@ -114,10 +114,12 @@ def test_argmax_is_the_first_largest():
     assert ops.argmax(x).tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 5, 262_146]
 
 
+@pytest.mark.parametrize("rows", [5, 40], ids=["window", "chunk"])
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q8"])
-def test_swiglu_experts_in_c_match_the_per_expert_products(fixture, request):
-    """A decode window's routed experts in one C call (float32 and Q8_0 stacks): the values of one product
-    per expert in torch, each row's bits the same alone as in the window, a bad expert id refused."""
+def test_swiglu_experts_in_c_match_the_per_expert_products(fixture, rows, request):
+    """A decode window's or a prompt chunk's routed experts in one C call (float32 and Q8_0 stacks): the
+    values of one product per expert in torch, each row's bits the same alone as in the call, a bad
+    expert id refused."""
     from engine.experts import route
     from engine.loading import open_model
 
@@ -125,7 +127,7 @@ def test_swiglu_experts_in_c_match_the_per_expert_products(fixture, request):
     layer, h = model.blk[0], model.hyper
     experts = layer.experts
     assert experts.c_stacks is not None
-    x = torch.randn(5, h.hidden, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(rows, h.hidden, generator=torch.Generator().manual_seed(0))
     weights, ids = route(x, layer.ffn_gate_inp, h.experts_used, normalize=True)
     window = experts(x, weights, ids)
     stacks, experts.c_stacks = experts.c_stacks, None
@@ -133,8 +135,9 @@ def test_swiglu_experts_in_c_match_the_per_expert_products(fixture, request):
         per_expert = experts(x, weights, ids)
     finally:
         experts.c_stacks = stacks
-    assert torch.allclose(window, per_expert, atol=1e-6, rtol=1e-5), (window - per_expert).abs().max()
-    for i in range(5):
+    # float32 sums in other orders (a chunk's per-expert products in torch: slab GEMMs); values reach ~5
+    assert torch.allclose(window, per_expert, atol=1e-5, rtol=1e-5), (window - per_expert).abs().max()
+    for i in range(0, rows, 4):
         assert torch.equal(experts(x[i:i + 1], weights[i:i + 1], ids[i:i + 1]), window[i:i + 1])
     with pytest.raises(ValueError, match="refused"):
         ops.swiglu_experts(stacks, x[:1], torch.tensor([[0, h.experts]]), weights[:1])

@@ -1,8 +1,10 @@
-/* A decode window's routed SwiGLU experts on the CPU in one call (engine/kernels/ops.py `swiglu_experts`).
+/* A decode window's or a prompt chunk's routed SwiGLU experts on the CPU in one call (engine/kernels/ops.py
+ * `swiglu_experts`).
  *
  * Why in C: a layer of a MoE decode step is ~12 expert products plus the sort, the gathers, the silu
  * and the weighted sum, each a few microseconds of Python and torch dispatch; for a small model that
- * is most of the step. Here every routed expert runs its rows through sd_matmul (quant_cpu.c: each
+ * is most of the step (and of a prompt chunk, whose products are one per routed expert, 3 x 64 a
+ * layer for the MoE demo). Here every routed expert runs its rows through sd_matmul (quant_cpu.c: each
  * expert's weights read once for the window), then each row sums its k outputs in its own order of
  * choices. A row's result depends on its own x and routing only: sd_matmul computes every row as
  * alone, and the silu and the sum are per row. */

@@ -54,7 +54,7 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Te
 
 def swiglu_experts(stacks: tuple[tuple[int, torch.Tensor], ...], x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
-    """A window's routed SwiGLU experts in one call (moe_cpu.c): x [m, hidden] float32, ids [m, k],
+    """A window's or prompt chunk's routed SwiGLU experts in one call (moe_cpu.c): x [m, hidden] float32, ids [m, k],
     weights [m, k]; `stacks` the gate, up and down stacks as (GGUF type, uint8 blocks [experts, rows,
     row_bytes] or float32 [experts, rows, cols]), each contiguous. Returns [m, hidden]: each row's k
     outputs weighted and summed in its order of choices, a row's bits whatever the window."""
