@@ -13,6 +13,7 @@ import torch
 from engine import protocol as P
 from engine.__main__ import build_parser
 from engine.check import main as check_main
+from engine.experts import ExpertStats
 from engine.loading import open_model
 from engine.tier import AdaptPolicy, ProfileError, RoutingProfile, TierError, parse_expert_cache, split_slots
 from engine.tier.flags import setup_tier
@@ -121,7 +122,8 @@ def test_setup_tier_from_flags(model, tmp_path):
     info = _setup(model, "--expert-cache", "12", "--adapt-every", "1000000", "--pcie-frac", "0.3", "--adapt-async", "1")
     assert model.tier is not None and model.tier.slots == 12 and model.tier.policy.every == 1_000_000
     assert info == {"expert_slots": 12, "experts_cached": 0, "pcie_frac": 0, "adapt_every": 1_000_000,
-                    "adapt_async": 0, "expert_profile": "-"}
+                    "adapt_async": 1, "expert_profile": "-"}
+    assert model.tier.copier is not None
     path = tmp_path / "p.json"
     RoutingProfile("tiny", [[8, 7, 6, 5, 4, 3, 2, 1]] * 4).save(path)
     info = _setup(model, "--expert-cache", "8", "--expert-profile", str(path))
@@ -185,9 +187,12 @@ def test_run_config_tier_options():
             RunConfig(model="m.gguf", **bad)
 
 
-def test_check_runs_with_the_tier(tiny_model, capsys):
+@pytest.mark.parametrize("asynchronous", ["0", "1"])
+def test_check_runs_with_the_tier(tiny_model, capsys, asynchronous):
+    """batch = solo with a round after every window, its copies in line or on the helper thread (a cached
+    expert and a miss give the same bits, so which window sees a swap does not matter)."""
     assert check_main(["--model", str(tiny_model), "--device", "cpu", "--slots", "2", "--max-new", "4",
-                       "--expert-cache", "12", "--adapt-every", "1"]) == 0
+                       "--expert-cache", "12", "--adapt-every", "1", "--adapt-async", asynchronous]) == 0
     assert "expert tier (simulated, 12 of 32 experts cached)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         check_main(["--model", str(tiny_model), "--device", "cpu", "--expert-cache", "lots"])
@@ -220,3 +225,44 @@ def test_the_gpu_tier_plans_vram_per_stage(tiny_model, monkeypatch):
     free = {"cuda:0": 700 * MIB + staging + 5 * per_layer[0], "cuda:1": 700 * MIB + staging + 7 * per_layer[0]}
     monkeypatch.setattr(flags, "free_bytes", lambda d: (free[str(d)], 1 << 40))
     assert flags.auto_cache(Placed, 700) == [5, 2, 2, 2]  # whole rounds of one slot in each of the card's layers
+
+
+def test_async_rounds_copy_on_a_helper_thread_and_no_window_waits(model, monkeypatch):
+    """`--adapt-async 1`: a round evicts its slots at once and returns; while its copies are held up the
+    windows go on (the evicted experts are misses), a round coming due meanwhile waits; the experts
+    are published at the first window boundary after the copies, as the blocking tier would hold them."""
+    import threading
+
+    from engine.tier.slots import LayerSlots
+
+    release = threading.Event()
+    fill = LayerSlots.fill
+
+    def held_fill(self, slot, expert):
+        assert release.wait(30), "the test never released the copies"
+        fill(self, slot, expert)
+
+    monkeypatch.setattr(LayerSlots, "fill", held_fill)
+    _setup(model, "--expert-cache", "8", "--adapt-every", "2", "--adapt-min-count", "0", "--adapt-async", "1")
+    tier = model.tier
+    layer = tier.layers[0]
+
+    def window(hot: int) -> None:
+        tier.window_start()
+        layer.routed[hot] += 10  # what a window's routing adds to the counts
+        tier.window_done(ExpertStats())
+
+    window(3)
+    window(3)  # a round is due: it plans expert 3 into an empty slot of layer 0 and returns at once
+    assert tier.rounds == 1 and tier.copier.busy and layer.slots.slot_of[3] == -1
+    window(5)
+    window(5)  # due again while the copies are held: deferred, the windows still run
+    assert tier.rounds == 1 and layer.slots.slot_of[3] == -1
+    release.set()
+    tier.copier._round.result()  # the helper thread's copies are done now
+    window(5)  # its start publishes the first round; its end runs the deferred one
+    assert layer.slots.slot_of[3] >= 0 and tier.rounds == 2
+    tier.settle()
+    assert layer.slots.slot_of[5] >= 0 and not tier.copier.busy
+    blocking = _setup(model, "--expert-cache", "8", "--adapt-every", "2", "--adapt-min-count", "0")
+    assert blocking["adapt_async"] == 0 and model.tier.copier is None

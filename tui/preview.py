@@ -171,7 +171,7 @@ def cpu_moe_simulated(window: int = MOE_WINDOWS - 1) -> MetricsSnapshot:
     data["engine"]["info"] = {
         "engine": "0.1.0", "context": 4096, "device": "cpu", "batch_slots": 2, "batch_groups": 1, "experts": 16,
         "experts_used": 2, "layers": 4, "tier": "simulated", "expert_slots": 24, "experts_cached": 24,
-        "adapt_every": 4, "generated": 1, "unsupported": "batch_groups,batch_mtp,adapt_async,pcie_frac,layer_split",
+        "adapt_every": 4, "generated": 1, "unsupported": "batch_groups,batch_mtp,pcie_frac,layer_split",
     }
     data["live"].update({
         "state": "generating", "phase": "answering", "parallel": 2, "running": 2, "tok_s": 31.5,

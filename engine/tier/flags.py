@@ -99,14 +99,16 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
         cache = h.layers * h.experts
     profile = RoutingProfile.load(args.expert_profile) if args.expert_profile else None
     pcie = max(args.pcie_frac, 0.0) if gpu else 0.0
-    tier = install_tier(model, cache, policy, profile, pcie_frac=pcie)
+    tier = install_tier(model, cache, policy, profile, pcie_frac=pcie, asynchronous=bool(args.adapt_async))
     if gpu:
         pcie = choose_pcie(tier, args.pcie_frac, model.placement)
     elif args.pcie_frac > 0:
         log(f"--pcie-frac {args.pcie_frac:g}: the simulated tier has no PCIe link; misses run on the CPU (pcie_frac=0)")
     if args.adapt_async:
-        log("--adapt-async 1: rounds run blocking (" + ("their copies are queued on the compute stream before the "
-            "next window; the host does not wait for them" if gpu else "the simulated tier has no copy stream") + ")")
+        log("--adapt-async 1: " + ("rounds run blocking on the GPU tier (their copies are queued on the compute "
+            "stream before the next window; the host does not wait for them)" if tier.copier is None else
+            "rounds copy on a helper thread; windows never wait for them, and the new experts serve from the "
+            "first window after their copies"))
     mode = "static" if policy.every == 0 else "fixed" if not policy.adapts else f"every {policy.every} windows"
     where = ("VRAM slots, misses over PCIe or on the CPU beside the GPU" if gpu
              else "simulated: slots in host RAM, cached experts and misses on the CPU")
@@ -114,7 +116,7 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
         f"({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
         f"seeded {'from ' + args.expert_profile if profile else 'from the first windows'}, adaptation {mode}")
     return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": pcie, "adapt_every": policy.every,
-            "adapt_async": 0, "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
+            "adapt_async": int(tier.copier is not None), "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
 
 
 def auto_cache(model: Model, reserve_mib: int) -> list[int]:
@@ -164,6 +166,7 @@ def finish_tier(args: argparse.Namespace, model: Model, served: ExpertStats) -> 
     tier = model.tier
     if tier is None:
         return
+    tier.settle()
     log(f"decode expert cache hit rate: {served.vram / max(served.lookups, 1):.1%} ({served.vram} hits / "
         f"{served.lookups} lookups); {tier.swaps} swaps in {tier.rounds} rounds")
     if args.expert_profile_save:

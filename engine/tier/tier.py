@@ -8,9 +8,10 @@ counts of the first windows (after `SEED_WINDOWS` windows when adaptation is off
 (`window_done`, called by the loop after each window), never while only a prompt is being read;
 the adaptation counts are the decode windows' routing (`window_start` to `window_done`), so a long
 prompt read between windows does not re-rank the cache (the saved profile counts every call).
-A round is blocking here: the copies finish before the next window (the simulated tier has no
-stream to overlap them with); `LayerSlots`' evict/fill/publish steps are what an asynchronous
-driver would split between the main thread and a copy thread.
+A round is blocking by default: its copies finish before the next window. With `asynchronous`
+(`--adapt-async 1`, the simulated tier for now) a `Copier` fills the evicted slots on a helper
+thread and the experts are published at the first window boundary after the copies are done; a
+round that comes due while one is in flight runs after the window that finds the copier free.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from engine.experts import ExpertStats, ResidentExperts
 from engine.memory import MIB, device_key
 from engine.models.base import Model
+from engine.tier.copier import Copier
 from engine.tier.experts import TieredExperts
 from engine.tier.policy import AdaptPolicy, Swap, plan_round
 from engine.tier.profile import RoutingProfile
@@ -43,9 +45,11 @@ class TierError(ValueError):
 
 class Tier:
     def __init__(self, layers: list[TieredExperts] | list[GpuTieredExperts], policy: AdaptPolicy,
-                 mode: str = "simulated"):
+                 mode: str = "simulated", asynchronous: bool = False):
         self.layers = layers
         self.policy = policy
+        self.copier = Copier() if asynchronous else None
+        self._deferred = False  # a round came due while the copier was busy
         self.mode = mode  # gpu: VRAM slots, misses over PCIe or on the CPU; simulated: host slots, all on the CPU
         self.miss_times: MissTimes | None = None  # the GPU tier's measured cost of a miss (`choose_pcie`)
         self.windows = 0
@@ -90,6 +94,8 @@ class Tier:
         return RoutingProfile(model_name, [layer.routed.tolist() for layer in self.layers])
 
     def window_start(self) -> None:
+        if self.copier is not None:
+            self.copier.publish_ready()
         self._routed_at_start = [layer.routed.clone() for layer in self.layers]
 
     def window_done(self, served: ExpertStats) -> None:
@@ -101,8 +107,10 @@ class Tier:
         self._routed_at_start = None
         self.windows += 1
         self.window_log.append(served)
-        if self.policy.due(self.windows):
-            self._round(empty_only=False)
+        if self.policy.due(self.windows) or self._deferred:
+            self._deferred = self.copier is not None and self.copier.busy
+            if not self._deferred:
+                self._round(empty_only=False)
         elif self.windows == SEED_WINDOWS and not self.policy.adapts and self.cached() < self.slots:
             self._round(empty_only=True)
 
@@ -118,8 +126,16 @@ class Tier:
         self.adapt_wait_s += time.perf_counter() - t0
 
     def _apply(self, plan: list[Swap]) -> None:
+        if self.copier is not None:
+            self.copier.start([layer.slots for layer in self.layers], plan)
+            return
         for swap in plan:
             self.layers[swap.layer].slots.load(swap.slot, swap.expert)
+
+    def settle(self) -> None:
+        """Wait for a round's copies in flight and publish them (at quit, or where a settled cache is needed)."""
+        if self.copier is not None:
+            self.copier.finish()
 
     def slots_by_device(self) -> dict[str, int]:
         """The GPU tier's cache slots per device, keyed as STATS `memory` keys them; {} for the simulated tier."""
@@ -180,12 +196,13 @@ def split_slots(total: int, layers: int, experts: int) -> list[int]:
 
 
 def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, profile: RoutingProfile | None = None,
-                 pcie_frac: float = 0.0) -> Tier:
+                 pcie_frac: float = 0.0, asynchronous: bool = False) -> Tier:
     """Replace the model's per-layer experts by tiered ones over a cache of `slots` slots in all (see
     `split_slots`; or a list: each layer's), seeded from `profile` when given; sets and returns
     `model.tier`. On CUDA the slots are in VRAM on each layer's stage device (`GpuTieredExperts`: the
     model must have kept its experts in host memory, `load_model(host_experts=True)`), on the CPU they
-    are simulated (`TieredExperts`)."""
+    are simulated (`TieredExperts`). `asynchronous`: rounds copy on a helper thread (the simulated tier
+    only, for now: the GPU tier's rounds queue their copies on the compute stream)."""
     h = model.hyper
     if not h.experts:
         raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
@@ -208,7 +225,7 @@ def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, prof
         mode = "simulated"
     for b, layer in zip(model.blk, layers, strict=True):
         b.experts = layer
-    tier = Tier(layers, policy, mode)
+    tier = Tier(layers, policy, mode, asynchronous=asynchronous and mode == "simulated")
     tier.seed(profile)
     model.tier = tier
     return tier
