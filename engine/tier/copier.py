@@ -48,14 +48,11 @@ class Copier:
 
     def finish(self) -> int:
         """Wait for the round's copies (at quit, or where a caller must see a settled cache) and publish them."""
-        if self._round is None:
-            return 0
-        self._round.result()
-        return self._publish()
+        return 0 if self._round is None else self._publish()
 
     def _publish(self) -> int:
         round_, self._round = self._round, None
-        round_.result()  # a copy that failed raises here, on the tier's thread
+        round_.result()  # waits where the copies run on; a copy that failed raises here, on the tier's thread
         for s in self._swaps:
             self._tables[s.layer].publish(s.slot, s.expert)
         n, self._swaps = len(self._swaps), []
