@@ -28,10 +28,21 @@ def gemm_tolerance(dtype: torch.dtype) -> float:
     return ACCUMULATION + 2 * TILE_ULP[dtype] + OUTPUT_ULP[dtype]
 
 
-def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tolerance: float) -> None:
-    """y in x's dtype, and |y - x @ w.T| within `tolerance` of sum |x w| (float64 reference)."""
+def rounding_error(x: torch.Tensor) -> torch.Tensor:
+    """Per value of x [m, k], half a step of its int16 rounding per group of 32 (`triton_xq`, taken by
+    the Q4_K one-row kernels)."""
+    groups = x.double().abs().view(x.shape[0], -1, 32)
+    return (groups.amax(-1, keepdim=True) / 32767 / 2).expand_as(groups).reshape(x.shape)
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tolerance: float,
+                 x_error: torch.Tensor | None = None) -> None:
+    """y in x's dtype, and |y - x @ w.T| within `tolerance` of sum |x w| (float64 reference), plus
+    sum |w| times `x_error` where the kernel rounds x."""
     exact = x.double() @ w.double().T
     bound = tolerance * (x.double().abs() @ w.double().abs().T)
+    if x_error is not None:
+        bound += (1 + tolerance) * (x_error @ w.double().abs().T)
     assert y.dtype == x.dtype and y.shape == exact.shape
     excess = (y.double() - exact).abs() - bound
     assert (excess <= 0).all(), f"worst error {excess.max().item():.3g} over the bound"
@@ -45,10 +56,11 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
 SUBNORMAL = 2.0**-24  # float16's spacing below 2**-14 (the relative bounds do not cover it)
 
 
-def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, tolerance: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, tolerance: float,
+                 rounded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's row of `a` times its expert's matrix (`values` [E, n, k]) in float64, and `tolerance`
-    times sum |a w|; one product per routed expert."""
+    times sum |a w| (plus `rounding_error(a)` times sum |w| for the pairs `rounded` marks); one product
+    per routed expert."""
     exact = torch.empty(a.shape[0], values.shape[1], dtype=torch.float64, device=a.device)
     bound = torch.empty_like(exact)
     for e in experts.unique().tolist():
@@ -56,6 +68,10 @@ def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, t
         rows, w = a[at].double(), values[e].double()
         exact[at] = rows @ w.T
         bound[at] = tolerance * (rows.abs() @ w.abs().T)
+    if rounded is not None and rounded.any():
+        at = rounded.nonzero()[:, 0]
+        bound[at] += (1 + tolerance) * torch.stack([rounding_error(a[i:i + 1].double())[0] @ values[experts[i]].double().abs().T
+                                                    for i in at.tolist()])
     return exact, bound
 
 
@@ -65,25 +81,29 @@ def assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> 
 
 
 def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, y: torch.Tensor,
-              prompt: bool) -> None:
+              prompt: bool, rounds_alone: bool = False) -> None:
     """The fused MoE kernel's h = silu(x W_gate) * (x W_up) and y = h W_down for every routed pair
     (`routing`: an `engine.kernels.triton_moe.Routing`; `values`: the gate, up and down stacks'
     values), within float32 sums (and, for prompt chunks, the GEMM's tiles of x's dtype) of the
-    float64 products, each rounded once to x's dtype."""
+    float64 products, each rounded once to x's dtype. `rounds_alone`: a decode pair alone on its
+    expert takes x (and h) rounded to int16 (Q4_K's one-row sums)."""
     dtype = x.dtype
     assert h.dtype == y.dtype == dtype
     assert h.shape == (routing.experts.numel(), values[0].shape[1]) and y.shape[1] == values[2].shape[1]
     sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
     e = routing.experts.long()
     xs = x[routing.src.long()]
-    gate, gate_bound = moe_products(xs, values[0], e, sums)
-    up, up_bound = moe_products(xs, values[1], e, sums)
+    alone = None
+    if rounds_alone and not prompt:
+        alone = (e != torch.cat([e[:1] - 1, e[:-1]])) & (e != torch.cat([e[1:], e[-1:] + 1]))
+    gate, gate_bound = moe_products(xs, values[0], e, sums, alone)
+    up, up_bound = moe_products(xs, values[1], e, sums, alone)
     silu = F.silu(gate)
     exact = silu * up
     # silu's slope is within [-0.1, 1.1]; then h's float32 sigmoid and products, and its one rounding
     bound = 1.1 * gate_bound * (up.abs() + up_bound) + silu.abs() * up_bound
     assert_within(h, exact, bound + (OUTPUT_ULP[dtype] + 2**-20) * (exact.abs() + bound) + SUBNORMAL)
-    exact, bound = moe_products(h, values[2], e, sums + OUTPUT_ULP[dtype])
+    exact, bound = moe_products(h, values[2], e, sums + OUTPUT_ULP[dtype], alone)
     assert_within(y, exact, bound + SUBNORMAL)
 
 

@@ -38,6 +38,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.gpu import SUPPORTED
+from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
 MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED}  # values per scale
@@ -61,10 +62,15 @@ def _signed(w, at, mask):
 
 
 @triton.jit
+def _f16_bits(bits):
+    """float16 bits (an int holding 16 of them) as float32."""
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _f16(w, at, mask):
     """The little-endian float16 at byte `at`, as float32."""
-    bits = _byte(w, at, mask) | (_byte(w, at + 1, mask) << 8)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _f16_bits(_byte(w, at, mask) | (_byte(w, at + 1, mask) << 8))
 
 
 @triton.jit
@@ -186,6 +192,64 @@ def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constex
     tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
 
 
+@triton.jit
+def _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: Q4_K weight rows `rows` times one x row rounded to int16 (`triton_xq`: values xq,
+    group scales xs and sums xsum). A thread takes 16 bytes of nibble pairs (4 words, chunk c of a
+    block): 16 values of group 2p in their low nibbles and 16 of group 2p + 1 in their high ones
+    (p = c // 2), summed in int32 two at a time, then scaled once per group."""
+    words = w.to(tl.pointer_type(tl.int32))
+    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 4)
+    s = tl.arange(0, SB)[None, :, None, None]
+    c = tl.arange(0, 8)[None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, :]
+    blocks = k // 256
+    shift = (c // 2 % 2) * 16  # groups 2p and 2p + 1: bytes 2p % 4 and 2p % 4 + 1 of their scale words
+    high = c >= 4  # groups 4-7 keep their scales' top bits in the first two words
+    zero = tl.zeros((R, SB, 8, 4), dtype=tl.int32)
+    acc = tl.zeros((R, SB, 8, 1), dtype=tl.float32)
+    for s0 in range(0, blocks, SB):
+        sb = s0 + s
+        live = (rows4 < n) & (sb < blocks)
+        blk = row + sb * 36  # 144 bytes: d and dmin, 12 bytes of scales, 128 of nibble pairs
+        q = tl.load(words + blk + 4 + c * 4 + v, mask=live, other=0)
+        at = sb * 64 + c // 2 * 16 + c % 2 * 4 + v
+        x_lo = tl.load(x4 + at, mask=sb < blocks, other=0)
+        x_hi = tl.load(x4 + at + 8, mask=sb < blocks, other=0)
+        lo, hi = q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
+        dot_lo = _dp2a((x_lo >> 32).to(tl.int32), lo, _dp2a(x_lo.to(tl.int32), lo, zero, False, ASM), True, ASM)
+        dot_hi = _dp2a((x_hi >> 32).to(tl.int32), hi, _dp2a(x_hi.to(tl.int32), hi, zero, False, ASM), True, ASM)
+        g = sb * 8 + c // 2 * 2
+        whole = (g < blocks * 8) & (c % 2 == 0)  # a group's halves are two chunks: its minimum goes with the first
+        head = blk + c * 0
+        dd = tl.load(words + head, mask=live, other=0)
+        w1 = tl.load(words + head + 1, mask=live, other=0) >> shift
+        w2 = tl.load(words + head + 2, mask=live, other=0) >> shift
+        w3 = tl.load(words + head + 3, mask=live, other=0) >> shift
+        d = _f16_bits(dd & 0xFFFF)
+        dmin = _f16_bits((dd >> 16) & 0xFFFF)
+        sc_lo = tl.where(high, (w3 & 15) | ((w1 >> 2) & 48), w1 & 63).to(tl.float32)
+        sc_hi = tl.where(high, ((w3 >> 8) & 15) | ((w1 >> 10) & 48), (w1 >> 8) & 63).to(tl.float32)
+        mn_lo = tl.where(high, ((w3 >> 4) & 15) | ((w2 >> 2) & 48), w2 & 63).to(tl.float32)
+        mn_hi = tl.where(high, ((w3 >> 12) & 15) | ((w2 >> 10) & 48), (w2 >> 8) & 63).to(tl.float32)
+        acc += (d * sc_lo) * (tl.sum(dot_lo, axis=3, keep_dims=True).to(tl.float32) *
+                              tl.load(xs + g, mask=g < blocks * 8, other=0.0))
+        acc += (d * sc_hi) * (tl.sum(dot_hi, axis=3, keep_dims=True).to(tl.float32) *
+                              tl.load(xs + g + 1, mask=g < blocks * 8, other=0.0))
+        acc -= (dmin * mn_lo) * tl.load(xsum + g, mask=whole, other=0.0)
+        acc -= (dmin * mn_hi) * tl.load(xsum + g + 1, mask=whole, other=0.0)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _row_kernel_q4k(w, xq, xs, xsum, y, n, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    acc = _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R, SB, ASM)
+    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
+
+
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
 def _gemm_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr):
@@ -217,6 +281,7 @@ class Tiles:
     matvec_rows: int  # weight rows per matvec program
     matvec_k: int  # values of each row per matvec step
     row_k: int  # values per step of the one-row kernel (one weight row per program)
+    row_blocks: int  # Q4_K's one-row kernel: blocks per step (two rows a program, a 16-byte chunk per thread)
     gemm_m: int
     gemm_n: int
     gemm_k: int
@@ -228,7 +293,10 @@ class Tiles:
         rows = next(r for r in (8, 4, 2, 1) if r == 1 or n // r >= 264)
         # the one-row kernel: within 10% of the fastest of a sweep on an H200 (rows 1-16 per program, k
         # steps 128-1024, 2-8 warps) for Q8_0, Q4_K and Q6_K at 4096x2048, 2048x4096 and 151936x2048
-        return cls(rows, min(2048 // rows, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(k)),
+        # Q4_K's one row: the fastest of a sweep on an H200 (rows 1-4 a program, 1-8 blocks a step, 1-4 warps)
+        # at 4096x2048, 2048x4096, 6144x2048, 512x2048 and 2048x768: wide steps only for few rows.
+        blocks = 2 if n >= 2048 else min(8, triton.next_power_of_2(max(1, k // 256)))
+        return cls(rows, min(2048 // rows, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(k)), blocks,
                    64, 64, 64)
 
 
@@ -255,6 +323,7 @@ class Matrix:
             raise ValueError("blocks must be contiguous")
         self.qtype, self.blocks, self.k, self.n = qtype, blocks, k, blocks.shape[0]
         self.tiles = tiles or Tiles.for_shape(self.n, k)
+        self._words = qtype == Q.Q4_K and blocks.data_ptr() % 4 == 0  # one row: Q4_K read a word at a time
         self._type_args = dict(QTYPE=int(qtype), GROUP=GROUP[qtype])
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
@@ -281,7 +350,12 @@ class Matrix:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {x.shape[0]}")
         y = self._out(x)
         t = self.tiles
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and self._words:
+            rounded = RoundedRows.of(x)
+            _row_kernel_q4k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.sums, y, self.n,
+                                                       self.k, self.blocks.shape[1], R=2, SB=t.row_blocks, ASM=ASM,
+                                                       num_warps=max(1, t.row_blocks // 2))
+        elif x.shape[0] == 1:
             _row_kernel[(self.n,)](self.blocks, x, y, self.n, self.k, self.blocks.shape[1], **self._type_args, R=1,
                                    BK=t.row_k, num_warps=2, **_FUSED)
         elif x.shape[0]:

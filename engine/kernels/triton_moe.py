@@ -44,10 +44,13 @@ from engine.kernels.triton_blocks import (
     _group,
     _partial,
     _row_dot,
+    _row_dot_q4k,
     row_bytes,
 )
+from engine.kernels.triton_xq import ASM, RoundedRows
 
 HAS_MIN = (Q.Q4_K, Q.Q5_K)
+_Q4_K = tl.constexpr(int(Q.Q4_K))
 
 
 @triton.jit
@@ -73,6 +76,18 @@ def _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE: tl.constexpr,
 
 
 @triton.jit
+def _one_row(w, rows, n, x, xq, xs, xsum, at, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+             BK: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: weight rows `rows` of the expert at `w` times x row `at` (Q4_K: its int16 rounding)."""
+    if QTYPE == _Q4_K:
+        out = _row_dot_q4k(w, rows, n, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB,
+                           ASM)
+    else:
+        out = _row_dot(w, rows, n, x + at * k, k, row_bytes, QTYPE, GROUP, R, BK)
+    return out
+
+
+@triton.jit
 def _expert_at(w, far, slot, expert_bytes):
     """The expert's blocks: slot `slot` of the stack, or entry -2 - slot of `far` (slot <= -2)."""
     base = w + slot * expert_bytes
@@ -82,10 +97,10 @@ def _expert_at(w, far, slot, expert_bytes):
 
 
 @triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
-def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, y, pairs, n, k, row_bytes, expert_bytes, row_bytes2,
-                       expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
+def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, y, pairs, n, k, row_bytes, expert_bytes,
+                       row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                        QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr, GATED: tl.constexpr,
-                       R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+                       R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
     e = tl.load(experts + p)
@@ -95,11 +110,12 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, y, pairs, n, k,
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
         if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
-            x_at = x + tl.load(src + p).to(tl.int64) * k
-            one = _row_dot(_expert_at(w, wf, slot, expert_bytes), rows, n, x_at, k, row_bytes, QTYPE, GROUP, R, BK)
+            at = tl.load(src + p).to(tl.int64)
+            one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, at, k, row_bytes, QTYPE,
+                           GROUP, R, BK, SB, ASM)
             if GATED:
-                up1 = _row_dot(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x_at, k, row_bytes2, QTYPE2,
-                               GROUP2, R, BK)
+                up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, at, k, row_bytes2,
+                               QTYPE2, GROUP2, R, BK, SB, ASM)
                 one = one * tl.sigmoid(one) * up1
             tl.store(y + p.to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         else:
@@ -171,13 +187,16 @@ class Tiles:
     gemm_k: int
     matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
     gemm_warps: int = 4
+    row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
 
     @classmethod
     def for_stack(cls, qtype: Q, k: int, gated: bool) -> Tiles:
         # The fastest of a sweep on an H200 at qwen3-30b-a3b's expert shapes (decode windows of 1 and 8
         # rows, 512-row chunks; rows 2-8, k steps 128-512, tiles 16-64 x 64-128 x 64-128, 4 or 8 warps).
         wide = 256 if qtype == Q.Q6_K and not gated else 512
-        return cls(4 if gated else 8, min(wide, triton.next_power_of_2(k)), 64, 64, 64)
+        rows, warps = (4 if gated else 8), 4
+        blocks = min(warps * 32 // (rows * 8), triton.next_power_of_2(max(1, k // 256)))
+        return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks)
 
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
@@ -203,8 +222,8 @@ class Stack:
                     t.shape[2] != row_bytes(qtype, k):
                 raise ValueError(f"{name} must be uint8 [slots, n, {row_bytes(qtype, k)}] for {qtype.name} with "
                                  f"k={k}, got {t.dtype} {tuple(t.shape)}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+            if not t.is_contiguous() or t.data_ptr() % 4:
+                raise ValueError(f"{name} must be contiguous and start at a multiple of 4 bytes")
         self.qtype, self.blocks, self.k = qtype, blocks, k
         self.far = blocks if far is None else far
         self.slots, self.n, self.row_bytes = blocks.shape
@@ -304,10 +323,12 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
                              f"chunks with gemm_m")
         grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
-        _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, x, y, pairs, w.n, w.k,
-                                 *sizes, **w.type_args(), **other.type_args("2"), GATED=gated,
-                                 R=tiles.matvec_rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS,
-                                 num_warps=tiles.matvec_warps, **_FUSED)
+        rounded = RoundedRows.of(x) if Q.Q4_K in (w.qtype, other.qtype) else RoundedRows(x, x, x)
+        _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, x, rounded.q,
+                                 rounded.scale, rounded.sums, y, pairs, w.n, w.k, *sizes, **w.type_args(),
+                                 **other.type_args("2"), GATED=gated, R=tiles.matvec_rows, BK=tiles.matvec_k,
+                                 ROWS=MATVEC_ROWS, SB=tiles.row_blocks, ASM=ASM, num_warps=tiles.matvec_warps,
+                                 **_FUSED)
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "

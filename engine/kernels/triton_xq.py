@@ -1,0 +1,73 @@
+"""x rounded to int16 per 32 values, for the decode kernels that sum weights and x in integers.
+
+A row's values in groups of 32 become int16 q = round(x / s) with s = max |x| / 32767 (the CPU's
+default activations, `cpu_activations int16`), and each group keeps its float sum for the K types'
+minimums. The kernels then multiply 4-bit weights by two x values at a time and add in int32 (PTX
+`dp2a`): one instruction where the float path spends six to eight on unpacking, converting and
+multiplying. `dp2a` runs on the GPU only; Triton's interpreter (CI) takes the same sum in plain
+integer operations.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 32  # x values per scale
+ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"  # read when the kernels are defined, as Triton does
+
+
+@triton.jit
+def _dp2a(x_pairs, w_bytes, acc, HI: tl.constexpr, ASM: tl.constexpr):
+    """acc + the two int16 values of `x_pairs` times bytes 0-1 (HI: 2-3) of `w_bytes`, unsigned."""
+    if ASM:
+        if HI:
+            out = tl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [x_pairs, w_bytes, acc],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [x_pairs, w_bytes, acc],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        sh: tl.constexpr = 16 if HI else 0
+        out = acc + ((x_pairs << 16) >> 16) * ((w_bytes >> sh) & 255) + (x_pairs >> 16) * ((w_bytes >> (sh + 8)) & 255)
+    return out
+
+
+@triton.jit
+def _round_kernel(x, q, scale, sums, k, BK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None]
+    i = tl.arange(0, 32)[None, :]
+    live = g < k // 32
+    v = tl.load(x + r * k + g * 32 + i, mask=live, other=0.0).to(tl.float32)
+    top = tl.max(tl.abs(v), axis=1, keep_dims=True)
+    inverse = tl.where(top > 0, 32767.0 / tl.where(top > 0, top, 1.0), 0.0)
+    tl.store(q + r * k + g * 32 + i, tl.floor(v * inverse + 0.5).to(tl.int16), mask=live)
+    tl.store(scale + r * (k // 32) + g, top / 32767.0, mask=live)
+    tl.store(sums + r * (k // 32) + g, tl.sum(v, axis=1, keep_dims=True), mask=live)
+
+
+@dataclass(frozen=True)
+class RoundedRows:
+    """Rows of x as int16 `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    sums: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> RoundedRows:
+        """x [m, k] (contiguous, k a multiple of 32) rounded group by group; each row on its own."""
+        m, k = x.shape
+        if k % GROUP or not x.is_contiguous():
+            raise ValueError(f"x must be contiguous with k a multiple of {GROUP}, got {tuple(x.shape)}")
+        out = cls(torch.empty(m, k, dtype=torch.int16, device=x.device),
+                  torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device),
+                  torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device))
+        if m:
+            _round_kernel[(m, triton.cdiv(k // GROUP, 8))](x, out.q, out.scale, out.sums, k, BK=8 * GROUP)
+        return out
