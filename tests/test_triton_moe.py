@@ -86,7 +86,7 @@ def test_decode_matches_reference(qtype, dtype):
     stacks, values = case(qtype)
     x = random_x(len(DECODE_IDS), dtype)
     routing, h, y = run(stacks, x, ids_of(DECODE_IDS), prompt=False)
-    check_moe(values, x, routing, h, y, prompt=False, rounds_alone=qtype == Q.Q4_K)
+    check_moe(values, x, routing, h, y, prompt=False, rounded=qtype == Q.Q4_K)
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), cases(PROMPT_TYPES, Q.Q6_K))

@@ -63,7 +63,7 @@ def test_matches_reference(case, m):
     stacks, values = case
     x, ids = window(m, seed=m)
     routing, h, y = run(stacks, x, ids)
-    check_moe(values, x, routing, h, y, prompt=m > tb.MATVEC_ROWS, rounds_alone=stacks[0].qtype == Q.Q4_K)
+    check_moe(values, x, routing, h, y, prompt=m > tb.MATVEC_ROWS, rounded=stacks[0].qtype == Q.Q4_K)
 
 
 def test_decode_pairs_do_not_depend_on_the_window(case):

@@ -81,29 +81,27 @@ def assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> 
 
 
 def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, y: torch.Tensor,
-              prompt: bool, rounds_alone: bool = False) -> None:
+              prompt: bool, rounded: bool = False) -> None:
     """The fused MoE kernel's h = silu(x W_gate) * (x W_up) and y = h W_down for every routed pair
     (`routing`: an `engine.kernels.triton_moe.Routing`; `values`: the gate, up and down stacks'
     values), within float32 sums (and, for prompt chunks, the GEMM's tiles of x's dtype) of the
-    float64 products, each rounded once to x's dtype. `rounds_alone`: a decode pair alone on its
-    expert takes x (and h) rounded to int16 (Q4_K's one-row sums)."""
+    float64 products, each rounded once to x's dtype. `rounded`: decode pairs take x (and h) rounded
+    to int16 (Q4_K's matvec)."""
     dtype = x.dtype
     assert h.dtype == y.dtype == dtype
     assert h.shape == (routing.experts.numel(), values[0].shape[1]) and y.shape[1] == values[2].shape[1]
     sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
     e = routing.experts.long()
     xs = x[routing.src.long()]
-    alone = None
-    if rounds_alone and not prompt:
-        alone = (e != torch.cat([e[:1] - 1, e[:-1]])) & (e != torch.cat([e[1:], e[-1:] + 1]))
-    gate, gate_bound = moe_products(xs, values[0], e, sums, alone)
-    up, up_bound = moe_products(xs, values[1], e, sums, alone)
+    every = torch.ones_like(e, dtype=torch.bool) if rounded and not prompt else None
+    gate, gate_bound = moe_products(xs, values[0], e, sums, every)
+    up, up_bound = moe_products(xs, values[1], e, sums, every)
     silu = F.silu(gate)
     exact = silu * up
     # silu's slope is within [-0.1, 1.1]; then h's float32 sigmoid and products, and its one rounding
     bound = 1.1 * gate_bound * (up.abs() + up_bound) + silu.abs() * up_bound
     assert_within(h, exact, bound + (OUTPUT_ULP[dtype] + 2**-20) * (exact.abs() + bound) + SUBNORMAL)
-    exact, bound = moe_products(h, values[2], e, sums + OUTPUT_ULP[dtype], alone)
+    exact, bound = moe_products(h, values[2], e, sums + OUTPUT_ULP[dtype], every)
     assert_within(y, exact, bound + SUBNORMAL)
 
 

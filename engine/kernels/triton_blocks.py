@@ -193,54 +193,103 @@ def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constex
 
 
 @triton.jit
-def _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
-    """[R] float32: Q4_K weight rows `rows` times one x row rounded to int16 (`triton_xq`: values xq,
-    group scales xs and sums xsum). A thread takes 16 bytes of nibble pairs (4 words, chunk c of a
-    block): 16 values of group 2p in their low nibbles and 16 of group 2p + 1 in their high ones
-    (p = c // 2), summed in int32 two at a time, then scaled once per group."""
+def _q4k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
+    """One step of the Q4_K int16 sums: blocks s0.. of the weight rows at word offsets `row`. Returns the
+    chunks' low and high nibbles (words, [R, SB, 8, 4]), their groups' float scales and minimums
+    ([R, SB, 8, 1] each, low group then high group) and the step's first group index g [1, SB, 8, 1]. A
+    thread takes 16 bytes of nibble pairs (chunk c of a block): 16 values of group 2p in their low
+    nibbles, 16 of group 2p + 1 in their high ones (p = c // 2)."""
     words = w.to(tl.pointer_type(tl.int32))
-    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
-    rows4 = rows[:, None, None, None]
-    row = rows4.to(tl.int64) * (row_bytes // 4)
     s = tl.arange(0, SB)[None, :, None, None]
     c = tl.arange(0, 8)[None, None, :, None]
     v = tl.arange(0, 4)[None, None, None, :]
-    blocks = k // 256
+    sb = s0 + s
+    live = (rows4 < n) & (sb < blocks)
+    blk = row + sb * 36  # 144 bytes: d and dmin, 12 bytes of scales, 128 of nibble pairs
+    q = tl.load(words + blk + 4 + c * 4 + v, mask=live, other=0)
     shift = (c // 2 % 2) * 16  # groups 2p and 2p + 1: bytes 2p % 4 and 2p % 4 + 1 of their scale words
     high = c >= 4  # groups 4-7 keep their scales' top bits in the first two words
-    zero = tl.zeros((R, SB, 8, 4), dtype=tl.int32)
+    head = blk + c * 0
+    dd = tl.load(words + head, mask=live, other=0)
+    w1 = tl.load(words + head + 1, mask=live, other=0) >> shift
+    w2 = tl.load(words + head + 2, mask=live, other=0) >> shift
+    w3 = tl.load(words + head + 3, mask=live, other=0) >> shift
+    d = _f16_bits(dd & 0xFFFF)
+    dmin = _f16_bits((dd >> 16) & 0xFFFF)
+    sc_lo = d * tl.where(high, (w3 & 15) | ((w1 >> 2) & 48), w1 & 63).to(tl.float32)
+    sc_hi = d * tl.where(high, ((w3 >> 8) & 15) | ((w1 >> 10) & 48), (w1 >> 8) & 63).to(tl.float32)
+    mn_lo = dmin * tl.where(high, ((w3 >> 4) & 15) | ((w2 >> 2) & 48), w2 & 63).to(tl.float32)
+    mn_hi = dmin * tl.where(high, ((w3 >> 12) & 15) | ((w2 >> 10) & 48), (w2 >> 8) & 63).to(tl.float32)
+    return q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F, sc_lo, sc_hi, mn_lo, mn_hi, sb * 8 + c // 2 * 2
+
+
+@triton.jit
+def _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, k, blocks, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R, SB, 8, 1] float32: a step's chunks (from `_q4k_step`) times one x row rounded to int16."""
+    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
+    sb = g // 8
+    c = tl.arange(0, 8)[None, None, :, None]
+    at = sb * 64 + c // 2 * 16 + c % 2 * 4 + tl.arange(0, 4)[None, None, None, :]
+    x_lo = tl.load(x4 + at, mask=sb < blocks, other=0)
+    x_hi = tl.load(x4 + at + 8, mask=sb < blocks, other=0)
+    zero = tl.zeros(lo.shape, dtype=tl.int32)
+    dot_lo = _dp2a((x_lo >> 32).to(tl.int32), lo, _dp2a(x_lo.to(tl.int32), lo, zero, False, ASM), True, ASM)
+    dot_hi = _dp2a((x_hi >> 32).to(tl.int32), hi, _dp2a(x_hi.to(tl.int32), hi, zero, False, ASM), True, ASM)
+    live = g < blocks * 8
+    whole = live & (c % 2 == 0)  # a group's halves are two chunks: its minimum goes with the first
+    part = sc_lo * (tl.sum(dot_lo, axis=3, keep_dims=True).to(tl.float32) * tl.load(xs + g, mask=live, other=0.0))
+    part += sc_hi * (tl.sum(dot_hi, axis=3, keep_dims=True).to(tl.float32) * tl.load(xs + g + 1, mask=live, other=0.0))
+    part -= mn_lo * tl.load(xsum + g, mask=whole, other=0.0)
+    part -= mn_hi * tl.load(xsum + g + 1, mask=whole, other=0.0)
+    return part
+
+
+@triton.jit
+def _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: Q4_K weight rows `rows` times one x row rounded to int16 (`triton_xq`: values xq,
+    group scales xs and sums xsum), summed in int32 two values at a time, scaled once per group."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 4)
+    blocks = k // 256
     acc = tl.zeros((R, SB, 8, 1), dtype=tl.float32)
     for s0 in range(0, blocks, SB):
-        sb = s0 + s
-        live = (rows4 < n) & (sb < blocks)
-        blk = row + sb * 36  # 144 bytes: d and dmin, 12 bytes of scales, 128 of nibble pairs
-        q = tl.load(words + blk + 4 + c * 4 + v, mask=live, other=0)
-        at = sb * 64 + c // 2 * 16 + c % 2 * 4 + v
-        x_lo = tl.load(x4 + at, mask=sb < blocks, other=0)
-        x_hi = tl.load(x4 + at + 8, mask=sb < blocks, other=0)
-        lo, hi = q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
-        dot_lo = _dp2a((x_lo >> 32).to(tl.int32), lo, _dp2a(x_lo.to(tl.int32), lo, zero, False, ASM), True, ASM)
-        dot_hi = _dp2a((x_hi >> 32).to(tl.int32), hi, _dp2a(x_hi.to(tl.int32), hi, zero, False, ASM), True, ASM)
-        g = sb * 8 + c // 2 * 2
-        whole = (g < blocks * 8) & (c % 2 == 0)  # a group's halves are two chunks: its minimum goes with the first
-        head = blk + c * 0
-        dd = tl.load(words + head, mask=live, other=0)
-        w1 = tl.load(words + head + 1, mask=live, other=0) >> shift
-        w2 = tl.load(words + head + 2, mask=live, other=0) >> shift
-        w3 = tl.load(words + head + 3, mask=live, other=0) >> shift
-        d = _f16_bits(dd & 0xFFFF)
-        dmin = _f16_bits((dd >> 16) & 0xFFFF)
-        sc_lo = tl.where(high, (w3 & 15) | ((w1 >> 2) & 48), w1 & 63).to(tl.float32)
-        sc_hi = tl.where(high, ((w3 >> 8) & 15) | ((w1 >> 10) & 48), (w1 >> 8) & 63).to(tl.float32)
-        mn_lo = tl.where(high, ((w3 >> 4) & 15) | ((w2 >> 2) & 48), w2 & 63).to(tl.float32)
-        mn_hi = tl.where(high, ((w3 >> 12) & 15) | ((w2 >> 10) & 48), (w2 >> 8) & 63).to(tl.float32)
-        acc += (d * sc_lo) * (tl.sum(dot_lo, axis=3, keep_dims=True).to(tl.float32) *
-                              tl.load(xs + g, mask=g < blocks * 8, other=0.0))
-        acc += (d * sc_hi) * (tl.sum(dot_hi, axis=3, keep_dims=True).to(tl.float32) *
-                              tl.load(xs + g + 1, mask=g < blocks * 8, other=0.0))
-        acc -= (dmin * mn_lo) * tl.load(xsum + g, mask=whole, other=0.0)
-        acc -= (dmin * mn_hi) * tl.load(xsum + g + 1, mask=whole, other=0.0)
+        lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
+        acc += _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, k, blocks, SB, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
+                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
+    """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
+    0..count-1), count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and row j runs the same instructions whatever
+    `count` is (rows past it skipped by a uniform branch), its sums kept where they land until the end."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 4)
+    blocks = k // 256
+    j5 = tl.arange(0, ROWS)[:, None, None, None, None]
+    acc = tl.zeros((ROWS, R, SB, 8, 1), dtype=tl.float32)
+    for s0 in range(0, blocks, SB):
+        lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
+        for j in tl.static_range(ROWS):
+            if j < count:
+                if INDIRECT:
+                    at = tl.load(src + j).to(tl.int64)
+                else:
+                    at = j
+                part = _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq + at * k, xs + at * (k // 32),
+                                 xsum + at * (k // 32), k, blocks, SB, ASM)
+                acc = tl.where(j5 == j, acc + part[None], acc)
+    return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+
+
+@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
+def _rows_kernel_q4k(w, xq, xs, xsum, y, m, n, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
+                     ASM: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+    r = tl.arange(0, ROWS)[:, None]
+    tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
 
 @triton.jit
@@ -355,6 +404,12 @@ class Matrix:
             _row_kernel_q4k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.sums, y, self.n,
                                                        self.k, self.blocks.shape[1], R=2, SB=t.row_blocks, ASM=ASM,
                                                        num_warps=max(1, t.row_blocks // 2))
+        elif self._words and x.shape[0]:
+            rounded = RoundedRows.of(x)
+            _rows_kernel_q4k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.sums, y,
+                                                        x.shape[0], self.n, self.k, self.blocks.shape[1], R=2,
+                                                        SB=t.row_blocks, ROWS=MATVEC_ROWS, ASM=ASM,
+                                                        num_warps=max(1, t.row_blocks // 2))
         elif x.shape[0] == 1:
             _row_kernel[(self.n,)](self.blocks, x, y, self.n, self.k, self.blocks.shape[1], **self._type_args, R=1,
                                    BK=t.row_k, num_warps=2, **_FUSED)
