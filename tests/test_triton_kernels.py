@@ -74,7 +74,7 @@ def test_matvec_matches_reference(case, dtype):
 def test_one_row_matches_reference(case, dtype):
     mat, ref = case
     x = random_x(1, dtype, seed=4)
-    rounded = rounding_error(x) if mat.qtype == Q.Q4_K else None  # Q4_K sums x rounded to int16
+    rounded = rounding_error(x) if mat.qtype in (Q.Q4_K, Q.Q6_K) else None  # their one row sums x rounded to int16
     assert_close(mat.matvec(x), x, ref, matvec_tolerance(dtype), rounded)
 
 
@@ -163,7 +163,7 @@ def test_cuda_policy_keeps_the_blocks_the_kernels_read(monkeypatch):
 
 def test_x_rounded_to_int16_per_group():
     """`triton_xq.RoundedRows`: q * scale within half a step of x, scale = max |x| / 32767 per 32 values,
-    float sums per group, an all-zero group rounded to zeros; each row on its own."""
+    float sums per group, q's sums per 16 values, an all-zero group rounded to zeros; each row on its own."""
     from engine.kernels.triton_xq import RoundedRows
 
     x = random_x(3, torch.bfloat16, seed=6)
@@ -175,5 +175,6 @@ def test_x_rounded_to_int16_per_group():
     back = r.q.float().view(3, -1, 32) * r.scale[..., None]
     assert ((back - groups).abs() <= r.scale[..., None] / 2 * (1 + 1e-6)).all()
     assert torch.allclose(r.sums, groups.sum(-1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(r.halves, r.q.int().view(3, -1, 16).sum(-1))
     assert not r.q[1, 32:64].any() and r.scale[1, 1] == 0
     assert torch.equal(RoundedRows.of(x[2:3]).q, r.q[2:3])

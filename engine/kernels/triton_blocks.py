@@ -259,6 +259,63 @@ def _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R: tl.constexpr, SB: tl
 
 
 @triton.jit
+def _words(w16, at, live):
+    """Little-endian 32-bit words at int16 offsets `at` [..., 1] of a 2-byte aligned buffer (Q6_K's
+    blocks of 210 bytes are only that): two 16-bit loads each."""
+    half = tl.arange(0, 2)[None, None, None, None, :]
+    parts = tl.load(w16 + at + half, mask=live, other=0).to(tl.int32) & 0xFFFF
+    return tl.sum(parts << (half * 16), axis=4)
+
+
+@triton.jit
+def _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: Q6_K weight rows `rows` times one x row rounded to int16 (`triton_xq`: values xq, group
+    scales xs, int32 sums of each 16 values `halves`). A thread takes chunk c of a block: half h = c // 2
+    of it, values l = 16i..16i+15 (i = c % 2) of that half's four runs of 32 (scales 2r + i): 16 bytes of
+    qh and twice 16 of ql, as 4 words each; the 6-bit values (offset 32) summed with x two at a time."""
+    w16 = w.to(tl.pointer_type(tl.int16))
+    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 2)
+    s = tl.arange(0, SB)[None, :, None, None]
+    c = tl.arange(0, 4)[None, None, :, None]
+    u = tl.arange(0, 4)[None, None, None, :]
+    h, i = c // 2, c % 2
+    blocks = k // 256
+    zero = tl.zeros((R, SB, 4, 4), dtype=tl.int32)
+    acc = tl.zeros((R, SB, 4, 1), dtype=tl.float32)
+    for s0 in range(0, blocks, SB):
+        sb = s0 + s
+        live = (rows4 < n) & (sb < blocks)
+        blk = row + sb * 105  # 210 bytes: ql[128], qh[64], 16 int8 scales, d
+        ql0 = _words(w16, (blk + h * 32 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+        ql1 = _words(w16, (blk + h * 32 + 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+        qh = _words(w16, (blk + 64 + h * 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+        d = _f16_bits(tl.load(w16 + blk + 104 + c * 0, mask=live, other=0).to(tl.int32) & 0xFFFF)
+        xlive = sb < blocks
+        for r in tl.static_range(4):  # run r: values 32r + l of the half, 6-bit q from ql (nibble r // 2) and qh
+            ql = ql0 if r % 2 == 0 else ql1
+            q = ((ql >> (r // 2 * 4)) & 0x0F0F0F0F) | (((qh >> (2 * r)) & 0x03030303) << 4)
+            at = sb * 64 + h * 32 + r * 8 + i * 4 + u
+            xr = tl.load(x4 + at, mask=xlive, other=0)
+            dot = tl.sum(_dp2a((xr >> 32).to(tl.int32), q, _dp2a(xr.to(tl.int32), q, zero, False, ASM), True, ASM),
+                         axis=3, keep_dims=True)
+            g16 = sb * 16 + h * 8 + r * 2 + i
+            dot -= 32 * tl.load(halves + g16, mask=xlive, other=0)
+            scale = tl.load(w + (blk * 2 + 192 + h * 8 + r * 2 + i), mask=live, other=0)
+            scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
+            acc += d * scale * (dot.to(tl.float32) * tl.load(xs + sb * 8 + h * 4 + r, mask=xlive, other=0.0))
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _row_kernel_q6k(w, xq, xs, halves, y, n, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    acc = _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R, SB, ASM)
+    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
+
+
+@triton.jit
 def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
                   ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
     """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
@@ -372,7 +429,7 @@ class Matrix:
             raise ValueError("blocks must be contiguous")
         self.qtype, self.blocks, self.k, self.n = qtype, blocks, k, blocks.shape[0]
         self.tiles = tiles or Tiles.for_shape(self.n, k)
-        self._words = qtype == Q.Q4_K and blocks.data_ptr() % 4 == 0  # one row: Q4_K read a word at a time
+        self._words = qtype == Q.Q4_K and blocks.data_ptr() % 4 == 0  # Q4_K read a word at a time
         self._type_args = dict(QTYPE=int(qtype), GROUP=GROUP[qtype])
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,7 +456,13 @@ class Matrix:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {x.shape[0]}")
         y = self._out(x)
         t = self.tiles
-        if x.shape[0] == 1 and self._words:
+        if x.shape[0] == 1 and self.qtype == Q.Q6_K and self.blocks.data_ptr() % 2 == 0:
+            rounded = RoundedRows.of(x)
+            blocks = min(2 * t.row_blocks, triton.next_power_of_2(max(1, self.k // 256)))  # 4 chunks a block
+            _row_kernel_q6k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.halves, y,
+                                                       self.n, self.k, self.blocks.shape[1], R=2, SB=blocks, ASM=ASM,
+                                                       num_warps=max(1, blocks // 4))
+        elif x.shape[0] == 1 and self._words:
             rounded = RoundedRows.of(x)
             _row_kernel_q4k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.sums, y, self.n,
                                                        self.k, self.blocks.shape[1], R=2, SB=t.row_blocks, ASM=ASM,

@@ -45,6 +45,7 @@ from engine.kernels.triton_blocks import (
     _partial,
     _row_dot,
     _row_dot_q4k,
+    _row_dot_q6k,
     _rows_dot_q4k,
     row_bytes,
 )
@@ -52,6 +53,8 @@ from engine.kernels.triton_xq import ASM, RoundedRows
 
 HAS_MIN = (Q.Q4_K, Q.Q5_K)
 _Q4_K = tl.constexpr(int(Q.Q4_K))
+_Q6_K = tl.constexpr(int(Q.Q6_K))
+ROUNDED = (Q.Q4_K, Q.Q6_K)  # types whose decode sums take x rounded to int16 (`triton_xq`)
 
 
 @triton.jit
@@ -77,12 +80,14 @@ def _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE: tl.constexpr,
 
 
 @triton.jit
-def _one_row(w, rows, n, x, xq, xs, xsum, at, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-             BK: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
-    """[R] float32: weight rows `rows` of the expert at `w` times x row `at` (Q4_K: its int16 rounding)."""
+def _one_row(w, rows, n, x, xq, xs, xsum, xh, at, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+             R: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: weight rows `rows` of the expert at `w` times x row `at` (Q4_K, Q6_K: its int16 rounding)."""
     if QTYPE == _Q4_K:
         out = _row_dot_q4k(w, rows, n, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB,
                            ASM)
+    elif QTYPE == _Q6_K:
+        out = _row_dot_q6k(w, rows, n, xq + at * k, xs + at * (k // 32), xh + at * (k // 16), k, row_bytes, R, SB, ASM)
     else:
         out = _row_dot(w, rows, n, x + at * k, k, row_bytes, QTYPE, GROUP, R, BK)
     return out
@@ -110,10 +115,11 @@ def _expert_at(w, far, slot, expert_bytes):
 
 
 @triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
-def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, y, pairs, n, k, row_bytes, expert_bytes,
-                       row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
-                       QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr, GATED: tl.constexpr,
-                       R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, xh, y, pairs, n, k, row_bytes,
+                       expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+                       HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
+                       GATED: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr,
+                       SB2: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
     e = tl.load(experts + p)
@@ -124,11 +130,11 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, y
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
         if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
             at = tl.load(src + p).to(tl.int64)
-            one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, at, k, row_bytes, QTYPE,
-                           GROUP, R, BK, SB, ASM)
+            one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k, row_bytes,
+                           QTYPE, GROUP, R, BK, SB, ASM)
             if GATED:
-                up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, at, k, row_bytes2,
-                               QTYPE2, GROUP2, R, BK, SB, ASM)
+                up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
+                               row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                 one = one * tl.sigmoid(one) * up1
             tl.store(y + p.to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         else:
@@ -208,7 +214,8 @@ class Tiles:
         # rows, 512-row chunks; rows 2-8, k steps 128-512, tiles 16-64 x 64-128 x 64-128, 4 or 8 warps).
         wide = 256 if qtype == Q.Q6_K and not gated else 512
         rows, warps = (4 if gated else 8), 4
-        blocks = min(warps * 32 // (rows * 8), triton.next_power_of_2(max(1, k // 256)))
+        chunks = 4 if qtype == Q.Q6_K else 8  # of a block, one a thread
+        blocks = min(warps * 32 // (rows * chunks), triton.next_power_of_2(max(1, k // 256)))
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks)
 
 
@@ -336,12 +343,12 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
                              f"chunks with gemm_m")
         grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
-        rounded = RoundedRows.of(x) if Q.Q4_K in (w.qtype, other.qtype) else RoundedRows(x, x, x)
+        rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
         _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, x, rounded.q,
-                                 rounded.scale, rounded.sums, y, pairs, w.n, w.k, *sizes, **w.type_args(),
-                                 **other.type_args("2"), GATED=gated, R=tiles.matvec_rows, BK=tiles.matvec_k,
-                                 ROWS=MATVEC_ROWS, SB=tiles.row_blocks, ASM=ASM, num_warps=tiles.matvec_warps,
-                                 **_FUSED)
+                                 rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes,
+                                 **w.type_args(), **other.type_args("2"), GATED=gated, R=tiles.matvec_rows,
+                                 BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=tiles.row_blocks,
+                                 SB2=other.tiles(gated).row_blocks, ASM=ASM, num_warps=tiles.matvec_warps, **_FUSED)
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "

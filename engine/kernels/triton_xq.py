@@ -38,7 +38,7 @@ def _dp2a(x_pairs, w_bytes, acc, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _round_kernel(x, q, scale, sums, k, BK: tl.constexpr):
+def _round_kernel(x, q, scale, sums, halves, k, BK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None]
     i = tl.arange(0, 32)[None, :]
@@ -46,18 +46,23 @@ def _round_kernel(x, q, scale, sums, k, BK: tl.constexpr):
     v = tl.load(x + r * k + g * 32 + i, mask=live, other=0.0).to(tl.float32)
     top = tl.max(tl.abs(v), axis=1, keep_dims=True)
     inverse = tl.where(top > 0, 32767.0 / tl.where(top > 0, top, 1.0), 0.0)
-    tl.store(q + r * k + g * 32 + i, tl.floor(v * inverse + 0.5).to(tl.int16), mask=live)
+    rounded = tl.floor(v * inverse + 0.5).to(tl.int32)
+    tl.store(q + r * k + g * 32 + i, rounded.to(tl.int16), mask=live)
     tl.store(scale + r * (k // 32) + g, top / 32767.0, mask=live)
     tl.store(sums + r * (k // 32) + g, tl.sum(v, axis=1, keep_dims=True), mask=live)
+    half = tl.sum(tl.reshape(rounded, (BK // 32, 2, 16)), axis=2)  # [groups, 2]: each 16 values' q summed
+    tl.store(halves + r * (k // 16) + g * 2 + tl.arange(0, 2)[None, :], half, mask=live)
 
 
 @dataclass(frozen=True)
 class RoundedRows:
-    """Rows of x as int16 `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group."""
+    """Rows of x as int16 `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group and the int32
+    sums of q per 16 values, `halves` [m, k // 16] (Q6_K's offset of 32 is taken off in integers)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     sums: torch.Tensor
+    halves: torch.Tensor
 
     @classmethod
     def of(cls, x: torch.Tensor) -> RoundedRows:
@@ -67,7 +72,9 @@ class RoundedRows:
             raise ValueError(f"x must be contiguous with k a multiple of {GROUP}, got {tuple(x.shape)}")
         out = cls(torch.empty(m, k, dtype=torch.int16, device=x.device),
                   torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device),
-                  torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device))
+                  torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device),
+                  torch.empty(m, k // 16, dtype=torch.int32, device=x.device))
         if m:
-            _round_kernel[(m, triton.cdiv(k // GROUP, 8))](x, out.q, out.scale, out.sums, k, BK=8 * GROUP)
+            _round_kernel[(m, triton.cdiv(k // GROUP, 8))](x, out.q, out.scale, out.sums, out.halves, k,
+                                                           BK=8 * GROUP)
         return out
