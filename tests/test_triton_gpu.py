@@ -51,8 +51,7 @@ def test_product_matches_reference(case, m, dtype):
     mat, ref = case
     x = random_x(m, mat.k, dtype)
     tolerance = matvec_tolerance(dtype) if m <= tb.MATVEC_ROWS else gemm_tolerance(dtype)
-    # x rounded to int16: Q4_K's matvec, Q6_K's one row
-    rounded = rounding_error(x) if (m <= tb.MATVEC_ROWS and mat.qtype == Q.Q4_K) or (m == 1 and mat.qtype == Q.Q6_K) else None
+    rounded = rounding_error(x) if m <= tb.MATVEC_ROWS and mat.qtype in (Q.Q4_K, Q.Q6_K) else None  # x in int16
     assert_close(mat.matmul(x), x, ref, tolerance, rounded)
 
 

@@ -43,9 +43,6 @@ DECODE_TYPES = (torch.bfloat16, torch.float32)
 PROMPT_TYPES = (torch.float16, torch.float32)  # bf16 tiles: GPU only (the interpreter multiplies their bits)
 
 
-ROUNDED = {Q.Q4_K: "all", Q.Q6_K: "alone"}  # the decode pairs whose x the kernels round to int16
-
-
 def stacks_of(qtype: Q, seed: int) -> tuple[list[tm.Stack], list[torch.Tensor]]:
     """Random gate, up and down stacks of `qtype` and gguf-py's float32 values of them [E, n, k]."""
     gen = torch.Generator().manual_seed(seed)
@@ -89,7 +86,7 @@ def test_decode_matches_reference(qtype, dtype):
     stacks, values = case(qtype)
     x = random_x(len(DECODE_IDS), dtype)
     routing, h, y = run(stacks, x, ids_of(DECODE_IDS), prompt=False)
-    check_moe(values, x, routing, h, y, prompt=False, rounded=ROUNDED.get(qtype))
+    check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), cases(PROMPT_TYPES, Q.Q6_K))

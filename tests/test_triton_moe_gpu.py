@@ -27,9 +27,6 @@ SHAPES = ((FF, HIDDEN), (FF, HIDDEN), (HIDDEN, FF))  # gate, up, down: [n, k]
 PROMPT = 512
 
 
-ROUNDED = {Q.Q4_K: "all", Q.Q6_K: "alone"}  # the decode pairs whose x the kernels round to int16
-
-
 @pytest.fixture(scope="module", params=gpu.SUPPORTED, ids=lambda t: t.name)
 def case(request: pytest.FixtureRequest) -> tuple[list[tm.Stack], list[torch.Tensor]]:
     """Random gate, up and down stacks (tiles chosen by their shapes) and gguf-py's values of them
@@ -66,7 +63,7 @@ def test_matches_reference(case, m):
     stacks, values = case
     x, ids = window(m, seed=m)
     routing, h, y = run(stacks, x, ids)
-    check_moe(values, x, routing, h, y, prompt=m > tb.MATVEC_ROWS, rounded=ROUNDED.get(stacks[0].qtype))
+    check_moe(values, x, routing, h, y, prompt=m > tb.MATVEC_ROWS, rounded=stacks[0].qtype in tm.ROUNDED)
 
 
 def test_decode_pairs_do_not_depend_on_the_window(case):

@@ -81,23 +81,19 @@ def assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> 
 
 
 def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, y: torch.Tensor,
-              prompt: bool, rounded: str | None = None) -> None:
+              prompt: bool, rounded: bool = False) -> None:
     """The fused MoE kernel's h = silu(x W_gate) * (x W_up) and y = h W_down for every routed pair
     (`routing`: an `engine.kernels.triton_moe.Routing`; `values`: the gate, up and down stacks'
     values), within float32 sums (and, for prompt chunks, the GEMM's tiles of x's dtype) of the
     float64 products, each rounded once to x's dtype. `rounded`: which decode pairs take x (and h)
-    rounded to int16: "all" (Q4_K), "alone" (Q6_K: the pairs alone on their expert), None."""
+    rounded to int16 (Q4_K and Q6_K's matvec)."""
     dtype = x.dtype
     assert h.dtype == y.dtype == dtype
     assert h.shape == (routing.experts.numel(), values[0].shape[1]) and y.shape[1] == values[2].shape[1]
     sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
     e = routing.experts.long()
     xs = x[routing.src.long()]
-    every = None
-    if rounded == "all" and not prompt:
-        every = torch.ones_like(e, dtype=torch.bool)
-    elif rounded == "alone" and not prompt:
-        every = (e != torch.cat([e[:1] - 1, e[:-1]])) & (e != torch.cat([e[1:], e[-1:] + 1]))
+    every = torch.ones_like(e, dtype=torch.bool) if rounded and not prompt else None
     gate, gate_bound = moe_products(xs, values[0], e, sums, every)
     up, up_bound = moe_products(xs, values[1], e, sums, every)
     silu = F.silu(gate)

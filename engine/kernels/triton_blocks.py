@@ -5,6 +5,9 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
 - `Matrix.matvec`: x [m <= 8, k] @ W.T for decode windows. Each program reads its weight rows once for
   all m rows of x; float32 accumulation; x bf16, f16 or float32, y in x's dtype. One row (every decode
   row in exact mode) has a kernel of its own, 2-2.5x faster: it sums elementwise and reduces once.
+  Q4_K and Q6_K (most of a Q4_K_M file) take x rounded to int16 per 32 values (`triton_xq`) and sum
+  weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a thread, one reduction at
+  the end, for one row and for 2-8 (`_rounded_kernel`).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
   dtype (bf16 for the engine) and multiplied with tl.dot, float32 accumulation.
 - `Matrix.matmul`: the matvec up to `MATVEC_ROWS` rows, the GEMM above.
@@ -268,51 +271,96 @@ def _words(w16, at, live):
 
 
 @triton.jit
-def _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
-    """[R] float32: Q6_K weight rows `rows` times one x row rounded to int16 (`triton_xq`: values xq, group
-    scales xs, int32 sums of each 16 values `halves`). A thread takes chunk c of a block: half h = c // 2
-    of it, values l = 16i..16i+15 (i = c % 2) of that half's four runs of 32 (scales 2r + i): 16 bytes of
-    qh and twice 16 of ql, as 4 words each; the 6-bit values (offset 32) summed with x two at a time."""
+def _q6k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
+    """One step of the Q6_K int16 sums: blocks s0.. of the weight rows at int16 offsets `row`. A thread
+    takes chunk c of a block: half h = c // 2 of it, values l = 16i..16i+15 (i = c % 2) of that half's four
+    runs of 32 (scales 2r + i): 16 bytes of qh and twice 16 of ql, as 4 words each. Returns the four
+    runs' 6-bit values as bytes of words ([R, SB, 4, 4] each) and their scales times d ([R, SB, 4, 1])."""
     w16 = w.to(tl.pointer_type(tl.int16))
-    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
-    rows4 = rows[:, None, None, None]
-    row = rows4.to(tl.int64) * (row_bytes // 2)
     s = tl.arange(0, SB)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
     u = tl.arange(0, 4)[None, None, None, :]
     h, i = c // 2, c % 2
+    sb = s0 + s
+    live = (rows4 < n) & (sb < blocks)
+    blk = row + sb * 105  # 210 bytes: ql[128], qh[64], 16 int8 scales, d
+    ql0 = _words(w16, (blk + h * 32 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+    ql1 = _words(w16, (blk + h * 32 + 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+    qh = _words(w16, (blk + 64 + h * 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+    d = _f16_bits(tl.load(w16 + blk + 104 + c * 0, mask=live, other=0).to(tl.int32) & 0xFFFF)
+    scales = w + (blk * 2 + 192 + h * 8 + i)  # run r's scale at + 2r
+    q0 = (ql0 & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)
+    q1 = (ql1 & 0x0F0F0F0F) | (((qh >> 2) & 0x03030303) << 4)
+    q2 = ((ql0 >> 4) & 0x0F0F0F0F) | (((qh >> 4) & 0x03030303) << 4)
+    q3 = ((ql1 >> 4) & 0x0F0F0F0F) | (((qh >> 6) & 0x03030303) << 4)
+    d0 = d * tl.load(scales, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    d1 = d * tl.load(scales + 2, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    d2 = d * tl.load(scales + 4, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    d3 = d * tl.load(scales + 6, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return q0, q1, q2, q3, d0, d1, d2, d3, sb
+
+
+@triton.jit
+def _q6k_run(q, dr, r: tl.constexpr, sb, xq, xs, halves, blocks, ASM: tl.constexpr):
+    """[R, SB, 4, 1] float32: run r of a step's chunks (`_q6k_step`) times one x row rounded to int16; the
+    offset of 32 comes off in integers (32 times the x values' sum, `halves`)."""
+    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
+    c = tl.arange(0, 4)[None, None, :, None]
+    h, i = c // 2, c % 2
+    xlive = sb < blocks
+    xr = tl.load(x4 + sb * 64 + h * 32 + r * 8 + i * 4 + tl.arange(0, 4)[None, None, None, :], mask=xlive, other=0)
+    zero = tl.zeros(q.shape, dtype=tl.int32)
+    dot = tl.sum(_dp2a((xr >> 32).to(tl.int32), q, _dp2a(xr.to(tl.int32), q, zero, False, ASM), True, ASM), axis=3,
+                 keep_dims=True)
+    dot -= 32 * tl.load(halves + sb * 16 + h * 8 + r * 2 + i, mask=xlive, other=0)
+    return dr * (dot.to(tl.float32) * tl.load(xs + sb * 8 + h * 4 + r, mask=xlive, other=0.0))
+
+
+@triton.jit
+def _q6k_part(q0, q1, q2, q3, d0, d1, d2, d3, sb, xq, xs, halves, blocks, ASM: tl.constexpr):
+    part = _q6k_run(q0, d0, 0, sb, xq, xs, halves, blocks, ASM)
+    part += _q6k_run(q1, d1, 1, sb, xq, xs, halves, blocks, ASM)
+    part += _q6k_run(q2, d2, 2, sb, xq, xs, halves, blocks, ASM)
+    part += _q6k_run(q3, d3, 3, sb, xq, xs, halves, blocks, ASM)
+    return part
+
+
+@triton.jit
+def _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: Q6_K weight rows `rows` times one x row rounded to int16 (`triton_xq`: values xq, group
+    scales xs, int32 sums of each 16 values `halves`), summed two values at a time (dp2a)."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 2)
     blocks = k // 256
-    zero = tl.zeros((R, SB, 4, 4), dtype=tl.int32)
     acc = tl.zeros((R, SB, 4, 1), dtype=tl.float32)
     for s0 in range(0, blocks, SB):
-        sb = s0 + s
-        live = (rows4 < n) & (sb < blocks)
-        blk = row + sb * 105  # 210 bytes: ql[128], qh[64], 16 int8 scales, d
-        ql0 = _words(w16, (blk + h * 32 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
-        ql1 = _words(w16, (blk + h * 32 + 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
-        qh = _words(w16, (blk + 64 + h * 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
-        d = _f16_bits(tl.load(w16 + blk + 104 + c * 0, mask=live, other=0).to(tl.int32) & 0xFFFF)
-        xlive = sb < blocks
-        for r in tl.static_range(4):  # run r: values 32r + l of the half, 6-bit q from ql (nibble r // 2) and qh
-            ql = ql0 if r % 2 == 0 else ql1
-            q = ((ql >> (r // 2 * 4)) & 0x0F0F0F0F) | (((qh >> (2 * r)) & 0x03030303) << 4)
-            at = sb * 64 + h * 32 + r * 8 + i * 4 + u
-            xr = tl.load(x4 + at, mask=xlive, other=0)
-            dot = tl.sum(_dp2a((xr >> 32).to(tl.int32), q, _dp2a(xr.to(tl.int32), q, zero, False, ASM), True, ASM),
-                         axis=3, keep_dims=True)
-            g16 = sb * 16 + h * 8 + r * 2 + i
-            dot -= 32 * tl.load(halves + g16, mask=xlive, other=0)
-            scale = tl.load(w + (blk * 2 + 192 + h * 8 + r * 2 + i), mask=live, other=0)
-            scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
-            acc += d * scale * (dot.to(tl.float32) * tl.load(xs + sb * 8 + h * 4 + r, mask=xlive, other=0.0))
+        q0, q1, q2, q3, d0, d1, d2, d3, sb = _q6k_step(w, row, rows4, n, s0, blocks, R, SB)
+        acc += _q6k_part(q0, q1, q2, q3, d0, d1, d2, d3, sb, xq, xs, halves, blocks, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
 @triton.jit
-def _row_kernel_q6k(w, xq, xs, halves, y, n, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    acc = _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R, SB, ASM)
-    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
+def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
+                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
+    """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
+    0..count-1), as `_rows_dot_q4k` does for Q4_K."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 2)
+    blocks = k // 256
+    j5 = tl.arange(0, ROWS)[:, None, None, None, None]
+    acc = tl.zeros((ROWS, R, SB, 4, 1), dtype=tl.float32)
+    for s0 in range(0, blocks, SB):
+        q0, q1, q2, q3, d0, d1, d2, d3, sb = _q6k_step(w, row, rows4, n, s0, blocks, R, SB)
+        for j in tl.static_range(ROWS):
+            if j < count:
+                if INDIRECT:
+                    at = tl.load(src + j).to(tl.int64)
+                else:
+                    at = j
+                part = _q6k_part(q0, q1, q2, q3, d0, d1, d2, d3, sb, xq + at * k, xs + at * (k // 32),
+                                 halves + at * (k // 16), blocks, ASM)
+                acc = tl.where(j5 == j, acc + part[None], acc)
+    return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
 
 
 @triton.jit
@@ -341,19 +389,23 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
-def _rows_kernel_q4k(w, xq, xs, xsum, y, m, n, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
-                     ASM: tl.constexpr):
+def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr,
+                    SB: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
+    """y [m, n] for x rounded to int16: one row (ROWS 1) or 2-8 rows (ROWS `MATVEC_ROWS`), Q4_K or Q6_K."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
-    acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
-    r = tl.arange(0, ROWS)[:, None]
-    tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
-
-
-@triton.jit
-def _row_kernel_q4k(w, xq, xs, xsum, y, n, k, row_bytes, R: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    acc = _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R, SB, ASM)
-    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
+    if ROWS == 1:
+        if QTYPE == _Q4_K:
+            one = _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R, SB, ASM)
+        else:
+            one = _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R, SB, ASM)
+        tl.store(y + rows, one.to(y.dtype.element_ty), mask=rows < n)
+    else:
+        if QTYPE == _Q4_K:
+            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+        else:
+            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+        r = tl.arange(0, ROWS)[:, None]
+        tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -429,7 +481,12 @@ class Matrix:
             raise ValueError("blocks must be contiguous")
         self.qtype, self.blocks, self.k, self.n = qtype, blocks, k, blocks.shape[0]
         self.tiles = tiles or Tiles.for_shape(self.n, k)
-        self._words = qtype == Q.Q4_K and blocks.data_ptr() % 4 == 0  # Q4_K read a word at a time
+        # Q4_K and Q6_K decode products sum x rounded to int16 (`triton_xq`), a 16-byte chunk a thread: 8
+        # chunks a Q4_K block, 4 a Q6_K one; two weight rows a program
+        self._rounded = qtype in (Q.Q4_K, Q.Q6_K) and blocks.data_ptr() % 4 == 0
+        chunks = 8 if qtype == Q.Q4_K else 4
+        self._int_blocks = min(self.tiles.row_blocks * 8 // chunks, triton.next_power_of_2(max(1, k // 256)))
+        self._int_warps = max(1, 2 * self._int_blocks * chunks // 32)
         self._type_args = dict(QTYPE=int(qtype), GROUP=GROUP[qtype])
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
@@ -456,23 +513,12 @@ class Matrix:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {x.shape[0]}")
         y = self._out(x)
         t = self.tiles
-        if x.shape[0] == 1 and self.qtype == Q.Q6_K and self.blocks.data_ptr() % 2 == 0:
+        if x.shape[0] and self._rounded:
             rounded = RoundedRows.of(x)
-            blocks = min(2 * t.row_blocks, triton.next_power_of_2(max(1, self.k // 256)))  # 4 chunks a block
-            _row_kernel_q6k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.halves, y,
-                                                       self.n, self.k, self.blocks.shape[1], R=2, SB=blocks, ASM=ASM,
-                                                       num_warps=max(1, blocks // 4))
-        elif x.shape[0] == 1 and self._words:
-            rounded = RoundedRows.of(x)
-            _row_kernel_q4k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.sums, y, self.n,
-                                                       self.k, self.blocks.shape[1], R=2, SB=t.row_blocks, ASM=ASM,
-                                                       num_warps=max(1, t.row_blocks // 2))
-        elif self._words and x.shape[0]:
-            rounded = RoundedRows.of(x)
-            _rows_kernel_q4k[(triton.cdiv(self.n, 2),)](self.blocks, rounded.q, rounded.scale, rounded.sums, y,
-                                                        x.shape[0], self.n, self.k, self.blocks.shape[1], R=2,
-                                                        SB=t.row_blocks, ROWS=MATVEC_ROWS, ASM=ASM,
-                                                        num_warps=max(1, t.row_blocks // 2))
+            _rounded_kernel[(triton.cdiv(self.n, 2),)](
+                self.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, x.shape[0], self.n, self.k,
+                self.blocks.shape[1], QTYPE=int(self.qtype), R=2, SB=self._int_blocks,
+                ROWS=1 if x.shape[0] == 1 else MATVEC_ROWS, ASM=ASM, num_warps=self._int_warps)
         elif x.shape[0] == 1:
             _row_kernel[(self.n,)](self.blocks, x, y, self.n, self.k, self.blocks.shape[1], **self._type_args, R=1,
                                    BK=t.row_k, num_warps=2, **_FUSED)

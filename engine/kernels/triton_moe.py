@@ -47,6 +47,7 @@ from engine.kernels.triton_blocks import (
     _row_dot_q4k,
     _row_dot_q6k,
     _rows_dot_q4k,
+    _rows_dot_q6k,
     row_bytes,
 )
 from engine.kernels.triton_xq import ASM, RoundedRows
@@ -94,12 +95,14 @@ def _one_row(w, rows, n, x, xq, xs, xsum, xh, at, k, row_bytes, QTYPE: tl.conste
 
 
 @triton.jit
-def _run_rows(w, rows, n, x, xq, xs, xsum, src, p, count, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr,
-              HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr,
-              ASM: tl.constexpr):
+def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYPE: tl.constexpr,
+              GROUP: tl.constexpr, HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+              SB: tl.constexpr, ASM: tl.constexpr):
     """[ROWS, R] float32: weight rows `rows` of the expert at `w` times the x rows of pairs p..p+count-1."""
     if QTYPE == _Q4_K:
         out = _rows_dot_q4k(w, rows, n, xq, xs, xsum, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True)
+    elif QTYPE == _Q6_K:
+        out = _rows_dot_q6k(w, rows, n, xq, xs, xh, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True)
     else:
         out = _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS)
     return out
@@ -138,11 +141,11 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, x
                 one = one * tl.sigmoid(one) * up1
             tl.store(y + p.to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         else:
-            acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, src, p, count, k,
+            acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count, k,
                             row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
             if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
-                up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, src, p, count, k,
-                               row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB, ASM)
+                up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p, count,
+                               k, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
                 acc = acc * tl.sigmoid(acc) * up
             r = tl.arange(0, ROWS)[:, None]
             out = y + (p + r).to(tl.int64) * n + rows[None, :]
