@@ -231,3 +231,19 @@ def test_cuda_policy_keeps_expert_blocks_the_kernel_reads():
     assert keeps_blocks(info("blk.0.ffn_down_exps.weight", (8, 256, 64), Q.Q6_K), cuda)
     assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.F16), cuda)  # bf16 grouped GEMMs
     assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q5_0), cuda)
+
+
+def test_weighted_sum_is_each_rows_choices_in_order():
+    """`weighted_sum` (what `experts.combine` runs on CUDA): y in flat (row, choice) order times each row's
+    weights, summed in float32 in the order of choices; a row's bits the same alone."""
+    gen = torch.Generator().manual_seed(12)
+    y = torch.randn(3 * 4, 96, generator=gen).to(DEVICE)
+    weights = torch.rand(3, 4, generator=gen).to(DEVICE)
+    out = tm.weighted_sum(y, weights)
+    expected = torch.zeros(3, 96, device=DEVICE)
+    for i in range(4):
+        expected += weights[:, i:i + 1] * y.view(3, 4, 96)[:, i]
+    assert out.dtype == y.dtype and torch.equal(out, expected)
+    assert torch.equal(tm.weighted_sum(y[4:8], weights[1:2]), out[1:2])
+    with pytest.raises(ValueError, match="rows \\* top_k"):
+        tm.weighted_sum(y[:5], weights)
