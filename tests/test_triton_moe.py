@@ -247,3 +247,20 @@ def test_weighted_sum_is_each_rows_choices_in_order():
     assert torch.equal(tm.weighted_sum(y[4:8], weights[1:2]), out[1:2])
     with pytest.raises(ValueError, match="rows \\* top_k"):
         tm.weighted_sum(y[:5], weights)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_matches_torch(normalize):
+    """`triton_moe.route` (what `experts.route` runs on CUDA): the torch router's experts in its order and
+    its weights within float32 rounding; a row's bits the same alone."""
+    from engine.experts import route
+
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    router = torch.randn(24, 96, generator=gen).to(DEVICE)
+    weights, ids = tm.route(x, router, 4, normalize)
+    expect_w, expect_ids = route(x.cpu(), router.cpu(), 4, normalize)
+    assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), expect_ids)
+    assert torch.allclose(weights.cpu(), expect_w, rtol=1e-5, atol=1e-7)
+    w1, i1 = tm.route(x[3:4], router, 4, normalize)
+    assert torch.equal(w1, weights[3:4]) and torch.equal(i1, ids[3:4])

@@ -373,6 +373,63 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr):
+    """logits[r, experts of this program] = x[r] . router[expert], float32, one order over h."""
+    r = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BE + tl.arange(0, BE)[:, None]
+    acc = tl.zeros((BE, BH), dtype=tl.float32)
+    for c0 in range(0, h, BH):
+        cols = c0 + tl.arange(0, BH)[None, :]
+        xv = tl.load(x + r * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+        acc += tl.load(router + experts * h + cols, mask=(experts < e) & (cols < h), other=0.0) * xv
+    tl.store(logits + r * e + tl.arange(0, BE) + tl.program_id(1) * BE, tl.sum(acc, axis=1),
+             mask=tl.program_id(1) * BE + tl.arange(0, BE) < e)
+
+
+@triton.jit
+def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NORMALIZE: tl.constexpr):
+    """A row's softmax over its logits, then its k largest probabilities (ties: the lower expert first),
+    normalized to sum 1 when NORMALIZE."""
+    r = tl.program_id(0).to(tl.int64)
+    at = tl.arange(0, BE)
+    v = tl.load(logits + r * e + at, mask=at < e, other=float("-inf"))
+    p = tl.exp(v - tl.max(v, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(at < e, p, -1.0)
+    total = 0.0
+    for i in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, at, BE), axis=0)
+        tl.store(ids + r * K + i, pick.to(tl.int64))
+        tl.store(weights + r * K + i, best)
+        total += best
+        p = tl.where(at == pick, -1.0, p)
+    if NORMALIZE:
+        got = tl.load(weights + r * K + tl.arange(0, K))
+        tl.store(weights + r * K + tl.arange(0, K), got / total)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.experts.route` in two launches: x [N, H] (any float dtype) against the float32 router
+    [E, H]; weights float32 [N, k] and ids int64 [N, k], each row on its own."""
+    n, h = x.shape
+    e = router.shape[0]
+    if router.shape[1] != h or top_k > e or top_k & (top_k - 1):
+        raise ValueError(f"router [E, {h}] with top_k a power of two <= E, got {tuple(router.shape)}, {top_k}")
+    x, router = x.contiguous(), router.contiguous()
+    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+    if n:
+        be = 16
+        _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(256, triton.next_power_of_2(h)),
+                                                 num_warps=4, enable_fp_fusion=False)
+        _top_k_kernel[(n,)](logits, weights, ids, e, K=top_k, BE=triton.next_power_of_2(e), NORMALIZE=normalize,
+                            num_warps=1)
+    return weights, ids
+
+
 def _bench() -> None:
     """qwen3-30b-a3b's experts (hidden 2048, expert FFN 768, 128 experts, top-8): the fused kernel's time,
     weight GB/s (the routed experts' bytes over time) and TFLOP/s for decode windows of 1 and 8 rows and
