@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
 from engine.weights import Linear, LinearStack
 
@@ -54,7 +55,14 @@ class ExpertStats:
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax router then top-k (Qwen3-MoE order). Returns weights [N, k] (float32) and ids [N, k]."""
+    """Softmax router then top-k (Qwen3-MoE order). Returns weights [N, k] (float32) and ids [N, k]. On CUDA
+    (k a power of two) two Triton launches (`triton_moe.route`) where torch takes about six."""
+    if x.is_cuda and gpu_kernels.available() and router.dtype == torch.float32 and not top_k & (top_k - 1):
+        from engine.kernels.triton_moe import (
+            route as fused,  # imports Triton, so only when a CUDA tensor comes
+        )
+
+        return fused(x, router, top_k, normalize)
     probs = torch.softmax(F.linear(x.float(), router), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -121,7 +129,7 @@ class ResidentExperts(Experts):
             flat, order = by_expert(ids)
             rows = order // k
             y = self._grouped(x[rows], flat, order) if self.grouped else self._per_expert(x[rows], flat[order])
-            out = combine(y, order, weights)
+            out = combine(y, weights, order)
         self._count(n * k, time.perf_counter() - t0)
         return out
 
@@ -186,13 +194,21 @@ def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, devi
     return ResidentExperts(gate, up, down, device)
 
 
-def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None = None,
             patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Each row's k expert outputs (given in expert-sorted order) weighted and summed in a fixed order;
-    `patch` (flat pair indices, their outputs) replaces the outputs of pairs computed elsewhere."""
+    """Each row's k expert outputs weighted and summed in a fixed order. `y` [rows * k, H] in flat
+    (row, choice) order (the fused MoE kernel's), or in expert-sorted order with `order` (the flat pair
+    at each sorted position); `patch` (flat pair indices, their outputs) replaces the outputs of pairs
+    computed elsewhere. On CUDA one Triton launch (`triton_moe.weighted_sum`)."""
     n, k = weights.shape
-    y = torch.empty_like(y_sorted)
-    y[order] = y_sorted  # distinct indices: a plain scatter, deterministic
+    if order is not None:
+        flat = torch.empty_like(y)
+        flat[order] = y  # distinct indices: a plain scatter, deterministic
+        y = flat
     if patch is not None:
         y[patch[0]] = patch[1].to(y.dtype)
-    return (y.view(n, k, -1).float() * weights[..., None]).sum(dim=1).to(y_sorted.dtype)
+    if y.is_cuda and gpu_kernels.available():
+        from engine.kernels.triton_moe import weighted_sum  # imports Triton, so only when a CUDA tensor comes
+
+        return weighted_sum(y, weights)
+    return (y.view(n, k, -1).float() * weights[..., None]).sum(dim=1).to(y.dtype)

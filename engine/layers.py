@@ -65,13 +65,17 @@ class Rope:
             self._copies[device] = (self.cos.to(device), self.sin.to(device))
         return self._copies[device]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim]; positions: [N], on x's device."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+                 ) -> torch.Tensor:
+        """x: [N, heads, head_dim]; positions: [N], on x's device. `norm` (weight, eps): each head
+        RMS-normed first (on CUDA in the same launch)."""
         cos, sin = self._tables(x.device)
         if _on_triton(x):
             from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
 
-            return triton_rows.rope(x, positions, cos, sin, self.neox)
+            return triton_rows.rope(x, positions, cos, sin, self.neox, norm)
+        if norm is not None:
+            x = rms_norm(x, *norm)
         if cpu_ops.usable(x):
             return cpu_ops.rope(x, positions, cos, sin, self.neox)
         cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]

@@ -231,3 +231,36 @@ def test_cuda_policy_keeps_expert_blocks_the_kernel_reads():
     assert keeps_blocks(info("blk.0.ffn_down_exps.weight", (8, 256, 64), Q.Q6_K), cuda)
     assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.F16), cuda)  # bf16 grouped GEMMs
     assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q5_0), cuda)
+
+
+def test_weighted_sum_is_each_rows_choices_in_order():
+    """`weighted_sum` (what `experts.combine` runs on CUDA): y in flat (row, choice) order times each row's
+    weights, summed in float32 in the order of choices; a row's bits the same alone."""
+    gen = torch.Generator().manual_seed(12)
+    y = torch.randn(3 * 4, 96, generator=gen).to(DEVICE)
+    weights = torch.rand(3, 4, generator=gen).to(DEVICE)
+    out = tm.weighted_sum(y, weights)
+    expected = torch.zeros(3, 96, device=DEVICE)
+    for i in range(4):
+        expected += weights[:, i:i + 1] * y.view(3, 4, 96)[:, i]
+    assert out.dtype == y.dtype and torch.equal(out, expected)
+    assert torch.equal(tm.weighted_sum(y[4:8], weights[1:2]), out[1:2])
+    with pytest.raises(ValueError, match="rows \\* top_k"):
+        tm.weighted_sum(y[:5], weights)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_matches_torch(normalize):
+    """`triton_moe.route` (what `experts.route` runs on CUDA): the torch router's experts in its order and
+    its weights within float32 rounding; a row's bits the same alone."""
+    from engine.experts import route
+
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    router = torch.randn(24, 96, generator=gen).to(DEVICE)
+    weights, ids = tm.route(x, router, 4, normalize)
+    expect_w, expect_ids = route(x.cpu(), router.cpu(), 4, normalize)
+    assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), expect_ids)
+    assert torch.allclose(weights.cpu(), expect_w, rtol=1e-5, atol=1e-7)
+    w1, i1 = tm.route(x[3:4], router, 4, normalize)
+    assert torch.equal(w1, weights[3:4]) and torch.equal(i1, ids[3:4])

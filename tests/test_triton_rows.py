@@ -112,6 +112,26 @@ def test_rope_matches_torch(dtype, neox, heads, d):
     assert_matches(y, rope_reference(x, positions, cos, sin, neox), scale)
 
 
+@DTYPES
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
+@pytest.mark.parametrize("heads,d", [(20, 128), (3, 96)], ids=str)
+def test_rope_with_its_norm_matches_torch(dtype, neox, heads, d):
+    """`norm=(weight, eps)`: each head RMS-normed, then rotated, in one launch: the torch norm then rope
+    in float32, rounded once (the two kernels round in between: one unit more for 16-bit floats)."""
+    x = (torch.randn(7, heads, d, generator=gen(9)) * 2).to(DEVICE, dtype)
+    weight = torch.randn(d, generator=gen(10)).to(DEVICE)
+    positions = random_positions(7, seed=11)
+    cos, sin = tables(d)
+    y = tr.rope(x, positions, cos, sin, neox, (weight, EPS))
+    normed = norm_reference(x, weight, EPS)
+    scale = normed.abs().amax(-1, keepdim=True).expand_as(x)
+    assert_matches(y, rope_reference(normed, positions, cos, sin, neox), scale)
+    for i in (0, 6):
+        assert_same_bits(tr.rope(x[i:i + 1], positions[i:i + 1], cos, sin, neox, (weight, EPS)), y[i:i + 1])
+    with pytest.raises(ValueError, match="weight must be a float vector"):
+        tr.rope(x, positions, cos, sin, neox, (weight[:-2], EPS))
+
+
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
 def test_rope_row_alone_is_the_same_bits(neox):
     x = torch.randn(9, 4, 64, generator=gen(7)).to(DEVICE, torch.bfloat16)

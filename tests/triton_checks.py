@@ -89,6 +89,7 @@ def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Ten
     rounded to int16 (Q4_K and Q6_K's matvec)."""
     dtype = x.dtype
     assert h.dtype == y.dtype == dtype
+    h, y = h[routing.order], y[routing.order]  # the kernels write flat (row, choice) order: sorted here
     assert h.shape == (routing.experts.numel(), values[0].shape[1]) and y.shape[1] == values[2].shape[1]
     sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
     e = routing.experts.long()
@@ -106,7 +107,5 @@ def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Ten
 
 
 def per_pair(routing, y: torch.Tensor) -> torch.Tensor:
-    """y's rows (in a routing's sorted order) as [rows, top_k, n]: by (row, choice), whatever the window."""
-    out = torch.empty_like(y)
-    out[routing.order] = y
-    return out.view(routing.rows, -1, y.shape[1])
+    """y's rows (the kernels' flat (row, choice) order) as [rows, top_k, n], whatever the window."""
+    return y.view(routing.rows, -1, y.shape[1])

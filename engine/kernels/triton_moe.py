@@ -118,7 +118,7 @@ def _expert_at(w, far, slot, expert_bytes):
 
 
 @triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
-def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, xh, y, pairs, n, k, row_bytes,
+def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, pairs, n, k, row_bytes,
                        expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr,
@@ -139,7 +139,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, x
                 up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
                                row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                 one = one * tl.sigmoid(one) * up1
-            tl.store(y + p.to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
+            tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         else:
             acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count, k,
                             row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
@@ -148,7 +148,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, x, xq, xs, xsum, x
                                k, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
                 acc = acc * tl.sigmoid(acc) * up
             r = tl.arange(0, ROWS)[:, None]
-            out = y + (p + r).to(tl.int64) * n + rows[None, :]
+            out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + rows[None, :]
             tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
 
 
@@ -172,7 +172,7 @@ def _gemm_tile(w, xs_at, live, rows, n, k, row_bytes, acc, x_dtype: tl.constexpr
 
 
 @triton.jit
-def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, x, y, n, k, row_bytes, expert_bytes,
+def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, dst, x, y, n, k, row_bytes, expert_bytes,
                      row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, QTYPE2: tl.constexpr,
                      GROUP2: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr):
@@ -193,7 +193,7 @@ def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, x, y, n,
             up = _gemm_tile(_expert_at(w2, wf2, slot, expert_bytes2), xs_at, live, rows, n, k, row_bytes2, up,
                             x.dtype.element_ty, QTYPE2, GROUP2, BN, BK)
             acc = acc * tl.sigmoid(acc) * up
-        out = y + ps.to(tl.int64)[:, None] * n + rows[None, :]
+        out = y + tl.load(dst + ps, mask=ps >= 0, other=0).to(tl.int64)[:, None] * n + rows[None, :]
         tl.store(out, acc.to(y.dtype.element_ty), mask=live & (rows[None, :] < n))
 
 
@@ -347,8 +347,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
                              f"chunks with gemm_m")
         grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
         rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
-        _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, x, rounded.q,
-                                 rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes,
+        _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order,
+                                 x, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes,
                                  **w.type_args(), **other.type_args("2"), GATED=gated, R=tiles.matvec_rows,
                                  BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=tiles.row_blocks,
                                  SB2=other.tiles(gated).row_blocks, ASM=ASM, num_warps=tiles.matvec_warps, **_FUSED)
@@ -358,35 +358,119 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
                              f"stack.gemm_m)")
         grid = (routing.tile_expert.numel(), triton.cdiv(w.n, tiles.gemm_n))
         args = {key: v for key, v in (w.type_args() | other.type_args("2")).items() if not key.startswith("HAS")}
-        _moe_gemm_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.tile_expert, routing.padded, src, x, y,
+        _moe_gemm_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.tile_expert, routing.padded, src,
+                               routing.order, x, y,
                                w.n, w.k, *sizes, **args, GATED=gated, BM=tiles.gemm_m, BN=tiles.gemm_n,
                                BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED)
     return y
 
 
 def swiglu(gate: Stack, up: Stack, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for every routed pair, in sorted order: [pairs, n] in x's dtype."""
+    """silu(x @ gate.T) * (x @ up.T) for every routed pair, in flat (row, choice) order: [pairs, n] in x's dtype."""
     if (gate.n, gate.k, gate.slots) != (up.n, up.k, up.slots):
         raise ValueError(f"gate {gate.slots}x{gate.n}x{gate.k} and up {up.slots}x{up.n}x{up.k} differ in shape")
     return _run(gate, up, x, routing, slot_of, routing.src)
 
 
 def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor) -> torch.Tensor:
-    """h [pairs, k] (one row per routed pair, in sorted order) @ its expert's W.T: [pairs, n] in h's dtype."""
+    """h [pairs, k] (one row per routed pair, in flat (row, choice) order) @ its expert's W.T: [pairs, n] in
+    h's dtype, in the same order."""
     if h.shape[0] != routing.experts.numel():
         raise ValueError(f"h must have one row per routed pair ({routing.experts.numel()}), got {h.shape[0]}")
-    positions = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
-    return _run(w, None, h, routing, slot_of, positions)
+    return _run(w, None, h, routing, slot_of, routing.order)
 
 
 def swiglu_experts(gate: Stack, up: Stack, down: Stack, x: torch.Tensor, ids: torch.Tensor,
                    slot_of: torch.Tensor) -> tuple[torch.Tensor, Routing]:
     """A layer's SwiGLU experts over a window's routed pairs (`ids` [rows, top_k]): a decode window takes the
-    matvec, a prompt chunk the GEMM (each expert's pairs padded to its tiles). Returns the outputs in sorted
-    order and the routing (its `order` un-sorts them)."""
+    matvec, a prompt chunk the GEMM (each expert's pairs padded to its tiles). Returns the outputs in flat
+    (row, choice) order, [rows * top_k, hidden], and the routing."""
     routing = Routing.of(ids, slot_of.numel(), None if ids.shape[0] <= MATVEC_ROWS else gate.gemm_m)
     h = swiglu(gate, up, x.contiguous(), routing, slot_of)
     return project(down, h, routing, slot_of), routing
+
+
+@triton.jit
+def _weighted_sum_kernel(y, weights, out, h, K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(K):  # choices in their order: a row's sum whatever the other rows
+        acc += tl.load(weights + r * K + i).to(tl.float32) * tl.load(y + (r * K + i) * h + cols, mask=cols < h,
+                                                                      other=0.0).to(tl.float32)
+    tl.store(out + r * h + cols, acc.to(out.dtype.element_ty), mask=cols < h)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row's k outputs (y [rows * k, H], flat (row, choice) order) times its weights [rows, k], summed
+    in float32 in the order of choices: [rows, H] in y's dtype, one launch."""
+    n, k = weights.shape
+    if y.dim() != 2 or y.shape[0] != n * k:
+        raise ValueError(f"y must be [rows * top_k = {n * k}, H], got {tuple(y.shape)}")
+    y, weights = y.contiguous(), weights.contiguous()
+    out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(y.shape[1]))
+        _weighted_sum_kernel[(n, triton.cdiv(y.shape[1], block))](y, weights, out, y.shape[1], K=k, BLOCK=block,
+                                                                   num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr):
+    """logits[r, experts of this program] = x[r] . router[expert], float32, one order over h."""
+    r = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BE + tl.arange(0, BE)[:, None]
+    acc = tl.zeros((BE, BH), dtype=tl.float32)
+    for c0 in range(0, h, BH):
+        cols = c0 + tl.arange(0, BH)[None, :]
+        xv = tl.load(x + r * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+        acc += tl.load(router + experts * h + cols, mask=(experts < e) & (cols < h), other=0.0) * xv
+    tl.store(logits + r * e + tl.arange(0, BE) + tl.program_id(1) * BE, tl.sum(acc, axis=1),
+             mask=tl.program_id(1) * BE + tl.arange(0, BE) < e)
+
+
+@triton.jit
+def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NORMALIZE: tl.constexpr):
+    """A row's softmax over its logits, then its k largest probabilities (ties: the lower expert first),
+    normalized to sum 1 when NORMALIZE."""
+    r = tl.program_id(0).to(tl.int64)
+    at = tl.arange(0, BE)
+    v = tl.load(logits + r * e + at, mask=at < e, other=float("-inf"))
+    p = tl.exp(v - tl.max(v, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(at < e, p, -1.0)
+    total = 0.0
+    for i in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, at, BE), axis=0)
+        tl.store(ids + r * K + i, pick.to(tl.int64))
+        tl.store(weights + r * K + i, best)
+        total += best
+        p = tl.where(at == pick, -1.0, p)
+    if NORMALIZE:
+        got = tl.load(weights + r * K + tl.arange(0, K))
+        tl.store(weights + r * K + tl.arange(0, K), got / total)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.experts.route` in two launches: x [N, H] (any float dtype) against the float32 router
+    [E, H]; weights float32 [N, k] and ids int64 [N, k], each row on its own."""
+    n, h = x.shape
+    e = router.shape[0]
+    if router.shape[1] != h or top_k > e or top_k & (top_k - 1):
+        raise ValueError(f"router [E, {h}] with top_k a power of two <= E, got {tuple(router.shape)}, {top_k}")
+    x, router = x.contiguous(), router.contiguous()
+    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+    if n:
+        be = 16
+        _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(256, triton.next_power_of_2(h)),
+                                                 num_warps=4, enable_fp_fusion=False)
+        _top_k_kernel[(n,)](logits, weights, ids, e, K=top_k, BE=triton.next_power_of_2(e), NORMALIZE=normalize,
+                            num_warps=1)
+    return weights, ids
 
 
 def _bench() -> None:

@@ -33,8 +33,8 @@ def _rms_norm_kernel(x, w, y, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _rope_kernel(x, y, positions, cos, sin, heads, half, NEOX: tl.constexpr, HEADS: tl.constexpr,
-                 HALF: tl.constexpr):
+def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, NEOX: tl.constexpr, NORM: tl.constexpr,
+                 HEADS: tl.constexpr, HALF: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     j = tl.arange(0, HALF)[None, :]
@@ -51,6 +51,10 @@ def _rope_kernel(x, y, positions, cos, sin, heads, half, NEOX: tl.constexpr, HEA
         second = first + 1
     x1 = tl.load(x + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x + second, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # each head RMS-normed with weight w [D] first, in the same registers
+        scale = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / (2 * half) + eps)
+        x1 = x1 * scale * tl.load(w + first - row, mask=j < half, other=0.0).to(tl.float32)
+        x2 = x2 * scale * tl.load(w + second - row, mask=j < half, other=0.0).to(tl.float32)
     tl.store(y + first, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
     tl.store(y + second, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
 
@@ -80,12 +84,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
-         ) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [N, heads, D] (float32/bf16/f16) rotated at positions [N] (integers on x's device, each in
     [0, context): not checked, that would need a host sync), tables cos/sin float32 [context, D/2]:
-    pairs (i, i + D/2) when `neox`, else adjacent pairs (2i, 2i + 1), llama.cpp's normal rope. A new
-    tensor in x's dtype."""
+    pairs (i, i + D/2) when `neox`, else adjacent pairs (2i, 2i + 1), llama.cpp's normal rope. `norm`
+    (weight [D], eps): each head RMS-normed first in the same launch (Qwen3's and Gemma 3's q/k norms;
+    not rounded to x's dtype in between). A new tensor in x's dtype."""
     if x.dtype not in DTYPES or x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x must be a float32/bf16/f16 tensor [N, heads, D] with D even, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -98,13 +103,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
         if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != half or table.device != x.device:
             raise ValueError(f"{name} must be a float32 table [context, {half}] on {x.device}, got {table.dtype} "
                              f"{tuple(table.shape)} on {table.device}")
+    if norm is not None and (norm[0].shape != (d,) or not norm[0].is_floating_point() or norm[0].device != x.device):
+        raise ValueError(f"the norm's weight must be a float vector [{d}] on {x.device}, got {norm[0].dtype} "
+                         f"{tuple(norm[0].shape)} on {norm[0].device}")
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
     block = triton.next_power_of_2(half)
     per_program = min(triton.next_power_of_2(heads), max(1, TILE // block))
+    w, eps = (norm[0].contiguous(), norm[1]) if norm is not None else (x, 0.0)
     _rope_kernel[(n, triton.cdiv(heads, per_program))](
-        x, y, positions, cos, sin, heads, half, NEOX=neox, HEADS=per_program, HALF=block,
-        num_warps=_warps(per_program * block), **_UNFUSED)
+        x, y, positions, cos, sin, w, eps, heads, half, NEOX=neox, NORM=norm is not None, HEADS=per_program,
+        HALF=block, num_warps=_warps(per_program * block), **_UNFUSED)
     return y

@@ -69,9 +69,9 @@ class Model:
         q = b.attn_q(a).view(-1, h.heads, h.head_dim)
         k = b.attn_k(a).view(-1, h.kv_heads, h.head_dim)
         v = b.attn_v(a).view(-1, h.kv_heads, h.head_dim)
-        if hasattr(b, "attn_q_norm"):
-            q, k = rms_norm(q, b.attn_q_norm, h.eps), rms_norm(k, b.attn_k_norm, h.eps)
-        q, k = rope(q, rows.positions), rope(k, rows.positions)
+        normed = hasattr(b, "attn_q_norm")
+        q = rope(q, rows.positions, (b.attn_q_norm, h.eps) if normed else None)
+        k = rope(k, rows.positions, (b.attn_k_norm, h.eps) if normed else None)
         return attend(q, k, v, self.kv.k[i], self.kv.v[i], rows, scale, window)
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -51,4 +51,4 @@ class TieredExperts(Experts):
         s.vram += hits
         s.cpu += misses
         s.cpu_us += round(miss_s * 1e6)
-        return combine(y, order, weights)
+        return combine(y, weights, order)

@@ -127,7 +127,7 @@ class GpuTieredExperts(Experts):
         s.pcie += far_n
         s.cpu += cpu_n
         s.cpu_us += cpu_us
-        return combine(y, routing.order, weights, patch)
+        return combine(y, weights, patch=patch)
 
     def _in_place(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A decode window whose misses all cross PCIe, without a host sync: the kernel reads cached
@@ -142,7 +142,7 @@ class GpuTieredExperts(Experts):
         y, routing = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.in_place_table)
         self._stats.lookups += n * k
         self._stats.vram += n * k  # less the far entries, read from the device in `stats`
-        return combine(y, routing.order, weights)
+        return combine(y, weights)
 
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int]
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
