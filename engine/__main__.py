@@ -30,9 +30,9 @@ from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 # Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
 GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility, not run (INFO `unsupported`); the adapt options only tune a tier
-# (--expert-cache), pcie_frac only the GPU tier, adapt_async only the simulated tier (for now).
+# (--expert-cache), pcie_frac only the GPU tier.
 UNSUPPORTED = ("batch_mtp",)
-TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count")
+TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async")
 GPU_TIER_ONLY = ("pcie_frac",)
 
 
@@ -84,8 +84,8 @@ def placed_text(model: Model) -> str:
 
 def unsupported_by_tier(model: Model) -> tuple[str, ...]:
     if model.tier is None:
-        return ("adapt_async",) + TIER_ONLY + GPU_TIER_ONLY
-    return ("adapt_async",) if model.tier.mode == "gpu" else GPU_TIER_ONLY
+        return TIER_ONLY + GPU_TIER_ONLY
+    return () if model.tier.mode == "gpu" else GPU_TIER_ONLY
 
 
 def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Runner,

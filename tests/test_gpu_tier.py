@@ -122,6 +122,27 @@ def test_swaps_change_what_the_cache_serves(layer):
         tier.slots.load(0, 1)
 
 
+def test_async_rounds_publish_after_their_copies(layer):
+    """`--adapt-async 1` on the GPU tier (`Copier`): the evicted slot is a miss at once, the new expert is
+    served only once its copy (on the copy stream, on CUDA) has passed, and then bit for bit."""
+    from engine.tier.copier import Copier
+    from engine.tier.policy import Swap
+
+    host, resident = layer
+    x, weights, ids = inputs(DECODE_IDS, 3)
+    tier = tiered(host, [0, 2], pcie_frac=1.0)
+    tier(x, weights, ids)  # a window queued on the compute stream before the round
+    copier = Copier()
+    copier.start([tier.slots], [Swap(0, 1, 1, 1.0)])  # expert 2 out of slot 1, expert 1 in
+    assert tier.slots.slot_of.tolist() == [0, -1, -1, -1, -1, -1] and copier.busy
+    assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))  # expert 1 read in place meanwhile
+    assert copier.finish() == 1 and not copier.busy
+    assert tier.slots.slot_of.tolist() == [0, 1, -1, -1, -1, -1]
+    before = tier.stats().vram
+    assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))
+    assert tier.stats().vram - before == 3  # expert 1 twice and expert 0 from their slots
+
+
 def test_slots_need_host_blocks(layer):
     _, device = stacks(5)
     if DEVICE == "cpu":

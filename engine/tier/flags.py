@@ -105,10 +105,8 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
     elif args.pcie_frac > 0:
         log(f"--pcie-frac {args.pcie_frac:g}: the simulated tier has no PCIe link; misses run on the CPU (pcie_frac=0)")
     if args.adapt_async:
-        log("--adapt-async 1: " + ("rounds run blocking on the GPU tier (their copies are queued on the compute "
-            "stream before the next window; the host does not wait for them)" if tier.copier is None else
-            "rounds copy on a helper thread; windows never wait for them, and the new experts serve from the "
-            "first window after their copies"))
+        log("--adapt-async 1: rounds copy on a helper thread" + (" and a copy stream" if gpu else "") +
+            "; windows never wait for them, and the new experts serve from the first window after their copies")
     mode = "static" if policy.every == 0 else "fixed" if not policy.adapts else f"every {policy.every} windows"
     where = ("VRAM slots, misses over PCIe or on the CPU beside the GPU" if gpu
              else "simulated: slots in host RAM, cached experts and misses on the CPU")

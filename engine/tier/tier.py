@@ -9,8 +9,8 @@ counts of the first windows (after `SEED_WINDOWS` windows when adaptation is off
 the adaptation counts are the decode windows' routing (`window_start` to `window_done`), so a long
 prompt read between windows does not re-rank the cache (the saved profile counts every call).
 A round is blocking by default: its copies finish before the next window. With `asynchronous`
-(`--adapt-async 1`, the simulated tier for now) a `Copier` fills the evicted slots on a helper
-thread and the experts are published at the first window boundary after the copies are done; a
+(`--adapt-async 1`) a `Copier` fills the evicted slots on a helper thread (on the GPU, on a copy
+stream) and the experts are published at the first window boundary after the copies are done; a
 round that comes due while one is in flight runs after the window that finds the copier free.
 """
 
@@ -201,8 +201,8 @@ def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, prof
     `split_slots`; or a list: each layer's), seeded from `profile` when given; sets and returns
     `model.tier`. On CUDA the slots are in VRAM on each layer's stage device (`GpuTieredExperts`: the
     model must have kept its experts in host memory, `load_model(host_experts=True)`), on the CPU they
-    are simulated (`TieredExperts`). `asynchronous`: rounds copy on a helper thread (the simulated tier
-    only, for now: the GPU tier's rounds queue their copies on the compute stream)."""
+    are simulated (`TieredExperts`). `asynchronous`: rounds copy on a helper thread (and on the GPU on a copy
+    stream of their own: `Copier`)."""
     h = model.hyper
     if not h.experts:
         raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
@@ -225,7 +225,7 @@ def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, prof
         mode = "simulated"
     for b, layer in zip(model.blk, layers, strict=True):
         b.experts = layer
-    tier = Tier(layers, policy, mode, asynchronous=asynchronous and mode == "simulated")
+    tier = Tier(layers, policy, mode, asynchronous=asynchronous)
     tier.seed(profile)
     model.tier = tier
     return tier
