@@ -136,13 +136,10 @@ def attend(
         mask = k_pos <= q_pos
         if window is not None:
             mask &= q_pos - k_pos < window
-        qs = q[part].transpose(0, 1)  # [Hq, T, D]
-        # 4-D on the CPU: torch's fused kernel takes it (3-D goes to the math path, 2.5x slower at 512
-        # rows); CUDA keeps the path its exactness checks ran on until they run on this one
-        if not q.is_cuda:
-            qs, keys, values, mask = qs[None], keys[None], values[None], mask[None, None]
-        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
-        out.append(o.reshape(-1, span.length, o.shape[-1]).transpose(0, 1).reshape(span.length, -1))
+        # 4-D: torch's fused kernels take it (3-D goes to the math path: on the CPU 2.5x slower at 512 rows)
+        qs, keys, values = q[part].transpose(0, 1)[None], keys[None], values[None]  # [1, Hq, T, D]
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask[None, None], scale=scale)
+        out.append(o[0].transpose(0, 1).reshape(span.length, -1))
     return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
 
