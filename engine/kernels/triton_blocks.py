@@ -340,6 +340,16 @@ def _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R: tl.constexpr, SB: 
 
 
 @triton.jit
+def _x_row(src, j, INDIRECT: tl.constexpr):
+    """The x row of a call's j-th row: src[j] (INDIRECT: a fused MoE run's pairs), else j."""
+    if INDIRECT:
+        at = tl.load(src + j).to(tl.int64)
+    else:
+        at = j
+    return at
+
+
+@triton.jit
 def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
                   ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
     """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
@@ -353,10 +363,7 @@ def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.co
         q0, q1, q2, q3, d0, d1, d2, d3, sb = _q6k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
-                if INDIRECT:
-                    at = tl.load(src + j).to(tl.int64)
-                else:
-                    at = j
+                at = _x_row(src, j, INDIRECT)
                 part = _q6k_part(q0, q1, q2, q3, d0, d1, d2, d3, sb, xq + at * k, xs + at * (k // 32),
                                  halves + at * (k // 16), blocks, ASM)
                 acc = tl.where(j5 == j, acc + part[None], acc)
@@ -367,8 +374,9 @@ def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.co
 def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
                   ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
     """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
-    0..count-1), count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and row j runs the same instructions whatever
-    `count` is (rows past it skipped by a uniform branch), its sums kept where they land until the end."""
+    0..count-1), count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and
+    row j runs the same instructions whatever `count` is (rows past it skipped by a uniform branch),
+    its sums kept where they land until the end."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
@@ -378,10 +386,7 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
-                if INDIRECT:
-                    at = tl.load(src + j).to(tl.int64)
-                else:
-                    at = j
+                at = _x_row(src, j, INDIRECT)
                 part = _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq + at * k, xs + at * (k // 32),
                                  xsum + at * (k // 32), k, blocks, SB, ASM)
                 acc = tl.where(j5 == j, acc + part[None], acc)
