@@ -32,7 +32,7 @@ GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility, not run (INFO `unsupported`); the adapt options only tune a tier
 # (--expert-cache), pcie_frac only the GPU tier, adapt_async only the simulated tier (for now).
 UNSUPPORTED = ("batch_mtp",)
-TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count")
+TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async")
 GPU_TIER_ONLY = ("pcie_frac",)
 
 
@@ -84,7 +84,7 @@ def placed_text(model: Model) -> str:
 
 def unsupported_by_tier(model: Model) -> tuple[str, ...]:
     if model.tier is None:
-        return ("adapt_async",) + TIER_ONLY + GPU_TIER_ONLY
+        return TIER_ONLY + GPU_TIER_ONLY
     return ("adapt_async",) if model.tier.mode == "gpu" else GPU_TIER_ONLY
 
 
