@@ -132,8 +132,8 @@ def test_async_rounds_publish_after_their_copies(layer):
     x, weights, ids = inputs(DECODE_IDS, 3)
     tier = tiered(host, [0, 2], pcie_frac=1.0)
     tier(x, weights, ids)  # a window queued on the compute stream before the round
-    copier = Copier()
-    copier.start([tier.slots], [Swap(0, 1, 1, 1.0)])  # expert 2 out of slot 1, expert 1 in
+    copier = Copier([tier.slots])
+    copier.start([Swap(0, 1, 1, 1.0)])  # expert 2 out of slot 1, expert 1 in
     assert tier.slots.slot_of.tolist() == [0, -1, -1, -1, -1, -1] and copier.busy
     assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))  # expert 1 read in place meanwhile
     assert copier.finish() == 1 and not copier.busy

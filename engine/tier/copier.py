@@ -23,11 +23,11 @@ from engine.tier.slots import SlotTable
 
 
 class Copier:
-    def __init__(self) -> None:
+    def __init__(self, tables: list[SlotTable]):
+        self._tables = tables  # each layer's, as a round's swaps index them
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier-copier")
         self._round: Future[None] | None = None
         self._swaps: list[Swap] = []
-        self._tables: list[SlotTable] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._queued: dict[torch.device, torch.cuda.Event] = {}  # on the compute streams, at the round's start
         self._copied: list[torch.cuda.Event] = []  # on the copy streams, after the round's copies
@@ -37,15 +37,15 @@ class Copier:
         """A round's copies are queued or running, or done and not yet published."""
         return self._round is not None
 
-    def start(self, tables: list[SlotTable], swaps: list[Swap]) -> None:
+    def start(self, swaps: list[Swap]) -> None:
         """Evict the swaps' slots now and fill them on the helper thread."""
         if self._round is not None:
             raise RuntimeError("a round's copies are still in flight")
         for s in swaps:
-            tables[s.layer].evict(s.slot)
-        self._tables, self._swaps = tables, swaps
+            self._tables[s.layer].evict(s.slot)
+        self._swaps = swaps
         self._queued = {}
-        for d in {_cuda(tables[s.layer]) for s in swaps} - {None}:
+        for d in {_cuda(self._tables[s.layer]) for s in swaps} - {None}:
             self._queued[d] = torch.cuda.current_stream(d).record_event()
         self._round = self._pool.submit(self._fill)
 

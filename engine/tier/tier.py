@@ -48,7 +48,7 @@ class Tier:
                  mode: str = "simulated", asynchronous: bool = False):
         self.layers = layers
         self.policy = policy
-        self.copier = Copier() if asynchronous else None
+        self.copier = Copier([layer.slots for layer in layers]) if asynchronous else None
         self._deferred = False  # a round came due while the copier was busy
         self.mode = mode  # gpu: VRAM slots, misses over PCIe or on the CPU; simulated: host slots, all on the CPU
         self.miss_times: MissTimes | None = None  # the GPU tier's measured cost of a miss (`choose_pcie`)
@@ -127,7 +127,7 @@ class Tier:
 
     def _apply(self, plan: list[Swap]) -> None:
         if self.copier is not None:
-            self.copier.start([layer.slots for layer in self.layers], plan)
+            self.copier.start(plan)
             return
         for swap in plan:
             self.layers[swap.layer].slots.load(swap.slot, swap.expert)
