@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.batch import Batch, Span
 from engine.kernels import gpu as gpu_kernels
@@ -23,6 +24,9 @@ ATTEND_BUCKET = 256
 # blocks, is the faster one (on an H200 the fused kernel was faster at ~600 keys). A split over the keys
 # would lift this.
 FUSED_ATTEND_MAX = 1024
+# cuDNN's attention gave other bits for the same call, run to run, on an H200 (two eager runs of the same
+# windows); torch's other backends give the same bits every run.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _on_triton(x: torch.Tensor) -> bool:
@@ -138,7 +142,7 @@ def attend(
             mask &= q_pos - k_pos < window
         # 4-D: torch's fused kernels take it (3-D goes to the math path: on the CPU 2.5x slower at 512 rows)
         qs, keys, values = q[part].transpose(0, 1)[None], keys[None], values[None]  # [1, Hq, T, D]
-        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask[None, None], scale=scale)
+        o = _sdpa(qs, keys, values, mask[None, None], scale)
         out.append(o[0].transpose(0, 1).reshape(span.length, -1))
     return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
@@ -157,8 +161,8 @@ def attend_bucket(spans: list[Span], fused: bool = True) -> int:
     """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (`fused`:
     CUDA tensors; Triton, and no session past `FUSED_ATTEND_MAX`: it reads each row's length on the
     device), else the longest session padded to a multiple of ATTEND_BUCKET, so that the attention
-    kernels see a handful of shapes instead of a new one every step (cuDNN plans a kernel per shape,
-    ~3 ms of CPU each; a CUDA graph is captured per shape)."""
+    kernels see a handful of shapes instead of a new one every step (a CUDA graph is captured per
+    shape)."""
     longest = max(s.end for s in spans)
     if fused and longest <= FUSED_ATTEND_MAX and gpu_kernels.available():
         return 0
@@ -189,8 +193,14 @@ def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: i
     mask = k_pos >= 0
     if window is not None:
         mask &= pos[:, None] - k_pos < window
-    o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    o = _sdpa(q[:, :, None, :], keys, values, mask[:, None, None, :], scale)
     return o.reshape(len(spans), -1)
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
 def default_scale(head_dim: int) -> float:
