@@ -19,11 +19,6 @@ from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
 
 ATTEND_BUCKET = 256
-# The fused decode attention runs one program per (row, KV head), each over all its row's keys: past ~1K
-# keys a row's few programs leave most of a GPU idle, and the padded call, parallel over heads and key
-# blocks, is the faster one (on an H200 the fused kernel was faster at ~600 keys). A split over the keys
-# would lift this.
-FUSED_ATTEND_MAX = 1024
 # cuDNN's attention gave other bits for the same call, run to run, on an H200 (two eager runs of the same
 # windows); torch's other backends give the same bits every run.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -159,20 +154,18 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
 
 def attend_bucket(spans: list[Span], fused: bool = True) -> int:
     """The keys a decode step's attention call is shaped for: 0 where the fused kernel runs (`fused`:
-    CUDA tensors; Triton, and no session past `FUSED_ATTEND_MAX`: it reads each row's length on the
-    device), else the longest session padded to a multiple of ATTEND_BUCKET, so that the attention
-    kernels see a handful of shapes instead of a new one every step (a CUDA graph is captured per
-    shape)."""
-    longest = max(s.end for s in spans)
-    if fused and longest <= FUSED_ATTEND_MAX and gpu_kernels.available():
+    CUDA tensors, and Triton: it reads each row's length on the device, so one shape serves every
+    length), else the longest session padded to a multiple of ATTEND_BUCKET, so that the padded call
+    sees a handful of shapes instead of a new one every step (a CUDA graph is captured per shape)."""
+    if fused and gpu_kernels.available():
         return 0
-    return -(-longest // ATTEND_BUCKET) * ATTEND_BUCKET
+    return -(-max(s.end for s in spans) // ATTEND_BUCKET) * ATTEND_BUCKET
 
 
 def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: int | None) -> torch.Tensor:
-    """A decode step (one row per session) over the sessions' caches in one launch: the fused kernel
-    (engine/kernels/triton_attention.py, each row over its own keys), or (without Triton, or past
-    `FUSED_ATTEND_MAX` keys) one attention call padded to `attend_bucket` and masked per row, whose
+    """A decode step (one row per session) over the sessions' caches: the fused kernel
+    (engine/kernels/triton_attention.py, each row over its own keys, long rows split over programs), or
+    (without Triton) one attention call padded to `attend_bucket` and masked per row, whose
     reductions depend on the other rows' lengths (so exact mode runs rows one at a time: a row alone
     takes the path and pads to the bucket of its own length)."""
     spans, sessions, pos = rows.spans, rows.sessions, rows.positions

@@ -6,7 +6,8 @@ import torch
 
 from engine.batch import Span
 from engine.experts import ExpertStats
-from engine.layers import FUSED_ATTEND_MAX, attend_bucket
+from engine.kernels.triton_attention import CHUNK
+from engine.layers import attend_bucket
 from engine.loading import open_model
 from engine.runner import Runner
 from engine.tier import AdaptPolicy, install_tier
@@ -27,9 +28,9 @@ def path(request, tmp_path_factory):
 
 
 def prompts(rows: int, vocab: int) -> list[list[int]]:
-    """Prompts whose decode goes past `FUSED_ATTEND_MAX` keys in the first row: from the fused attention
-    kernel to the padded call, a new graph."""
-    lengths = [FUSED_ATTEND_MAX - WINDOWS // 2] + [7 + 5 * r for r in range(1, rows)]
+    """Prompts whose decode crosses a chunk boundary of the attention kernel in the first row (its eighth
+    chunk begins), beside short rows."""
+    lengths = [8 * CHUNK - WINDOWS // 2] + [7 + 5 * r for r in range(1, rows)]
     return [[(r * 131 + i * 7919) % (vocab - 1) + 1 for i in range(n)] for r, n in enumerate(lengths)]
 
 
@@ -77,7 +78,7 @@ def test_replayed_windows_give_the_eager_bits(path, rows):
     assert runner.graphs is not None and runner.graphs.failed is None
     lengths = [len(p) for p in prompts(rows, model.hyper.vocab)]
     shapes = {attend_bucket([Span(r, n + w, 1) for r, n in enumerate(lengths)]) for w in range(WINDOWS)}
-    assert runner.graphs.captures == len(shapes) == 2  # the fused attention kernel's shape, then a bucket
+    assert runner.graphs.captures == len(shapes) == 1  # the fused attention kernel: one shape at any length
     assert runner.graphs.replays == WINDOWS - len(shapes)  # each shape's first window eager, then replays
     for w, (a, b) in enumerate(zip(eager, replayed, strict=True)):
         assert torch.equal(a, b), f"window {w}: {(a - b).abs().max()}"

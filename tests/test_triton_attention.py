@@ -13,7 +13,8 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from engine.kernels.triton_attention import BLOCK_L, decode_attention  # noqa: E402
+from engine.kernels import triton_attention  # noqa: E402
+from engine.kernels.triton_attention import BLOCK_L, CHUNK, decode_attention  # noqa: E402
 
 SESSIONS, KV_HEADS, HEADS, D = 3, 2, 6, 32  # 3 query heads per KV head (a padded head block)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -44,6 +45,8 @@ def reference(q, k_cache, v_cache, sessions, positions, scale, window):
 CASES = {  # ring, window, (session, position) of each row
     "full": (200, None, [(0, 0), (1, 5), (2, BLOCK_L), (0, 150)]),
     "sliding ring": (96, 40, [(0, 3), (1, 39), (2, 130), (1, 95)]),
+    "many chunks": (5 * CHUNK, None, [(0, 5 * CHUNK - 1), (1, 2 * CHUNK), (2, CHUNK - 1), (0, 3)]),
+    "sliding, many chunks": (3 * CHUNK + 16, 2 * CHUNK + 5, [(0, 9 * CHUNK + 7), (1, 2 * CHUNK + 4), (2, 40)]),
 }
 
 
@@ -85,13 +88,25 @@ def test_bad_shapes_are_refused():
         decode_attention(q, k_cache, v_cache, one, one, 1.0)
 
 
-def test_long_windows_take_the_padded_call():
-    """Past FUSED_ATTEND_MAX keys a decode step takes the padded attention call (buckets of ATTEND_BUCKET);
-    the fused kernel (bucket 0) below, decided by the window's longest session."""
+def test_a_row_has_its_bits_however_its_chunks_are_spread(monkeypatch):
+    """The programs a launch runs per (row, KV head) change with the window's rows: each chunk's partial
+    result and the merge must not."""
+    ring, window, rows = CASES["many chunks"]
+    k_cache, v_cache = caches(ring, torch.float16, seed=4)
+    q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
+    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    spread = decode_attention(q, k_cache, v_cache, sessions, positions, 0.2, window)
+    monkeypatch.setattr(triton_attention, "PROGRAMS", 1)  # one program per (row, KV head) walks every chunk
+    assert torch.equal(decode_attention(q, k_cache, v_cache, sessions, positions, 0.2, window), spread)
+
+
+def test_the_fused_kernel_takes_every_length():
+    """On CUDA with Triton a decode step is one shape (bucket 0) at any length; the padded call's buckets
+    (without Triton) follow the window's longest session."""
     from engine.batch import Span
-    from engine.layers import ATTEND_BUCKET, FUSED_ATTEND_MAX, attend_bucket
+    from engine.layers import ATTEND_BUCKET, attend_bucket
 
-    assert attend_bucket([Span(0, 0, 1), Span(1, FUSED_ATTEND_MAX - 1, 1)]) == 0
-    longest = FUSED_ATTEND_MAX + 1
-    assert attend_bucket([Span(0, 5, 1), Span(1, longest - 1, 1)]) == -(-longest // ATTEND_BUCKET) * ATTEND_BUCKET
-
+    spans = [Span(0, 5, 1), Span(1, 40_000, 1)]
+    assert attend_bucket(spans) == 0
+    assert attend_bucket(spans, fused=False) == -(-40_001 // ATTEND_BUCKET) * ATTEND_BUCKET

@@ -1,12 +1,15 @@
-"""Decode attention in one Triton launch: every row of a decode window (one query per session) against its
+"""Decode attention in two Triton launches: every row of a decode window (one query per session) against its
 own session's cached keys and values, read in place from the KV cache.
 
-One program per (row, KV head): it reads the row's session and position, walks the positions the row
-sees (`lo..pos`, the last `window` of them on a sliding layer; position p in ring slot p % ring) in
-blocks of `BLOCK_L` keys, and keeps an online softmax for the query heads that share the KV head (GQA:
-query head h reads KV head h // n_rep). So nothing is gathered, padded or repeated per query head, and
-a row's result depends only on its own query and keys: the same bits alone or beside any other rows,
-at any length of the others (a padded attention call is not: its reductions follow the longest row).
+The positions a row sees (`lo..pos`, the last `window` of them on a sliding layer; position p in ring slot
+p % ring) are cut into chunks of `CHUNK` keys counted from `lo`. The first launch runs programs per
+(row, KV head, split); each takes chunks split, split + splits, ... of its row and, for the query heads
+that share the KV head (GQA: query head h reads KV head h // n_rep), writes each chunk's running max,
+softmax total and weighted values (an online softmax over blocks of `BLOCK_L` keys). The second launch
+merges a row's chunks in chunk order. So nothing is gathered, padded or repeated per query head, a long
+row is spread over many programs (flash decoding), and a row's result depends only on its own query and
+keys: the chunks and their merge follow its own length, whichever program computed them, so a row has
+the same bits alone or beside any other rows, at any length of the others.
 
 Scores in float32 (`tl.dot`, exact float32 products for float32 inputs), probabilities cast to the
 values' dtype for the second product, as flash attention does; the output in q's dtype.
@@ -19,44 +22,79 @@ import triton
 import triton.language as tl
 
 BLOCK_L = 64  # keys per step: fixed, so a row's reduction order depends on its own length only
+CHUNK = 2 * BLOCK_L  # keys per partial result
+MERGE = 16  # chunks merged per step
+PROGRAMS = 512  # (row, KV head, split) programs a launch aims at: a few per SM; does not change results
 
 
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, out, sessions, positions, scale, ring, window,
-                   stride_s, stride_h, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                   BLOCK_L: tl.constexpr, PRECISION: tl.constexpr):
+def _first_seen(pos, window):
+    return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+
+
+@triton.jit
+def _chunks_kernel(q, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions, scale, ring, window,
+                   chunks, stride_s, stride_h, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                   BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     heads = tl.num_programs(1) * N_REP
     session = tl.load(sessions + row).to(tl.int64)
     pos = tl.load(positions + row)
-    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    lo = _first_seen(pos, window)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     live_h = h < N_REP
-    q_at = q + (row * heads + kv_head * N_REP + h).to(tl.int64)[:, None] * D + d[None, :]
-    qh = tl.load(q_at, mask=live_h[:, None], other=0.0).to(k_cache.dtype.element_ty)
+    head = (row * heads + kv_head * N_REP + h).to(tl.int64)
+    qh = tl.load(q + head[:, None] * D + d[None, :], mask=live_h[:, None], other=0.0).to(k_cache.dtype.element_ty)
     base = session * stride_s + kv_head * stride_h
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    total = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    for start in range(lo, pos + 1, BLOCK_L):
-        p = start + tl.arange(0, BLOCK_L)
-        seen = p <= pos
-        at = base + (p % ring).to(tl.int64)[:, None] * D + d[None, :]
-        keys = tl.load(k_cache + at, mask=seen[:, None], other=0.0)
-        scores = tl.dot(qh, tl.trans(keys), input_precision=PRECISION) * scale
-        scores = tl.where(seen[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        kept = tl.exp(m - m_new)
-        probs = tl.exp(scores - m_new[:, None])
-        total = total * kept + tl.sum(probs, axis=1)
-        values = tl.load(v_cache + at, mask=seen[:, None], other=0.0)
-        acc = acc * kept[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
-        m = m_new
-    o = acc / total[:, None]
-    o_at = out + (row * heads + kv_head * N_REP + h).to(tl.int64)[:, None] * D + d[None, :]
-    tl.store(o_at, o.to(out.dtype.element_ty), mask=live_h[:, None])
+    for c in range(tl.program_id(2), tl.cdiv(pos - lo + 1, CHUNK), tl.num_programs(2)):
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        total = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+        for start in range(lo + c * CHUNK, tl.minimum(lo + (c + 1) * CHUNK, pos + 1), BLOCK_L):
+            p = start + tl.arange(0, BLOCK_L)
+            seen = p <= pos
+            at = base + (p % ring).to(tl.int64)[:, None] * D + d[None, :]
+            keys = tl.load(k_cache + at, mask=seen[:, None], other=0.0)
+            scores = tl.dot(qh, tl.trans(keys), input_precision=PRECISION) * scale
+            scores = tl.where(seen[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            kept = tl.exp(m - m_new)
+            probs = tl.exp(scores - m_new[:, None])
+            total = total * kept + tl.sum(probs, axis=1)
+            values = tl.load(v_cache + at, mask=seen[:, None], other=0.0)
+            acc = acc * kept[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
+            m = m_new
+        at = head * chunks + c
+        tl.store(part_max + at, m, mask=live_h)
+        tl.store(part_total + at, total, mask=live_h)
+        tl.store(part_acc + at[:, None] * D + d[None, :], acc, mask=live_h[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_max, part_total, part_acc, out, positions, window, chunks, D: tl.constexpr,
+                  CHUNK: tl.constexpr, MERGE: tl.constexpr):
+    row = tl.program_id(0)
+    head = (row * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
+    pos = tl.load(positions + row)
+    n = tl.cdiv(pos - _first_seen(pos, window) + 1, CHUNK)
+    c = tl.arange(0, MERGE)
+    d = tl.arange(0, D)
+    m = tl.full((MERGE,), float("-inf"), tl.float32)
+    for first in range(0, n, MERGE):
+        m = tl.maximum(m, tl.load(part_max + head * chunks + first + c, mask=first + c < n, other=float("-inf")))
+    top = tl.max(m, axis=0)
+    total = tl.zeros((MERGE,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for first in range(0, n, MERGE):
+        live = first + c < n
+        at = head * chunks + first + c
+        w = tl.where(live, tl.exp(tl.load(part_max + at, mask=live, other=0.0) - top), 0.0)
+        total += w * tl.load(part_total + at, mask=live, other=0.0)
+        acc += tl.sum(w[:, None] * tl.load(part_acc + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0),
+                      axis=0)
+    tl.store(out + head * D + d, (acc / tl.sum(total, axis=0)).to(out.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sessions: torch.Tensor,
@@ -70,11 +108,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
         raise ValueError("the K and V caches must be contiguous and of one shape")
     q = q.contiguous()
-    out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
+    chunks = triton.cdiv(ring, CHUNK)  # the most a row can have: its positions fit in the ring
+    part_max = torch.empty(n, heads, chunks, dtype=torch.float32, device=q.device)
+    part_total = torch.empty_like(part_max)
+    part_acc = torch.empty(n, heads, chunks, dim, dtype=torch.float32, device=q.device)
     n_rep = heads // kv_heads
+    splits = max(1, min(chunks, PROGRAMS // (n * kv_heads)))
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    _decode_kernel[(n, kv_heads)](q, k_cache, v_cache, out, sessions, positions, scale, ring, window or 0,
-                                  k_cache.stride(0), k_cache.stride(1), N_REP=n_rep,
-                                  BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=dim, BLOCK_L=BLOCK_L,
-                                  PRECISION=precision)
+    _chunks_kernel[(n, kv_heads, splits)](q, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions,
+                                          scale, ring, window or 0, chunks, k_cache.stride(0), k_cache.stride(1),
+                                          N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=dim,
+                                          BLOCK_L=BLOCK_L, CHUNK=CHUNK, PRECISION=precision)
+    out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
+    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, positions, window or 0, chunks, D=dim,
+                              CHUNK=CHUNK, MERGE=MERGE)
     return out
