@@ -170,13 +170,14 @@ def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: i
     takes the path and pads to the bucket of its own length)."""
     spans, sessions, pos = rows.spans, rows.sessions, rows.positions
     ring = k_cache.shape[2]
-    k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
-    v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
     bucket = attend_bucket(spans, fused=q.is_cuda)
     if bucket == 0:
-        from engine.kernels.triton_attention import decode_attention  # imports Triton: only on CUDA
+        from engine.kernels.triton_attention import decode_attention, write_kv  # imports Triton: only on CUDA
 
+        write_kv(k, v, k_cache, v_cache, sessions, pos)
         return decode_attention(q, k_cache, v_cache, sessions, pos, scale, window)
+    k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
+    v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
     length = min(bucket, ring)
     n_rep = q.shape[1] // k.shape[1]
     keys = k_cache[sessions, :, :length].to(q.dtype).repeat_interleave(n_rep, dim=1)  # [R, Hq, L, D]

@@ -14,7 +14,7 @@ if DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from engine.kernels import triton_attention  # noqa: E402
-from engine.kernels.triton_attention import BLOCK_L, CHUNK, decode_attention  # noqa: E402
+from engine.kernels.triton_attention import BLOCK_L, CHUNK, decode_attention, write_kv  # noqa: E402
 
 SESSIONS, KV_HEADS, HEADS, D = 3, 2, 6, 32  # 3 query heads per KV head (a padded head block)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -78,6 +78,23 @@ def test_a_row_alone_gives_its_bits_in_any_window(case):
     for i in range(len(rows)):
         alone = decode_attention(q[i : i + 1], k_cache, v_cache, sessions[i : i + 1], positions[i : i + 1], 0.2, window)
         assert torch.equal(alone[0], together[i])
+
+
+def test_write_kv_is_the_indexed_assignment():
+    """A decode window's k and v written into ring slot position % ring of each row's session (float32
+    rows into float16 caches), as `layers.attend` wrote them with indexed assignment."""
+    k_cache, v_cache = caches(40, torch.float16, seed=6)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(3, KV_HEADS, D, generator=gen).to(DEVICE) for _ in range(2))
+    sessions = torch.tensor([2, 0, 1], device=DEVICE)
+    positions = torch.tensor([5, 39, 87], device=DEVICE)  # the last wraps the ring
+    write_kv(k, v, k_cache, v_cache, sessions, positions)
+    expect_k[sessions, :, positions % 40] = k.to(torch.float16)
+    expect_v[sessions, :, positions % 40] = v.to(torch.float16)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    with pytest.raises(ValueError, match="for these caches"):
+        write_kv(k[:, :1], v[:, :1], k_cache, v_cache, sessions, positions)
 
 
 def test_bad_shapes_are_refused():

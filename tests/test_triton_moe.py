@@ -264,3 +264,17 @@ def test_route_matches_torch(normalize):
     assert torch.allclose(weights.cpu(), expect_w, rtol=1e-5, atol=1e-7)
     w1, i1 = tm.route(x[3:4], router, 4, normalize)
     assert torch.equal(w1, weights[3:4]) and torch.equal(i1, ids[3:4])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_decode_routing_is_a_stable_sort(rows):
+    """A decode window's pairs sorted in one launch: torch's stable argsort of the flat ids, the experts in
+    that order, each pair's row; experts shared by rows keep their rows in order."""
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.stack([torch.randperm(12, generator=gen)[:8] for _ in range(rows)]).to(DEVICE)
+    for dtype in (torch.int64, torch.int32):
+        routing = tm.Routing.of(ids.to(dtype), 12)
+        order = torch.argsort(ids.reshape(-1).cpu(), stable=True)
+        assert routing.order.dtype == torch.int64 and torch.equal(routing.order.cpu(), order)
+        assert torch.equal(routing.experts.cpu(), ids.reshape(-1).cpu()[order].to(torch.int32))
+        assert torch.equal(routing.src.cpu(), (order // 8).to(torch.int32))

@@ -97,6 +97,32 @@ def _merge_kernel(part_max, part_total, part_acc, out, positions, window, chunks
     tl.store(out + head * D + d, (acc / tl.sum(total, axis=0)).to(out.dtype.element_ty))
 
 
+@triton.jit
+def _write_kernel(k, v, k_cache, v_cache, sessions, positions, ring, stride_s, stride_h, D: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    at = (row * tl.num_programs(1) + head).to(tl.int64) * D + d
+    slot = tl.load(sessions + row).to(tl.int64) * stride_s + head * stride_h + (tl.load(positions + row) % ring) * D
+    tl.store(k_cache + slot + d, tl.load(k + at).to(k_cache.dtype.element_ty))
+    tl.store(v_cache + slot + d, tl.load(v + at).to(v_cache.dtype.element_ty))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sessions: torch.Tensor,
+             positions: torch.Tensor) -> None:
+    """A decode window's keys and values (k, v [N, Hkv, D]) into ring slot position % ring of each row's
+    session, in the caches' dtype: one launch where indexed assignment takes three."""
+    n, kv_heads, dim = k.shape
+    if k.shape != v.shape or k_cache.shape[1] != kv_heads or k_cache.shape[3] != dim or dim & (dim - 1):
+        raise ValueError(f"k, v [N, {k_cache.shape[1]}, {k_cache.shape[3]}] (a power of two) for these caches, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+        raise ValueError("the K and V caches must be contiguous and of one shape")
+    if n:
+        _write_kernel[(n, kv_heads)](k.contiguous(), v.contiguous(), k_cache, v_cache, sessions, positions,
+                                     k_cache.shape[2], k_cache.stride(0), k_cache.stride(1), D=dim)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sessions: torch.Tensor,
                      positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """q [N, Hq, D] (row i is session `sessions[i]`'s query at `positions[i]`, whose key and value are

@@ -292,6 +292,8 @@ class Routing:
             raise ValueError(f"ids must be integer [rows, top_k], got {ids.dtype} {tuple(ids.shape)}")
         rows, top_k = ids.shape
         flat = ids.reshape(-1)
+        if gemm_m is None and flat.numel() <= SORT_PAIRS_MAX:
+            return cls(rows, *_sort_pairs(flat, top_k))
         order = torch.argsort(flat, stable=True)
         experts = flat[order].to(torch.int32)
         src = (order // top_k).to(torch.int32)
@@ -315,6 +317,36 @@ class Routing:
         position = torch.arange(pairs, device=ids.device)
         padded[tile_start[e] * gemm_m + position - pair_start[e]] = position.to(torch.int32)
         return cls(rows, order, experts, src, tile_expert, padded)
+
+
+SORT_PAIRS_MAX = 128  # a decode window's pairs (8 rows of top-8: 64) sorted in one program
+
+
+@triton.jit
+def _sort_pairs_kernel(ids, order, experts, src, pairs, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """The stable sort of the pairs by expert: each pair's sorted position is the count of pairs before it
+    (a lower expert, or the same expert at a lower flat index)."""
+    p = tl.arange(0, BLOCK)
+    live = p < pairs
+    e = tl.load(ids + p, mask=live, other=0)
+    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (p[None, :] < p[:, None]))
+    rank = tl.sum((before & live[None, :]).to(tl.int32), axis=1)
+    tl.store(order + rank, p.to(tl.int64), mask=live)
+    tl.store(experts + rank, e.to(tl.int32), mask=live)
+    tl.store(src + rank, (p // TOP_K).to(tl.int32), mask=live)
+
+
+def _sort_pairs(flat: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`torch.argsort(flat, stable=True)`, the experts in that order and each pair's row, in one launch
+    (torch takes five: the sort, a gather and three casts)."""
+    pairs = flat.numel()
+    order = torch.empty(pairs, dtype=torch.int64, device=flat.device)
+    experts = torch.empty(pairs, dtype=torch.int32, device=flat.device)
+    src = torch.empty(pairs, dtype=torch.int32, device=flat.device)
+    if pairs:
+        _sort_pairs_kernel[(1,)](flat.contiguous(), order, experts, src, pairs, TOP_K=top_k,
+                                 BLOCK=max(16, triton.next_power_of_2(pairs)), num_warps=4)
+    return order, experts, src
 
 
 def _check(x: torch.Tensor, k: int, device: torch.device, slot_of: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -465,7 +497,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
     weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
     if n:
-        be = 16
+        be = 2  # experts per program: one row's 128 experts over 64 programs (16 a program left SMs idle)
         _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(256, triton.next_power_of_2(h)),
                                                  num_warps=4, enable_fp_fusion=False)
         _top_k_kernel[(n,)](logits, weights, ids, e, K=top_k, BE=triton.next_power_of_2(e), NORMALIZE=normalize,
