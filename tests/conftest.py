@@ -15,8 +15,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("STRATA_DESK_KERNELS", str(Path(platformdirs.user_cache_dir("strata-desk")) / "kernels"))
 
 import pytest
+import torch
 
 from strata_desk.testmodel import write_test_model
+
+# Triton reads TRITON_INTERPRET as each kernel is defined: without a GPU every kernel module must be
+# defined interpreted, whichever test module (collected in any order) imports it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

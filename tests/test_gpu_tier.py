@@ -3,15 +3,11 @@ interpreter on the CPU (CI, the "VRAM" slots then in host memory too), compiled 
 host stacks are pinned and the kernel reads them over PCIe. Cached experts, misses read in place
 (`far`) and misses on the CPU, each counted; kernel-computed pairs bit for bit the resident kernel's."""
 
-import os
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
 
 pytest.importorskip("triton")
 

@@ -2,14 +2,10 @@
 interpreter on the CPU (CI), compiled where there is a GPU. Against float64 attention over each row's own
 positions (full and sliding layers, rings that wrap), GQA, and each row's bits alone = in any window."""
 
-import os
-
 import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
 
 pytest.importorskip("triton")
 

@@ -3,8 +3,6 @@ interpreter on the CPU (CI), compiled where there is a GPU. Every type against g
 exact dequantization, matvec and GEMM accuracy, rows bit-identical whatever the number of rows; the
 CUDA format policy and `GpuBlockLinear`."""
 
-import os
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -23,8 +21,6 @@ from engine.weights import WeightStore, keeps_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu"
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
 
 pytest.importorskip("triton")
 

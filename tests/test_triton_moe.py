@@ -4,7 +4,6 @@ gguf-py's values, the decode (matvec) and prompt (GEMM) paths, a pair's result b
 window, the slot table, the CUDA format policy for expert stacks."""
 
 import functools
-import os
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ from engine.weights import LinearStack, keeps_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu"
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
 
 pytest.importorskip("triton")
 

@@ -4,15 +4,11 @@ the CPU (CI), compiled where there is a GPU: against the torch code engine/layer
 both rope styles, a row's bits the same alone as among many rows, bad inputs refused; and what
 `layers.rms_norm` and `layers.Rope` compute on this machine's device."""
 
-import os
-
 import pytest
 import torch
 from triton_checks import assert_same_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels are defined: set before they are imported
 
 pytest.importorskip("triton")
 
