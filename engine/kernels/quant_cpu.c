@@ -28,6 +28,7 @@
 
 #include "f16.h"
 #include "pool.h"
+#include "quant_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
 #include <immintrin.h>
@@ -883,6 +884,36 @@ static void dot_buffered(void *ctx, int64_t r, int thread) {
 /* sd_matmul's x: float32 as given, or rounded to int16 or int8 (where sd_integer). */
 enum { X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
 
+/* j's x rows rounded for the integer modes (when `activations` asks for one and j's type has them), into
+ * memory left in *mem for the caller to free. Returns -1 when out of memory, else 0. */
+static int round_x(job *j, int activations, void **mem) {
+    *mem = NULL;
+#ifdef SD_AVX2
+    if (activations == X_FLOAT || !j->t->dot) return 0;
+    int64_t values = j->m * j->k, blocks = values / j->t->x_block;
+    size_t width = activations == X_INT8 ? 1 : 2;
+    /* q first, on a cache line: its 32-byte loads then never straddle two lines */
+    size_t bytes = (size_t)values * width + (size_t)(values / 16) * sizeof(int32_t) + (size_t)blocks * sizeof(float);
+    void *q = *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!q) return -1;
+    int32_t *s = (int32_t *)((char *)q + (size_t)values * width);
+    float *d = (float *)(s + values / 16);
+    j->xq = (xrows){.d = d, .s = s, .k = j->k, .block = j->t->x_block};
+    if (activations == X_INT8)
+        j->xq.q8 = q;
+    else
+        j->xq.q = q;
+    quantize_rows(j->x, j->m, j->k, j->t->x_block, activations == X_INT8 ? 127 : 32767, (int16_t *)j->xq.q,
+                  (int8_t *)j->xq.q8, d, s);
+#else
+    (void)j, (void)activations;
+#endif
+    return 0;
+}
+
+/* Whether j's weight rows are dotted straight from their blocks (dot_pair), not dequantized to a buffer. */
+static int direct(const job *j) { return j->xq.q || j->xq.q8 || (j->t->dot && j->m <= MAX_ROWS); }
+
 /* y[m, n] = x[m, k] @ W[n, k]^T, the n weight rows split over threads. With integer activations
  * (when sd_integer) the x rows are rounded first and every weight row is dotted straight from its
  * blocks. Otherwise with m <= MAX_ROWS block rows are dotted straight from their blocks (dot_<t>);
@@ -896,36 +927,77 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     if (n <= 0 || m <= 0) return 0;
     if (threads < 1 || n * rb < PARALLEL_BYTES) threads = 1;
     job j = {.t = t, .w = w, .rb = rb, .n = n, .k = k, .m = m, .x = x, .y = y};
-    void *mem = NULL;
-    if (activations != X_FLOAT && sd_integer(type)) {
-#ifdef SD_AVX2
-        int64_t values = m * k, blocks = values / t->x_block;
-        size_t width = activations == X_INT8 ? 1 : 2;
-        /* q first, on a cache line: its 32-byte loads then never straddle two lines */
-        size_t bytes = (size_t)values * width + (size_t)(values / 16) * sizeof(int32_t) + (size_t)blocks * sizeof(float);
-        mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!mem) return -1;
-        int32_t *s = (int32_t *)((char *)mem + (size_t)values * width);
-        float *d = (float *)(s + values / 16);
-        j.xq = (xrows){.d = d, .s = s, .k = k, .block = t->x_block};
-        if (activations == X_INT8)
-            j.xq.q8 = mem;
-        else
-            j.xq.q = mem;
-        quantize_rows(x, m, k, t->x_block, activations == X_INT8 ? 127 : 32767, (int16_t *)j.xq.q,
-                      (int8_t *)j.xq.q8, d, s);
-#endif
-    } else if (!(t->dot && m <= MAX_ROWS) && type != T_F32 && k > 0) {
+    void *mem;
+    if (round_x(&j, activations, &mem)) return -1;
+    if (!direct(&j) && type != T_F32 && k > 0) {
         j.stride = (k + 15) / 16 * 16; /* floats: whole cache lines per thread */
         j.bufs = mem = aligned_alloc(64, (size_t)(threads * j.stride) * sizeof(float));
         if (!mem) return -1;
     }
     /* Chunks of work handed out as threads free up: a thread that the OS holds back (the machine
      * is shared with the server and everything else) costs one chunk, not its whole share. */
-    if (j.xq.q || j.xq.q8 || (t->dot && m <= MAX_ROWS))
+    if (direct(&j))
         sd_parallel(threads, (n + 1) / 2, (n + 1) / 2 / (8 * threads) + 1, dot_pair, &j);
     else
         sd_parallel(threads, n, n / (8 * threads) + 1, dot_buffered, &j);
     free(mem);
     return 0;
+}
+
+typedef struct {
+    const job *jobs;
+    const int64_t *first; /* product i's pairs of weight rows are items first[i] .. first[i + 1] - 1 */
+    int64_t count;
+} job_list;
+
+static void dot_pair_of_list(void *ctx, int64_t item, int thread) {
+    const job_list *l = ctx;
+    int64_t lo = 0, hi = l->count - 1; /* the last product whose first item is <= item */
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (l->first[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    dot_pair((void *)&l->jobs[lo], item - l->first[lo], thread);
+}
+
+/* The products of `p` (count of them) in one parallel region, each as sd_matmul computes it, bit for bit:
+ * a layer's routed experts, whose products are too small to pay for a region each. A product that
+ * sd_matmul would dequantize to a buffer runs as an sd_matmul of its own. Returns 0, or -1 as sd_matmul. */
+int sd_matmul_many(const sd_product *p, int64_t count, int threads, int activations) {
+    if (activations < X_FLOAT || activations > X_INT8) return -1;
+    job *jobs = calloc((size_t)count + 1, sizeof(job));
+    int64_t *first = calloc((size_t)count + 1, sizeof(int64_t));
+    void **mems = calloc((size_t)count + 1, sizeof(void *));
+    int status = jobs && first && mems ? 0 : -1;
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < count && !status; i++) {
+        const type_info *t = info(p[i].type);
+        int64_t rb = sd_row_bytes(p[i].type, p[i].k), pairs = 0;
+        if (!t || rb < 0) {
+            status = -1;
+            break;
+        }
+        jobs[i] = (job){.t = t, .w = p[i].w, .rb = rb, .n = p[i].n, .k = p[i].k, .m = p[i].m, .x = p[i].x, .y = p[i].y};
+        if (p[i].n > 0 && p[i].m > 0) {
+            status = round_x(&jobs[i], activations, &mems[i]);
+            if (!status && direct(&jobs[i])) {
+                pairs = (p[i].n + 1) / 2;
+                bytes += p[i].n * rb;
+            } else if (!status) {
+                status = sd_matmul(p[i].type, p[i].w, p[i].n, p[i].k, p[i].x, p[i].m, p[i].y, threads, activations);
+            }
+        }
+        first[i + 1] = first[i] + pairs;
+    }
+    if (!status && first[count] > 0) {
+        if (threads < 1 || bytes < PARALLEL_BYTES) threads = 1;
+        job_list l = {.jobs = jobs, .first = first, .count = count};
+        sd_parallel(threads, first[count], first[count] / (8 * threads) + 1, dot_pair_of_list, &l);
+    }
+    for (int64_t i = 0; mems && i < count; i++) free(mems[i]);
+    free(jobs), free(first), free(mems);
+    return status;
 }
