@@ -22,8 +22,8 @@ DENSE = NO_EFFECT + "a dense model has no routed experts"
 SIMULATED_PCIE = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
 NO_GRAPHS = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
 STATIC = NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
-TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "pcie_frac"}
-ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count"}
+TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async", "pcie_frac"}
+ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async"}
 
 
 def test_option_notes() -> None:

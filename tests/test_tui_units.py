@@ -80,7 +80,7 @@ def test_each_card_names_its_stages_layers() -> None:
 def test_supported_options_from_info_keys() -> None:
     assert supported_options(EngineView(info={"batch_groups": 1, "batch_slots": 4})) == set()
     assert supported_options(EngineView(info={"unsupported": "batch_mtp,adapt_async,pcie_frac"})) == {"batch_groups"}
-    assert supported_options(EngineView(info={"unsupported": ""})) == {"batch_mtp", "adapt_async", "batch_groups"}
+    assert supported_options(EngineView(info={"unsupported": ""})) == {"batch_mtp", "batch_groups"}
     assert unsupported_options(EngineView(info={"unsupported": "batch_mtp,pcie_frac"})) == {"batch_mtp", "pcie_frac"}
     assert supported_options(None) == set()
 

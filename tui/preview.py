@@ -22,7 +22,7 @@ def _base() -> dict[str, Any]:
             "max_context": 32768, "version": "0.1.0", "pid": 4242, "started_at": T0 - 11862, "ready_s": 41.5,
             "log_path": None,
             "info": {"engine": "0.1.0", "context": 32768, "batch_slots": 4, "batch_groups": 1,
-                     "experts": 128, "unsupported": "batch_mtp,adapt_async"},
+                     "experts": 128, "unsupported": "batch_mtp"},
         },
         "live": {"state": "idle", "phase": "idle", "parallel": 4, "tok_s_mean": 71.4, "prefill_tok_s_mean": 2430.0,
                  "slots": [

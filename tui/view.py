@@ -17,8 +17,8 @@ DashState = Literal["loading", "ready", "busy", "error", "stopped"]
 
 # Options the engine may not run yet; a running engine lists the ones it accepts but does not run
 # in its INFO key `unsupported` (docs/protocol.md). They change what a window does.
-OPTIONAL_OPTIONS = ("batch_mtp", "adapt_async", "batch_groups")
-ADAPT_OPTIONS = ("adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count")  # what a round does
+OPTIONAL_OPTIONS = ("batch_mtp", "batch_groups")
+ADAPT_OPTIONS = ("adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async")  # what a round does
 TIER_OPTIONS = ("adapt_every", *ADAPT_OPTIONS, "pcie_frac")  # what tunes an expert cache
 
 

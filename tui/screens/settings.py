@@ -132,7 +132,7 @@ class SettingsScreen(Screen[SettingsResult | None]):
         text.append(f"{self.config_path}\n", style="bold")
         text.append("Changes apply after a restart of the server and the engine. ")
         text.append(f"{engine} runs: ")
-        text.append(", ".join(sorted(supported)) or "none of batch-mtp, adapt-async, batch-groups > 1",
+        text.append(", ".join(sorted(supported)) or "none of batch-mtp, batch-groups > 1",
                     style="italic")
         self.query_one("#settings-intro", Static).update(text)
         self.validate()
