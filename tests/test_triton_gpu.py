@@ -4,7 +4,6 @@ the number of rows; a Q8_0 model keeps its blocks on the GPU and batch = solo.""
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # before the kernels are imported: elsewhere they run interpreted
@@ -51,7 +50,7 @@ def test_product_matches_reference(case, m, dtype):
     mat, ref = case
     x = random_x(m, mat.k, dtype)
     tolerance = matvec_tolerance(dtype) if m <= tb.MATVEC_ROWS else gemm_tolerance(dtype)
-    rounded = rounding_error(x) if m <= tb.MATVEC_ROWS and mat.qtype in (Q.Q4_K, Q.Q6_K) else None  # x in int16
+    rounded = rounding_error(x) if m <= tb.MATVEC_ROWS and mat.qtype in tb.ROUNDED else None  # x in int16
     assert_close(mat.matmul(x), x, ref, tolerance, rounded)
 
 

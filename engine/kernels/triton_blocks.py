@@ -52,6 +52,8 @@ _Q8_0 = tl.constexpr(int(Q.Q8_0))
 _Q4_0 = tl.constexpr(int(Q.Q4_0))
 _Q4_K = tl.constexpr(int(Q.Q4_K))
 _Q5_K = tl.constexpr(int(Q.Q5_K))
+_Q6_K = tl.constexpr(int(Q.Q6_K))
+ROUNDED = (Q.Q4_K, Q.Q6_K)  # types whose decode sums take x rounded to int16 (`triton_xq`)
 
 
 @triton.jit
@@ -488,7 +490,7 @@ class Matrix:
         self.tiles = tiles or Tiles.for_shape(self.n, k)
         # Q4_K and Q6_K decode products sum x rounded to int16 (`triton_xq`), a 16-byte chunk a thread: 8
         # chunks a Q4_K block, 4 a Q6_K one; two weight rows a program
-        self._rounded = qtype in (Q.Q4_K, Q.Q6_K) and blocks.data_ptr() % 4 == 0
+        self._rounded = qtype in ROUNDED and blocks.data_ptr() % 4 == 0
         chunks = 8 if qtype == Q.Q4_K else 4
         self._int_blocks = min(self.tiles.row_blocks * 8 // chunks, triton.next_power_of_2(max(1, k // 256)))
         self._int_warps = max(1, 2 * self._int_blocks * chunks // 32)

@@ -38,8 +38,11 @@ from gguf import GGMLQuantizationType as Q
 from engine.kernels.gpu import SUPPORTED
 from engine.kernels.triton_blocks import (
     _FUSED,
+    _Q4_K,
+    _Q6_K,
     GROUP,
     MATVEC_ROWS,
+    ROUNDED,
     X_DTYPES,
     _group,
     _partial,
@@ -53,9 +56,6 @@ from engine.kernels.triton_blocks import (
 from engine.kernels.triton_xq import ASM, RoundedRows
 
 HAS_MIN = (Q.Q4_K, Q.Q5_K)
-_Q4_K = tl.constexpr(int(Q.Q4_K))
-_Q6_K = tl.constexpr(int(Q.Q6_K))
-ROUNDED = (Q.Q4_K, Q.Q6_K)  # types whose decode sums take x rounded to int16 (`triton_xq`)
 
 
 @triton.jit
@@ -378,6 +378,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
                              f"chunks with gemm_m")
         grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
+        # the kernel takes the rounded rows' pointers whatever the types; the float types never read them
         rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
         _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order,
                                  x, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes,
