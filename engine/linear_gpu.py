@@ -28,3 +28,12 @@ class GpuBlockLinear(Linear):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.matrix.dequantize(ids.reshape(-1))
+
+    def kind(self) -> tuple:
+        return "gpu blocks", self.matrix.qtype, self.in_features, self.matrix.blocks.device
+
+    @classmethod
+    def joined(cls, parts: list[Linear]) -> Linear:
+        first = parts[0]
+        return cls(first.matrix.qtype, torch.cat([p.matrix.blocks for p in parts]), first.in_features,
+                   first.matrix.blocks.device)

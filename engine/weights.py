@@ -39,6 +39,7 @@ MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; 
 # is bound by memory either way, and its rounding lands directly on the logits.
 HEADS = ("output", "token_embd")
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
+QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 
 
 def is_vector(info: TensorInfo) -> bool:
@@ -83,6 +84,15 @@ class Linear:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def kind(self) -> tuple | None:
+        """What must match for matrices to be joined into one (`joined`); None: never joined."""
+        return None
+
+    @classmethod
+    def joined(cls, parts: list[Linear]) -> Linear:
+        """One matrix of `parts`' rows in order (all of one `kind`)."""
+        raise NotImplementedError
+
 
 class DenseLinear(Linear):
     """A float matrix on its device (F32 files on the CPU; on CUDA what the Triton kernels do not read)."""
@@ -97,6 +107,13 @@ class DenseLinear(Linear):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
+
+    def kind(self) -> tuple:
+        return "dense", self.weight.dtype, self.weight.device, self.in_features
+
+    @classmethod
+    def joined(cls, parts: list[Linear]) -> Linear:
+        return cls(torch.cat([p.weight for p in parts]))
 
 
 class BlockLinear(Linear):
@@ -128,6 +145,41 @@ class BlockLinear(Linear):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.dequantize(self.qtype, self.matrix.blocks[ids.reshape(-1)], self.in_features)
 
+    def kind(self) -> tuple:
+        return "blocks", self.qtype, self.in_features, self.activations
+
+    @classmethod
+    def joined(cls, parts: list[Linear]) -> Linear:
+        first = parts[0]
+        return cls(first.qtype, torch.cat([p.matrix.blocks for p in parts]), first.in_features, first.activations)
+
+
+class Projections:
+    """Matrices that take the same input (a layer's q, k and v: `blk.attn_qkv`), joined at load into one
+    matrix per run of them of one kind and type (`Linear.kind`), so a decode step runs one product (one
+    kernel launch) per run instead of one per matrix; each output is split back."""
+
+    def __init__(self, parts: list[Linear]):
+        self.runs: list[tuple[Linear, list[int]]] = []
+        run: list[Linear] = []
+        for part in parts:
+            if run and (part.kind() is None or part.kind() != run[0].kind()):
+                self._close(run)
+                run = []
+            run.append(part)
+        self._close(run)
+
+    def _close(self, run: list[Linear]) -> None:
+        matrix = run[0] if len(run) == 1 else type(run[0]).joined(run)
+        self.runs.append((matrix, [p.out_features for p in run]))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for matrix, sizes in self.runs:
+            y = matrix(x)
+            out += y.split(sizes, dim=-1) if len(sizes) > 1 else [y]
+        return out
+
 
 @dataclass
 class LinearStack:
@@ -147,7 +199,8 @@ class LinearStack:
 
 
 class Block:
-    """One layer's weights as attributes named like its GGUF tensors: `blk.attn_q`, `blk.ffn_norm`."""
+    """One layer's weights as attributes named like its GGUF tensors: `blk.attn_output`, `blk.ffn_norm`;
+    q, k and v are `blk.attn_qkv` (`Projections`), as llama.cpp names a fused QKV."""
 
     def __getattr__(self, name: str):
         raise AttributeError(f"this layer has no tensor {name!r}")
@@ -254,6 +307,8 @@ class WeightStore:
             else:
                 part = self.linear(name, device)
             setattr(block, name.removeprefix(prefix), part)
+        if all(name in vars(block) for name in QKV):
+            block.attn_qkv = Projections([vars(block).pop(name) for name in QKV])
         return block
 
     def bytes(self, predicate=lambda name: True) -> int:

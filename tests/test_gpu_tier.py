@@ -66,10 +66,11 @@ def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float, staged:
 
 
 @pytest.mark.parametrize(("rows", "staged", "pcie_frac"), [
-    (DECODE_IDS, True, 1.0),  # every miss over PCIe: in place, no host sync (the staging unused)
-    (DECODE_IDS, True, 0.99),  # a share: the routing read back, the far misses staged
-    (PROMPT_IDS, False, 1.0), (PROMPT_IDS, True, 1.0)], ids=["decode-in-place", "decode-staged", "prompt-in-place",
-                                                              "prompt-staged"])
+    (DECODE_IDS, False, 1.0),  # every miss over PCIe, no host sync: read in place
+    (DECODE_IDS, True, 1.0),  # the same, staged by the GPU (`triton_moe.stage_far`)
+    (DECODE_IDS, True, 0.99),  # a share: the routing read back, the far misses staged by DMA
+    (PROMPT_IDS, False, 1.0), (PROMPT_IDS, True, 1.0)], ids=["decode-in-place", "decode-gpu-staged", "decode-staged",
+                                                              "prompt-in-place", "prompt-staged"])
 def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, staged, pcie_frac):
     host, resident = layer
     x, weights, ids = inputs(rows, 1)

@@ -31,8 +31,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 E, H, FF = 5, 256, 256  # experts, hidden, expert FFN: one K-quant super-block per row
 SHAPES = ((FF, H), (FF, H), (H, FF))  # gate, up, down: [n, k]
 # Interpreted: one weight-row tile per projection (the interpreter pays per program), GEMM tiles of 8
-# pairs; compiled: the tiles the shapes choose (a 256-row tile would not fit in registers).
-TILES = tm.Tiles(matvec_rows=256, matvec_k=256, gemm_m=8, gemm_n=256, gemm_k=256) if INTERPRETED else None
+# pairs; one-row windows two programs a pair (their own tiles). Compiled: the tiles the shapes choose (a
+# 256-row tile would not fit in registers).
+TILES = tm.Tiles(matvec_rows=256, matvec_k=256, gemm_m=8, gemm_n=256, gemm_k=256, solo_rows=128, solo_warps=1,
+                 solo_blocks=1) if INTERPRETED else None
 DECODE_IDS = [[1, 3], [3, 0], [4, 1]]  # runs of two pairs (experts 1, 3) and of one; expert 2 unused
 PROMPT_IDS = [[0, r % 4 + 1] for r in range(10)]  # expert 0: a full tile and a partial one
 SLOTS = torch.arange(E, dtype=torch.int32, device=DEVICE)
@@ -86,6 +88,15 @@ def test_decode_matches_reference(qtype, dtype):
     check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_one_row_windows_match_reference(qtype):
+    """A window of one row runs with tiles of its own (`Tiles.solo_rows`)."""
+    stacks, values = case(qtype)
+    x = random_x(1, torch.bfloat16)
+    routing, h, y = run(stacks, x, ids_of(DECODE_IDS[:1]), prompt=False)
+    check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
+
+
 @pytest.mark.parametrize(("qtype", "dtype"), cases(PROMPT_TYPES, Q.Q6_K))
 def test_prompt_matches_reference(qtype, dtype):
     stacks, values = case(qtype)
@@ -98,7 +109,8 @@ def test_prompt_matches_reference(qtype, dtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_decode_pairs_do_not_depend_on_the_window(qtype):
-    """Runs of two pairs agree in any window, as do pairs alone on their expert (one-row sums)."""
+    """Runs of two pairs agree in any window of 2-8 rows, as do pairs alone on their expert (one-row sums;
+    a window of one row has tiles of its own)."""
     stacks, _ = stacks_of(qtype, 7)
     x = random_x(3, torch.bfloat16, seed=2)
     ids = ids_of(DECODE_IDS)
@@ -109,9 +121,11 @@ def test_decode_pairs_do_not_depend_on_the_window(qtype):
     pairs = per_pair(sub, y)
     assert_same_bits(pairs[0, 0], window[0, 0])
     assert_same_bits(pairs[1, 1], window[2, 1])
-    for i, choice in ((1, 1), (2, 0)):  # experts 0 and 4: alone in the window and in a window of their row
-        alone, _, y = run(stacks, x[i:i + 1], ids[i:i + 1], prompt=False)
-        assert_same_bits(per_pair(alone, y)[0, choice], window[i, choice])
+    rows = [1, 2]  # experts 0 and 4 alone again, in another window
+    other, _, y = run(stacks, x[rows], ids[rows], prompt=False)
+    pairs = per_pair(other, y)
+    assert_same_bits(pairs[0, 1], window[1, 1])
+    assert_same_bits(pairs[1, 0], window[2, 0])
 
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "

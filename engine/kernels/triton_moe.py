@@ -210,16 +210,22 @@ class Tiles:
     matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
+    # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
+    solo_rows: int | None = None
+    solo_warps: int | None = None
+    solo_blocks: int | None = None
 
     @classmethod
     def for_stack(cls, qtype: Q, k: int, gated: bool) -> Tiles:
         # The fastest of a sweep on an H200 at qwen3-30b-a3b's expert shapes (decode windows of 1 and 8
         # rows, 512-row chunks; rows 2-8, k steps 128-512, tiles 16-64 x 64-128 x 64-128, 4 or 8 warps).
+        # One-row windows: one weight row a program, one warp, 4 blocks a step (gate and up 21.7 -> 13.8 us,
+        # the Q6_K down 17.3 -> 15.4 us against the 8-row tiles; one row a program, 1-8 warps and blocks swept).
         wide = 256 if qtype == Q.Q6_K and not gated else 512
         rows, warps = (4 if gated else 8), 4
         chunks = 4 if qtype == Q.Q6_K else 8  # of a block, one a thread
         blocks = min(warps * 32 // (rows * chunks), triton.next_power_of_2(max(1, k // 256)))
-        return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks)
+        return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, 1, 1, 4)
 
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
@@ -377,14 +383,17 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         if routing.rows > MATVEC_ROWS:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
                              f"chunks with gemm_m")
-        grid = (triton.cdiv(w.n, tiles.matvec_rows), pairs)
+        solo = routing.rows == 1 and tiles.solo_rows is not None
+        rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
+                           (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
+        sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         # the kernel takes the rounded rows' pointers whatever the types; the float types never read them
         rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
-        _moe_matvec_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order,
-                                 x, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes,
-                                 **w.type_args(), **other.type_args("2"), GATED=gated, R=tiles.matvec_rows,
-                                 BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=tiles.row_blocks,
-                                 SB2=other.tiles(gated).row_blocks, ASM=ASM, num_warps=tiles.matvec_warps, **_FUSED)
+        _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
+            w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
+            rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
+            **other.type_args("2"), GATED=gated, R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM,
+            num_warps=warps, **_FUSED)
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
@@ -414,13 +423,61 @@ def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor) 
 
 
 def swiglu_experts(gate: Stack, up: Stack, down: Stack, x: torch.Tensor, ids: torch.Tensor,
-                   slot_of: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+                   slot_of: torch.Tensor, routing: Routing | None = None) -> tuple[torch.Tensor, Routing]:
     """A layer's SwiGLU experts over a window's routed pairs (`ids` [rows, top_k]): a decode window takes the
     matvec, a prompt chunk the GEMM (each expert's pairs padded to its tiles). Returns the outputs in flat
-    (row, choice) order, [rows * top_k, hidden], and the routing."""
-    routing = Routing.of(ids, slot_of.numel(), None if ids.shape[0] <= MATVEC_ROWS else gate.gemm_m)
+    (row, choice) order, [rows * top_k, hidden], and the routing (`routing`: made already, by `routing_of`)."""
+    routing = routing or routing_of(ids, slot_of.numel(), gate.gemm_m)
     h = swiglu(gate, up, x.contiguous(), routing, slot_of)
     return project(down, h, routing, slot_of), routing
+
+
+def routing_of(ids: torch.Tensor, experts: int, gemm_m: int) -> Routing:
+    """The routing `swiglu_experts` takes: a decode window's pairs sorted, a prompt chunk's also padded to
+    GEMM tiles of `gemm_m` pairs."""
+    return Routing.of(ids, experts, None if ids.shape[0] <= MATVEC_ROWS else gemm_m)
+
+
+STAGE_CHUNK = 4096  # bytes a program copies of each projection: ~46 GB/s from pinned host memory on an H200,
+# as the copy engine, where the matvec's own reads of the same experts reach ~21 GB/s
+
+
+@triton.jit
+def _copy_chunk(src, dst, entry, size, at):
+    live = at < size
+    tl.store(dst + entry * size + at, tl.load(src + entry * size + at, mask=live), mask=live)
+
+
+@triton.jit
+def _stage_kernel(src0, src1, src2, dst0, dst1, dst2, slot_of, experts, size0, size1, size2, CHUNK: tl.constexpr):
+    """Chunk program_id(1) of the three projections' blocks of sorted pair p's expert, copied from its far
+    entry to the same entry of the staging tensors when p is the first pair of its expert's run and the
+    slot table sends the expert far."""
+    p = tl.program_id(0)
+    e = tl.load(experts + p)
+    before = tl.load(experts + p - 1, mask=p > 0, other=-1)
+    slot = tl.load(slot_of + e)
+    if (e != before) & (slot < -1):
+        entry = (-2 - slot).to(tl.int64)
+        at = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+        _copy_chunk(src0, dst0, entry, size0, at)
+        _copy_chunk(src1, dst1, entry, size1, at)
+        _copy_chunk(src2, dst2, entry, size2, at)
+
+
+def stage_far(stacks: tuple[Stack, Stack, Stack], staged: tuple[Stack, Stack, Stack], slot_of: torch.Tensor,
+              routing: Routing) -> None:
+    """Copy the far experts of a window (`slot_of[e]` a `far_slot`) from each of `stacks`' far tensors into
+    the same entries of `staged`'s (VRAM), on the device: whole experts at the link's speed, with no host
+    sync, so the kernels then read them from VRAM. `staged` are `stacks` with other far tensors."""
+    if any(t.far.shape[1:] != s.far.shape[1:] or t.far.shape[0] < s.far.shape[0]
+           for s, t in zip(stacks, staged, strict=True)):
+        raise ValueError("the staging tensors must hold every far entry of the stacks, in their shapes")
+    pairs = routing.experts.numel()
+    if pairs:
+        chunks = triton.cdiv(max(s.expert_bytes for s in stacks), STAGE_CHUNK)
+        _stage_kernel[(pairs, chunks)](*(s.far for s in stacks), *(t.far for t in staged), slot_of, routing.experts,
+                                       *(s.expert_bytes for s in stacks), CHUNK=STAGE_CHUNK, num_warps=4)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ class Model:
     """Base class: subclasses set `hyper`, implement `block()` and may override `embed()`.
 
     Weights are attributes named like their GGUF tensors: `token_embd`, `output_norm`, `output` and
-    `blk[i].attn_q` ..., placed by the `WeightStore` (`self.w`), which also counts their bytes.
+    `blk[i].attn_qkv` ..., placed by the `WeightStore` (`self.w`), which also counts their bytes.
     With a layer split (`placement`) each layer's weights and KV live on its stage's device, the
     embedding on the first stage's (`device`), the final norm and the head on the last stage's.
     """
@@ -66,9 +66,10 @@ class Model:
         """q/k/v projections, per-head q/k RMSNorm (when the layer has one), rope, attention over the
         sessions: [N, Hq * D]."""
         b, h = self.blk[i], self.hyper
-        q = b.attn_q(a).view(-1, h.heads, h.head_dim)
-        k = b.attn_k(a).view(-1, h.kv_heads, h.head_dim)
-        v = b.attn_v(a).view(-1, h.kv_heads, h.head_dim)
+        q, k, v = b.attn_qkv(a)
+        q = q.reshape(-1, h.heads, h.head_dim)  # split from one product: views for a row, copies for more
+        k = k.reshape(-1, h.kv_heads, h.head_dim)
+        v = v.reshape(-1, h.kv_heads, h.head_dim)
         normed = hasattr(b, "attn_q_norm")
         q = rope(q, rows.positions, (b.attn_q_norm, h.eps) if normed else None)
         k = rope(k, rows.positions, (b.attn_k_norm, h.eps) if normed else None)

@@ -1,12 +1,15 @@
 """`GpuTieredExperts`: one layer's routed experts on a GPU with a VRAM cache, behind `Experts`.
 
-Per call (a decode window or a prompt chunk) the routing comes back to the host once: that read is
-what decides who computes each routed expert.
+A decode window whose misses all cross PCIe (`pcie_frac` 1) never syncs the host: the GPU copies its
+missed experts into `Staging` itself (`triton_moe.stage_far`, at the link's speed) and counts the
+entries on the device, so the window can be replayed from a CUDA graph. Any other call (a share of
+misses on the CPU, a prompt chunk) reads the routing back to the host once: that read decides who
+computes each routed expert.
 - cached experts: the fused MoE kernel over the layer's VRAM slots (`GpuLayerSlots`);
 - misses: a `pcie_frac` share of them (the most routed first; every miss of a prompt chunk, which
-  streams experts) cross PCIe: copied whole into VRAM (`Staging`, DMA at the link's speed) and read
-  there by the same kernel, or without staging read by the kernel in place in pinned host memory
-  (small scattered reads: a fraction of the link's speed); the rest run on the CPU
+  streams experts) cross PCIe: copied whole into VRAM (`Staging`) and read there by the same kernel,
+  or without staging read by the kernel in place in pinned host memory (small scattered reads: less
+  than half the link's speed); the rest run on the CPU
   with the CPU kernels over the same host blocks, while the GPU works on the others (its kernels are
   queued before the CPU starts). Their outputs are copied up and patched in before the rows combine.
 
@@ -52,13 +55,14 @@ class GpuTieredExperts(Experts):
                  staging: Staging | None = None, counts: DeviceCounts | None = None, index: int = 0):
         self.slots = slots
         self.staging = staging  # where misses that cross PCIe are copied (None: the kernel reads host memory)
+        self._staged = staging.stacks(slots) if staging is not None else None
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
         self.streams = streams  # prompt chunks read their misses over PCIe (else on the CPU)
         experts, device = slots.experts, slots.device
         self.table = torch.empty(experts, dtype=torch.int32, device=device)  # this call's slot table
-        # the table of the calls that never sync: every uncached expert read in place over PCIe
-        self.in_place_table = torch.empty(experts, dtype=torch.int32, device=device)
-        self._in_place_version = -1
+        # the table of the calls that never sync: every uncached expert read over PCIe (staged or in place)
+        self.unsynced_table = torch.empty(experts, dtype=torch.int32, device=device)
+        self._unsynced_version = -1
         self._stats = ExpertStats()
         # counted on the host by the calls that read the routing back, on the device by those that do not
         self._routed_host = torch.zeros(experts, dtype=torch.int64)
@@ -99,17 +103,17 @@ class GpuTieredExperts(Experts):
     def before_replay(self) -> None:
         """The in-place table after the slots changed; the device counts' host copy marked stale (a
         call counts into them)."""
-        if self._in_place_version != self.slots.version:
+        if self._unsynced_version != self.slots.version:
             every = torch.arange(self.slots.experts, dtype=torch.int32)
             cached = self.slots.slot_of
-            self.in_place_table.copy_(torch.where(cached >= 0, cached, triton_moe.far_slot(every)))
-            self._in_place_version = self.slots.version
+            self.unsynced_table.copy_(torch.where(cached >= 0, cached, triton_moe.far_slot(every)))
+            self._unsynced_version = self.slots.version
         self._counts.layer(self._index)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         if self.replayable(n):
-            return self._in_place(x, weights, ids)
+            return self._unsynced(x, weights, ids)
         ids_host = ids.cpu()  # the layer's one host sync: it decides who computes each expert
         counts = torch.bincount(ids_host.reshape(-1), minlength=self.slots.experts)
         self._routed_host += counts
@@ -133,17 +137,23 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch)
 
-    def _in_place(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _unsynced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A decode window whose misses all cross PCIe, without a host sync: the kernel reads cached
-        experts from their slots and the others in place in pinned host memory, and the entries are
-        counted on the device. So the window stays as asynchronous as with every expert resident."""
+        experts from their slots and the others from the staging buffers, where the GPU copied them
+        (or, without staging, in place in pinned host memory), and the entries are counted on the
+        device. So the window stays as asynchronous as with every expert resident."""
         n, k = ids.shape
         self.before_replay()
         flat = ids.reshape(-1)
         counts = self._counts.layer(self._index)
         counts[:-1].scatter_add_(0, flat, torch.ones_like(flat))
-        counts[-1] += (self.in_place_table[flat] < 0).sum()
-        y, routing = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.in_place_table)
+        counts[-1] += (self.unsynced_table[flat] < 0).sum()
+        routing = triton_moe.routing_of(ids, self.slots.experts, self.slots.stacks[0].gemm_m)
+        stacks = self.slots.stacks
+        if self._staged is not None:
+            triton_moe.stage_far(stacks, self._staged, self.unsynced_table, routing)
+            stacks = self._staged
+        y, _ = triton_moe.swiglu_experts(*stacks, x, ids, self.unsynced_table, routing)
         self._stats.lookups += n * k
         self._stats.vram += n * k  # less the far entries, read from the device in `stats`
         return combine(y, weights)
@@ -176,7 +186,7 @@ class MissTimes:
 
 def measure_pcie_frac(layer: GpuTieredExperts, reps: int = 5) -> MissTimes:
     """`--pcie-frac -1`: time one decode row whose experts all miss (on `layer`, whose slots must be
-    empty) with every miss over PCIe (in place, no host sync), every miss on the CPU, and the share
+    empty) with every miss over PCIe (no host sync), every miss on the CPU, and the share
     that would make the two finish together; the fastest wins."""
     device = layer.slots.device
     k = min(8, layer.slots.experts)

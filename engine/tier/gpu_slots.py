@@ -59,12 +59,17 @@ class Staging:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
+    def stacks(self, slots: GpuLayerSlots) -> tuple[triton_moe.Stack, ...]:
+        """The layer's stacks reading their far entries in the buffers (as many entries as the layer has
+        experts, each where `stage` or `triton_moe.stage_far` copies it)."""
+        return tuple(stack.with_far(buf[: host.blocks.numel()].view(host.blocks.shape))
+                     for buf, host, stack in zip(self.buffers, slots.host, slots.stacks, strict=True))
+
     def stage(self, slots: GpuLayerSlots, experts: list[int]) -> tuple[triton_moe.Stack, ...]:
-        """Copy `experts` of the layer into the buffers; the layer's stacks reading their far entries there."""
-        out = []
-        for buf, host, stack in zip(self.buffers, slots.host, slots.stacks, strict=True):
-            view = buf[: host.blocks.numel()].view(host.blocks.shape)
+        """Copy `experts` of the layer into the buffers (DMA, the host knowing which); the layer's stacks
+        reading their far entries there."""
+        staged = self.stacks(slots)
+        for host, stack in zip(slots.host, staged, strict=True):
             for e in experts:
-                view[e].copy_(host.blocks[e], non_blocking=True)
-            out.append(stack.with_far(view))
-        return tuple(out)
+                stack.far[e].copy_(host.blocks[e], non_blocking=True)
+        return staged
