@@ -43,6 +43,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding r, and its RMSNorm: (x + r, rms_norm(x + r)); on CUDA in one
+    launch, with the bits of the two ops run apart."""
+    if _on_triton(x):
+        from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
+
+        return triton_rows.add_rms_norm(x, r, weight, eps)
+    s = x + r
+    return s, rms_norm(s, weight, eps)
+
+
 class Rope:
     """Rotary embedding, tables precomputed for the whole context. `neox`: rotate halves, pairs
     (i, i + D/2); else llama.cpp's normal rope, adjacent pairs (2i, 2i + 1), as GGUF llama files

@@ -1,4 +1,4 @@
-"""The row-wise Triton kernels (engine/kernels/triton_rows.py: RMSNorm, rope) in Triton's interpreter on
+"""The row-wise Triton kernels (engine/kernels/triton_rows.py: RMSNorm, add + RMSNorm, rope) in Triton's interpreter on
 the CPU (CI), compiled where there is a GPU: against the torch code engine/layers.py ran before them
 (float32 to ~1e-6; bf16/f16 within one unit in the last place of the float32 reference rounded once),
 both rope styles, a row's bits the same alone as among many rows, bad inputs refused; and what
@@ -92,6 +92,26 @@ def test_rms_norm_row_alone_is_the_same_bits(shape):
         assert_same_bits(tr.rms_norm(x[i:i + 1], weight, EPS), many[i:i + 1])
     if len(shape) == 3:  # one head's row alone
         assert_same_bits(tr.rms_norm(x[2, 3], weight, EPS), many[2, 3])
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", [(9, 2048), (6, 3, 96)], ids=str)
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, shape):
+    """One launch, the bits of torch's add and of `rms_norm` run apart, a row alone as among many."""
+    x = (torch.randn(shape, generator=gen(5)) * 3).to(DEVICE, dtype)
+    r = torch.randn(shape, generator=gen(6)).to(DEVICE, dtype)
+    weight = torch.randn(shape[-1], generator=gen(7)).to(DEVICE)
+    s, y = tr.add_rms_norm(x, r, weight, EPS)
+    total = x.float() + r.float()
+    if DEVICE == "cpu" and dtype == torch.bfloat16:  # the interpreter truncates float32 to bf16
+        total = (total.view(torch.int32) & -65536).view(torch.float32)
+    assert_same_bits(s, total.to(dtype))  # torch's add on the GPU: the float32 sum rounded once
+    assert_same_bits(y, tr.rms_norm(s, weight, EPS))
+    s1, y1 = tr.add_rms_norm(x[1:2], r[1:2], weight, EPS)
+    assert_same_bits(s1, s[1:2])
+    assert_same_bits(y1, y[1:2])
+    with pytest.raises(ValueError, match="r must match"):
+        tr.add_rms_norm(x, r[:1], weight, EPS)
 
 
 @DTYPES

@@ -1,6 +1,6 @@
-"""Row-wise ops of a CUDA forward in one Triton launch each: RMSNorm and rotary embedding (what
-engine/layers.py's `rms_norm` and `Rope` run for CUDA tensors; in torch they took ~7 elementwise kernels
-each).
+"""Row-wise ops of a CUDA forward in one Triton launch each: RMSNorm (alone, or after a residual add)
+and rotary embedding (what engine/layers.py's `rms_norm`, `add_rms_norm` and `Rope` run for CUDA
+tensors; in torch they took ~7 elementwise kernels each).
 
 Both compute in float32 and round once to x's dtype. No host sync and no shape that depends on data
 (they run inside CUDA graph capture): rope reads each row's position on the device. Tile sizes come from
@@ -27,6 +27,22 @@ def _rms_norm_kernel(x, w, y, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.conste
     mask = (r < rows) & (i < d)
     at = r.to(tl.int64) * d + i
     v = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
+    out = v * scale * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)
+    tl.store(y + at, out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _add_rms_norm_kernel(x, r, w, s, y, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """s = x + r rounded to s's dtype (as torch's add), y = the RMSNorm of s as stored."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (i < d)
+    at = row.to(tl.int64) * d + i
+    total = tl.load(x + at, mask=mask, other=0.0).to(tl.float32) + tl.load(r + at, mask=mask, other=0.0).to(tl.float32)
+    stored = total.to(s.dtype.element_ty)
+    tl.store(s + at, stored, mask=mask)
+    v = stored.to(tl.float32)
     scale = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
     out = v * scale * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)
     tl.store(y + at, out.to(y.dtype.element_ty), mask=mask)
@@ -63,15 +79,20 @@ def _warps(values: int) -> int:
     return min(16, max(1, values // 256))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension D of x [..., D] (float32/bf16/f16),
-    weight [D]; in x's dtype."""
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype not in DTYPES or x.dim() == 0:
         raise ValueError(f"x must be a float32/bf16/f16 tensor [..., D], got {x.dtype} {tuple(x.shape)}")
     d = x.shape[-1]
     if weight.shape != (d,) or not weight.is_floating_point() or weight.device != x.device:
         raise ValueError(f"weight must be a float vector [{d}] on {x.device}, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension D of x [..., D] (float32/bf16/f16),
+    weight [D]; in x's dtype."""
+    _check_norm(x, weight)
+    d = x.shape[-1]
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
     if x.numel() == 0:
@@ -82,6 +103,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x, weight, y, rows, d, eps, ROWS=per_program, BLOCK=block, num_warps=_warps(per_program * block),
         **_UNFUSED)
     return y
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, `rms_norm` of it) in one launch, each in x's dtype: the sum rounded once, as torch's add
+    rounds it, then normed from the rounded values (the bits of the add and the norm run apart)."""
+    _check_norm(x, weight)
+    if r.shape != x.shape or r.dtype != x.dtype or r.device != x.device:
+        raise ValueError(f"r must match x {x.dtype} {tuple(x.shape)}, got {r.dtype} {tuple(r.shape)} on {r.device}")
+    x, r = x.contiguous(), r.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    if x.numel() == 0:
+        return s, y
+    d = x.shape[-1]
+    rows, block = x.numel() // d, triton.next_power_of_2(d)
+    per_program = max(1, TILE // block)
+    _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x, r, weight.contiguous(), s, y, rows, d, eps, ROWS=per_program, BLOCK=block,
+        num_warps=_warps(per_program * block), **_UNFUSED)
+    return s, y
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine.batch import Batch
 from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
-from engine.layers import Rope, rms_norm
+from engine.layers import Rope, add_rms_norm, rms_norm
 from engine.models.base import Model
 from engine.placement import Placement
 
@@ -40,7 +40,6 @@ class Gemma3(Model):
         a = rms_norm(x, b.attn_norm, h.eps)
         rope = self.rope_full if window is None else self.rope_local
         o = self.attention(i, a, rows, rope, self.scale, window)
-        x = x + rms_norm(b.attn_output(o), b.post_attention_norm, h.eps)
-        m = rms_norm(x, b.ffn_norm, h.eps)
+        x, m = add_rms_norm(x, rms_norm(b.attn_output(o), b.post_attention_norm, h.eps), b.ffn_norm, h.eps)
         f = F.gelu(b.ffn_gate(m), approximate="tanh") * b.ffn_up(m)
         return x + rms_norm(b.ffn_down(f), b.post_ffw_norm, h.eps)

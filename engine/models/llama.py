@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.batch import Batch
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
-from engine.layers import Rope, default_scale, rms_norm
+from engine.layers import Rope, add_rms_norm, default_scale, rms_norm
 from engine.models.base import Model
 from engine.placement import Placement
 
@@ -39,6 +39,6 @@ class Llama(Model):
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper
-        x = x + b.attn_output(self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale))
-        m = rms_norm(x, b.ffn_norm, h.eps)
+        o = self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale)
+        x, m = add_rms_norm(x, b.attn_output(o), b.ffn_norm, h.eps)
         return x + b.ffn_down(F.silu(b.ffn_gate(m)) * b.ffn_up(m))

@@ -9,7 +9,7 @@ from engine.batch import Batch
 from engine.experts import resident_experts, route
 from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
-from engine.layers import Rope, default_scale, rms_norm
+from engine.layers import Rope, add_rms_norm, default_scale, rms_norm
 from engine.models.base import Model
 from engine.placement import Placement
 
@@ -31,7 +31,6 @@ class Qwen3Moe(Model):
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper
         o = self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale)
-        x = x + b.attn_output(o)
-        m = rms_norm(x, b.ffn_norm, h.eps)
+        x, m = add_rms_norm(x, b.attn_output(o), b.ffn_norm, h.eps)
         weights, ids = route(m, b.ffn_gate_inp, h.experts_used, normalize=True)
         return x + b.experts(m, weights, ids)
