@@ -75,6 +75,18 @@ class Rope:
             self._copies[device] = (self.cos.to(device), self.sin.to(device))
         return self._copies[device]
 
+    def pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             q_norm: tuple[torch.Tensor, float] | None = None, k_norm: tuple[torch.Tensor, float] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's q and k rotated (each normed first with its own weight, when given): on CUDA in one
+        launch."""
+        if _on_triton(q):
+            from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
+
+            cos, sin = self._tables(q.device)
+            return triton_rows.rope_pair(q, k, positions, cos, sin, self.neox, q_norm, k_norm)
+        return self(q, positions, q_norm), self(k, positions, k_norm)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
                  ) -> torch.Tensor:
         """x: [N, heads, head_dim]; positions: [N], on x's device. `norm` (weight, eps): each head

@@ -149,6 +149,27 @@ def test_rope_with_its_norm_matches_torch(dtype, neox, heads, d):
 
 
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
+@pytest.mark.parametrize("normed", [True, False], ids=["normed", "plain"])
+def test_rope_pair_rotates_q_and_k_in_one_launch(neox, normed):
+    """q (32 heads) and k (4) of a layer, each with its own norm: each within one unit of what `rope`
+    gives it alone (the pair's tiles come from both shapes), a row alone the same bits as among many."""
+    q = torch.randn(5, 32, 64, generator=gen(12)).to(DEVICE, torch.bfloat16)
+    k = torch.randn(5, 4, 64, generator=gen(13)).to(DEVICE, torch.bfloat16)
+    wq, wk = (torch.randn(64, generator=gen(s)).to(DEVICE) for s in (14, 15))
+    positions = random_positions(5, seed=16)
+    cos, sin = tables(64)
+    norms = ((wq, EPS), (wk, EPS)) if normed else (None, None)
+    yq, yk = tr.rope_pair(q, k, positions, cos, sin, neox, *norms)
+    for x, y, norm in ((q, yq, norms[0]), (k, yk, norms[1])):  # `rope` is held to the torch reference above
+        assert (ordered(y) - ordered(tr.rope(x, positions, cos, sin, neox, norm))).abs().max().item() <= 1
+    aq, ak = tr.rope_pair(q[2:3], k[2:3], positions[2:3], cos, sin, neox, *norms)
+    assert_same_bits(aq, yq[2:3])
+    assert_same_bits(ak, yk[2:3])
+    with pytest.raises(ValueError, match="normed as q is"):
+        tr.rope_pair(q, k, positions, cos, sin, neox, (wq, EPS), None)
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
 def test_rope_row_alone_is_the_same_bits(neox):
     x = torch.randn(9, 4, 64, generator=gen(7)).to(DEVICE, torch.bfloat16)
     positions = random_positions(9, seed=8)

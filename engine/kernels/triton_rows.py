@@ -49,10 +49,10 @@ def _add_rms_norm_kernel(x, r, w, s, y, rows, d, eps, ROWS: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, NEOX: tl.constexpr, NORM: tl.constexpr,
-                 HEADS: tl.constexpr, HALF: tl.constexpr):
-    n = tl.program_id(0)
-    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+def _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, n, tile, NEOX: tl.constexpr, NORM: tl.constexpr,
+                HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Heads tile * HEADS.. of row n of x [N, heads, 2 * half], rotated (RMS-normed with w first when NORM)."""
+    h = tile * HEADS + tl.arange(0, HEADS)[:, None]
     j = tl.arange(0, HALF)[None, :]
     mask = (h < heads) & (j < half)
     at = tl.load(positions + n).to(tl.int64) * half + j
@@ -73,6 +73,19 @@ def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, NEOX: tl.conste
         x2 = x2 * scale * tl.load(w + second - row, mask=j < half, other=0.0).to(tl.float32)
     tl.store(y + first, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
     tl.store(y + second, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, x2, y2, w2, eps2, heads2, tiles, NEOX: tl.constexpr,
+                 NORM: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Row program_id(0): the first `tiles` programs of axis 1 rotate x's heads, the others x2's (q and k
+    of a layer in one launch; each head's arithmetic the same either way)."""
+    n = tl.program_id(0)
+    t = tl.program_id(1)
+    if t < tiles:
+        _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, n, t, NEOX, NORM, HEADS, HALF)
+    else:
+        _rope_heads(x2, y2, positions, cos, sin, w2, eps2, heads2, half, n, t - tiles, NEOX, NORM, HEADS, HALF)
 
 
 def _warps(values: int) -> int:
@@ -131,6 +144,43 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     pairs (i, i + D/2) when `neox`, else adjacent pairs (2i, 2i + 1), llama.cpp's normal rope. `norm`
     (weight [D], eps): each head RMS-normed first in the same launch (Qwen3's and Gemma 3's q/k norms;
     not rounded to x's dtype in between). A new tensor in x's dtype."""
+    return rope_pair(x, None, positions, cos, sin, neox, norm, None)[0]
+
+
+def rope_pair(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              neox: bool, q_norm: tuple[torch.Tensor, float] | None = None,
+              k_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rope` of q and of k (each with its own norm, both or neither) in one launch (a layer's q and k);
+    the tiles come from both shapes, so a row's bits do not depend on the other rows."""
+    _check_rope(q, positions, cos, sin, q_norm)
+    if k is not None:
+        _check_rope(k, positions, cos, sin, k_norm)
+        if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype or (q_norm is None) != (
+                k_norm is None):
+            raise ValueError(f"k must be [{q.shape[0]}, heads, {q.shape[2]}] of {q.dtype}, normed as q is, got "
+                             f"{k.dtype} {tuple(k.shape)}")
+    q, cos, sin = q.contiguous(), cos.contiguous(), sin.contiguous()
+    yq = torch.empty_like(q)
+    k = q if k is None else k.contiguous()
+    yk = yq if k is q else torch.empty_like(k)
+    if q.numel() == 0:
+        return yq, (None if k is q else yk)
+    n, _, d = q.shape
+    half = d // 2
+    block = triton.next_power_of_2(half)
+    heads = (q.shape[1], k.shape[1] if k is not q else 0)
+    per_program = min(triton.next_power_of_2(max(heads)), max(1, TILE // block))  # from the shapes only
+    tiles = [triton.cdiv(h, per_program) for h in heads]
+    wq, eq = (q_norm[0].contiguous(), q_norm[1]) if q_norm is not None else (q, 0.0)
+    wk, ek = (k_norm[0].contiguous(), k_norm[1]) if k_norm is not None else (wq, eq)
+    _rope_kernel[(n, tiles[0] + tiles[1])](
+        q, yq, positions, cos, sin, wq, eq, heads[0], half, k, yk, wk, ek, max(heads[1], 1), tiles[0], NEOX=neox,
+        NORM=q_norm is not None, HEADS=per_program, HALF=block, num_warps=_warps(per_program * block), **_UNFUSED)
+    return yq, (None if k is q else yk)
+
+
+def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                norm: tuple[torch.Tensor, float] | None) -> None:
     if x.dtype not in DTYPES or x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x must be a float32/bf16/f16 tensor [N, heads, D] with D even, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -146,14 +196,3 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     if norm is not None and (norm[0].shape != (d,) or not norm[0].is_floating_point() or norm[0].device != x.device):
         raise ValueError(f"the norm's weight must be a float vector [{d}] on {x.device}, got {norm[0].dtype} "
                          f"{tuple(norm[0].shape)} on {norm[0].device}")
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    y = torch.empty_like(x)
-    if x.numel() == 0:
-        return y
-    block = triton.next_power_of_2(half)
-    per_program = min(triton.next_power_of_2(heads), max(1, TILE // block))
-    w, eps = (norm[0].contiguous(), norm[1]) if norm is not None else (x, 0.0)
-    _rope_kernel[(n, triton.cdiv(heads, per_program))](
-        x, y, positions, cos, sin, w, eps, heads, half, NEOX=neox, NORM=norm is not None, HEADS=per_program,
-        HALF=block, num_warps=_warps(per_program * block), **_UNFUSED)
-    return y

@@ -71,8 +71,8 @@ class Model:
         k = k.reshape(-1, h.kv_heads, h.head_dim)
         v = v.reshape(-1, h.kv_heads, h.head_dim)
         normed = hasattr(b, "attn_q_norm")
-        q = rope(q, rows.positions, (b.attn_q_norm, h.eps) if normed else None)
-        k = rope(k, rows.positions, (b.attn_k_norm, h.eps) if normed else None)
+        q, k = rope.pair(q, k, rows.positions, (b.attn_q_norm, h.eps) if normed else None,
+                         (b.attn_k_norm, h.eps) if normed else None)
         return attend(q, k, v, self.kv.k[i], self.kv.v[i], rows, scale, window)
 
     def forward(self, batch: Batch) -> torch.Tensor:
