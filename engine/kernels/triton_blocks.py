@@ -2,12 +2,14 @@
 uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized in registers only.
 
 - `Matrix.dequantize`: rows of W as float32, bf16 or f16; the float32 values are gguf-py's bit for bit.
-- `Matrix.matvec`: x [m <= 8, k] @ W.T for decode windows. Each program reads its weight rows once for
-  all m rows of x; float32 accumulation; x bf16, f16 or float32, y in x's dtype. One row (every decode
-  row in exact mode) has a kernel of its own, 2-2.5x faster: it sums elementwise and reduces once.
-  Q4_K and Q6_K (most of a Q4_K_M file) take x rounded to int16 per 32 values (`triton_xq`) and sum
-  weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a thread, one reduction at
-  the end, for one row and for 2-8 (`_rounded_kernel`).
+- `Matrix.matvec`: x [m <= 8, k] @ W.T for decode windows; float32 accumulation; x bf16, f16 or float32,
+  y in x's dtype. One row (every decode row in exact mode) has a kernel of its own: it sums elementwise
+  and reduces once. Q4_K and Q6_K (most of a Q4_K_M file) take x rounded to int16 per 32 values
+  (`triton_xq`) and sum weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a
+  thread, one reduction at the end, for one row and for 2-8 (`_rounded_kernel`, each program reading
+  its weight rows once for all m rows). The other types' windows of 2-8 rows take the GEMM below with
+  tiles of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0
+  5120x2048 at 8 rows: 62.2 -> 18.9 us).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
   dtype (bf16 for the engine) and multiplied with tl.dot, float32 accumulation.
 - `Matrix.matmul`: the matvec up to `MATVEC_ROWS` rows, the GEMM above.
@@ -18,12 +20,12 @@ w = q * scale - min, computed in float32 as gguf-py does (`_group` knows where e
 Deterministic by construction: no atomics and no split-K; each output is reduced over k in one order,
 set by the tile sizes (`Tiles`), which are chosen from the matrix's shape only, never from m.
 Batch invariance, within each path: every call of a matrix runs one compiled kernel (m is not
-specialized; x is copied when its rows do not start 16-byte aligned). In the matvec of 2-8 rows, row i
-of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); in the
-GEMM, row i is the same dots over the same tiles whatever place it has in its tile (the tensor cores'
-sums do not depend on it). So y[i] does not depend on how many rows x has. The three paths (one row,
-2-8 rows, GEMM) round differently from each other, as the CPU's matvec and slab GEMM do: exact mode
-runs every decode row alone, so its rows always take the one-row kernel.
+specialized; x is copied when its rows do not start 16-byte aligned). In the int16 matvec of 2-8 rows,
+row i of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); in
+the GEMM, row i is the same dots over the same tiles whatever place it has in its tile (the tensor
+cores' sums do not depend on it). So y[i] does not depend on how many rows x has. The paths (one row,
+2-8 rows, prompt chunks) round differently from each other, as the CPU's matvec and slab GEMM do:
+exact mode runs every decode row alone, so its rows always take the one-row kernel.
 
 `python -m engine.kernels.triton_blocks` prints, per type, the matvec's GB/s at m=1 and m=8 and the
 GEMM's TFLOP/s at m=512 (CUDA).
@@ -44,6 +46,7 @@ from engine.kernels.gpu import SUPPORTED
 from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
 MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
+SMALL_M = 16  # rows of x a GEMM tile holds for a window of 2-8 rows (tl.dot's smallest)
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED}  # values per scale
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED = dict(enable_fp_fusion=True)  # fused multiply-adds in the products (Triton's default is changing)
@@ -149,26 +152,6 @@ def _dequantize_kernel(w, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.con
     row = rows.to(tl.int64)[:, None, None]
     q, scale, minimum = _group(w, row * row_bytes, g, i, live, QTYPE)
     tl.store(y + row * k + g * GROUP + i, (q * scale - minimum).to(y.dtype.element_ty), mask=live)
-
-
-@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
-def _matvec_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr,
-                   HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    row = rows.to(tl.int64)[:, None, None] * row_bytes
-    g_step = tl.arange(0, BK // GROUP)[None, :, None]
-    i = tl.arange(0, GROUP)[None, None, :]
-    r = tl.arange(0, ROWS)[:, None]
-    groups = k // GROUP
-    acc = tl.zeros((ROWS, R), dtype=tl.float32)
-    for e0 in range(0, k, BK):
-        g = e0 // GROUP + g_step
-        q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
-        for j in tl.static_range(ROWS):
-            if j < m:
-                xj = tl.load(x + j * k + g * GROUP + i, mask=g < groups, other=0.0).to(tl.float32)
-                acc = tl.where(r == j, acc + _partial(q, scale, minimum, xj, HAS_MIN)[None, :], acc)
-    tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
 
 @triton.jit
@@ -443,26 +426,23 @@ class Tiles:
     """A matrix's tile sizes (powers of two), chosen from its shape only, so never from m: they fix
     every output's reduction order."""
 
-    matvec_rows: int  # weight rows per matvec program
-    matvec_k: int  # values of each row per matvec step
     row_k: int  # values per step of the one-row kernel (one weight row per program)
     row_blocks: int  # Q4_K's one-row kernel: blocks per step (two rows a program, a 16-byte chunk per thread)
     gemm_m: int
     gemm_n: int
     gemm_k: int
+    small_n: int = 32  # the GEMM's tiles for 2-8 rows of the float-sum types (16 rows of x a tile)
+    small_k: int = 128
 
     @classmethod
     def for_shape(cls, n: int, k: int) -> Tiles:
-        # Decode is bound by memory: the most rows per program (x re-read less often) that still leaves
-        # two programs per SM of an H200 (132 SMs), and ~2048 weights per step (16 per thread).
-        rows = next(r for r in (8, 4, 2, 1) if r == 1 or n // r >= 264)
         # the one-row kernel: within 10% of the fastest of a sweep on an H200 (rows 1-16 per program, k
         # steps 128-1024, 2-8 warps) for Q8_0, Q4_K and Q6_K at 4096x2048, 2048x4096 and 151936x2048
         # Q4_K's one row: the fastest of a sweep on an H200 (rows 1-4 a program, 1-8 blocks a step, 1-4 warps)
         # at 4096x2048, 2048x4096, 6144x2048, 512x2048 and 2048x768: wide steps only for few rows.
         blocks = 2 if n >= 2048 else min(8, triton.next_power_of_2(max(1, k // 256)))
-        return cls(rows, min(2048 // rows, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(k)), blocks,
-                   64, 64, 64)
+        # 2-8 rows: the fastest of 16 x 32-128 x 64-256 tiles on an H200 (Q8_0 5120x2048 and 2048x4096)
+        return cls(min(1024, triton.next_power_of_2(k)), blocks, 64, 64, 64, 32, min(128, triton.next_power_of_2(k)))
 
 
 def row_bytes(qtype: Q, k: int) -> int:
@@ -530,10 +510,7 @@ class Matrix:
             _row_kernel[(self.n,)](self.blocks, x, y, self.n, self.k, self.blocks.shape[1], **self._type_args, R=1,
                                    BK=t.row_k, num_warps=2, **_FUSED)
         elif x.shape[0]:
-            _matvec_kernel[(triton.cdiv(self.n, t.matvec_rows),)](
-                self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
-                HAS_MIN=self.qtype in (Q.Q4_K, Q.Q5_K), R=t.matvec_rows, BK=t.matvec_k, ROWS=MATVEC_ROWS,
-                **_FUSED)
+            self._gemm(x, y, SMALL_M, t.small_n, t.small_k)
         return y
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -541,11 +518,13 @@ class Matrix:
         x = self._checked(x)
         y = self._out(x)
         if x.shape[0]:
-            t = self.tiles
-            grid = (triton.cdiv(x.shape[0], t.gemm_m), triton.cdiv(self.n, t.gemm_n))
-            _gemm_kernel[grid](self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1],
-                               **self._type_args, BM=t.gemm_m, BN=t.gemm_n, BK=t.gemm_k, **_FUSED)
+            self._gemm(x, y, self.tiles.gemm_m, self.tiles.gemm_n, self.tiles.gemm_k)
         return y
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor, bm: int, bn: int, bk: int) -> None:
+        grid = (triton.cdiv(x.shape[0], bm), triton.cdiv(self.n, bn))
+        _gemm_kernel[grid](self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
+                           BM=bm, BN=bn, BK=bk, **_FUSED)
 
     def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` of W (all rows: None) as [len(ids), k] of `dtype`."""
