@@ -17,7 +17,7 @@ from triton_checks import (
 
 from engine.gguf_file import TensorInfo
 from engine.kernels import gpu
-from engine.weights import WeightStore, keeps_blocks
+from engine.weights import Projections, WeightStore, keeps_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu"
@@ -142,6 +142,20 @@ def test_gpu_block_linear():
         assert_close(y.reshape(-1, N), x.reshape(-1, k), dense, gemm_tolerance(torch.float32))
     ids = torch.tensor([[4, 1]], device=DEVICE)
     assert_same_bits(lin.lookup(ids), dense[[4, 1]])
+
+
+def test_gpu_block_linears_join_into_one_matrix():
+    """`Projections` over a layer's q and k (Q8_0) and v (Q4_K): one matrix for q and k, each output its
+    own product's values."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [GpuBlockLinear(qtype, tb.random_blocks(qtype, n, 256, gen), 256, torch.device(DEVICE))
+             for qtype, n in ((Q.Q8_0, 16), (Q.Q8_0, 8), (Q.Q4_K, 8))]
+    x = torch.randn(1, 256, device=DEVICE)
+    want = [p(x) for p in parts]
+    joined = Projections(parts)
+    assert [(m.matrix.qtype, sizes) for m, sizes in joined.runs] == [(Q.Q8_0, [16, 8]), (Q.Q4_K, [8])]
+    for got, ref in zip(joined(x), want, strict=True):
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def info(name: str, shape: tuple[int, ...], qtype: Q) -> TensorInfo:
