@@ -15,11 +15,11 @@ from engine.experts import ResidentExperts  # noqa: E402
 from engine.experts_blocks import BlockExperts  # noqa: E402
 from engine.kernels import cpu as cpu_kernels  # noqa: E402
 from engine.kernels import triton_moe as tm  # noqa: E402
-from engine.kernels.triton_blocks import random_blocks  # noqa: E402
+from engine.kernels.triton_blocks import FLOAT_BLOCKS, random_blocks  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 from engine.tier.gpu_experts import GpuTieredExperts  # noqa: E402
 from engine.tier.gpu_slots import GpuLayerSlots, Staging  # noqa: E402
-from engine.weights import BlockLinear, LinearStack  # noqa: E402
+from engine.weights import BlockLinear, DenseLinear, LinearStack  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
               pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need a C compiler")]
@@ -30,17 +30,19 @@ DECODE_IDS = [[1, 3], [3, 0], [4, 1]]
 PROMPT_IDS = [[r % E, (r + 2) % E] for r in range(18)]  # more rows than a decode window: a prompt chunk
 
 
-def stacks(seed: int) -> tuple[list[LinearStack], list[LinearStack]]:
-    """gate, up (Q4_K) and down (Q6_K) in host memory as the store keeps them for the tier, and the same
-    blocks on the device as the resident kernel reads them."""
+def stacks(seed: int, types: tuple[Q, Q, Q] = (Q.Q4_K, Q.Q4_K, Q.Q6_K)) -> tuple[list[LinearStack], list[LinearStack]]:
+    """gate, up and down (Q4_K, Q4_K, Q6_K unless `types` says) in host memory as the store keeps them for
+    the tier, and the same blocks on the device as the resident kernel reads them."""
     host, device = [], []
-    for i, (qtype, n, k) in enumerate(((Q.Q4_K, FF, H), (Q.Q4_K, FF, H), (Q.Q6_K, H, FF))):
+    for i, (qtype, n, k) in enumerate(zip(types, (FF, FF, H), (H, H, FF), strict=True)):
         blocks = random_blocks(qtype, E * n, k, torch.Generator().manual_seed(seed + i)).view(E, n, -1)
         pinned = blocks.pin_memory() if DEVICE == "cuda" else blocks
         host.append(LinearStack([BlockLinear(qtype, pinned[e], k) for e in range(E)], None, blocks.numel(), pinned, qtype))
         on = blocks.to(DEVICE)
-        device.append(LinearStack([GpuBlockLinear(qtype, on[e], k, torch.device(DEVICE)) for e in range(E)], None,
-                                  blocks.numel(), on, qtype))
+        # the resident kernel reads the stack's blocks; its experts' matrices only give their shapes
+        experts = [GpuBlockLinear(qtype, on[e], k, torch.device(DEVICE)) if qtype not in FLOAT_BLOCKS else
+                   DenseLinear(on[e].view(torch.float16)) for e in range(E)]
+        device.append(LinearStack(experts, None, blocks.numel(), on, qtype))
     return host, device
 
 
@@ -80,6 +82,17 @@ def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, stag
     s = tier.stats()
     cached = sum(e in (3, 1) for row in rows for e in row)
     assert (s.lookups, s.vram, s.pcie, s.cpu) == (len(rows) * 2, cached, len(rows) * 2 - cached, 0)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "gpu-staged"])
+def test_float16_stacks_are_tiered_too(staged):
+    """An F16 file's experts (kept as 16-bit values in host memory): cached and far pairs give the resident
+    kernel's bits."""
+    host, device = stacks(31, (Q.F16, Q.F16, Q.F16))
+    resident = BlockExperts(*device, torch.device(DEVICE), TILES)
+    x, weights, ids = inputs(DECODE_IDS, 3)
+    tier = tiered(host, [3, 1], pcie_frac=1.0, staged=staged)
+    assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))
 
 
 def test_misses_on_the_cpu_are_patched_in(layer):

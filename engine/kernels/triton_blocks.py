@@ -47,7 +47,10 @@ from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
 MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
 SMALL_M = 16  # rows of x a GEMM tile holds for a window of 2-8 rows (tl.dot's smallest)
-GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED}  # values per scale
+# 16-bit float "blocks" (a value each, no scale): the fused MoE kernel reads F16/BF16 expert stacks kept in
+# host memory for the GPU expert tier; dense F16/BF16 matrices stay torch's (cuBLAS), so not in SUPPORTED
+FLOAT_BLOCKS = (Q.F16, Q.BF16)
+GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED + FLOAT_BLOCKS}  # values per scale
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED = dict(enable_fp_fusion=True)  # fused multiply-adds in the products (Triton's default is changing)
 
@@ -56,6 +59,8 @@ _Q4_0 = tl.constexpr(int(Q.Q4_0))
 _Q4_K = tl.constexpr(int(Q.Q4_K))
 _Q5_K = tl.constexpr(int(Q.Q5_K))
 _Q6_K = tl.constexpr(int(Q.Q6_K))
+_F16 = tl.constexpr(int(Q.F16))
+_BF16 = tl.constexpr(int(Q.BF16))
 ROUNDED = (Q.Q4_K, Q.Q6_K)  # types whose decode sums take x rounded to int16 (`triton_xq`)
 
 
@@ -97,7 +102,15 @@ def _k_scales(w, blk, j, mask):
 def _group(w, row, g, i, mask, QTYPE: tl.constexpr):
     """Groups g [1, G, 1] of the weight rows starting at bytes `row` [R, 1, 1], values i [1, 1, GROUP]:
     float32 q [R, G, GROUP], scale [R, G, 1] and min ([R, G, 1], or 0.0) with w = q * scale - min."""
-    if QTYPE == _Q8_0:  # 34 bytes: d, 32 int8
+    if QTYPE == _F16:  # a float16 value each, in groups of 32: q is the value, no scale
+        q = tl.load(w.to(tl.pointer_type(tl.float16)) + row // 2 + g * 32 + i, mask=mask, other=0.0)
+        scale = 1.0
+        minimum = 0.0
+    elif QTYPE == _BF16:
+        q = tl.load(w.to(tl.pointer_type(tl.bfloat16)) + row // 2 + g * 32 + i, mask=mask, other=0.0)
+        scale = 1.0
+        minimum = 0.0
+    elif QTYPE == _Q8_0:  # 34 bytes: d, 32 int8
         blk = row + g * 34
         q = _signed(w, blk + 2 + i, mask)
         scale = _f16(w, blk, mask)
@@ -544,7 +557,11 @@ _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_
 
 def random_blocks(qtype: Q, n: int, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Random bytes for n rows of k values (tests, the benchmark): every bit pattern of the quants and
-    the packed scales, float16 scales of both signs below 2**-7 (zeros and subnormals included)."""
+    the packed scales, float16 scales of both signs below 2**-7 (zeros and subnormals included); for
+    F16/BF16, normal values."""
+    if qtype in FLOAT_BLOCKS:  # values, not bit patterns (those would hold NaNs and infinities)
+        values = torch.randn(n, k, generator=generator) * 0.05
+        return values.to(torch.float16 if qtype == Q.F16 else torch.bfloat16).view(torch.uint8)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8, generator=generator)
     for at in _F16_FIELDS[qtype]:

@@ -40,6 +40,7 @@ from engine.kernels.triton_blocks import (
     _FUSED,
     _Q4_K,
     _Q6_K,
+    FLOAT_BLOCKS,
     GROUP,
     MATVEC_ROWS,
     ROUNDED,
@@ -243,8 +244,8 @@ class Stack:
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, tiles: Tiles | None = None,
                  far: torch.Tensor | None = None):
-        if qtype not in SUPPORTED:
-            names = ", ".join(t.name for t in SUPPORTED)
+        if qtype not in SUPPORTED + FLOAT_BLOCKS:
+            names = ", ".join(t.name for t in SUPPORTED + FLOAT_BLOCKS)
             raise ValueError(f"{Q(qtype).name} has no Triton kernel (supported: {names})")
         for name, t in (("blocks", blocks), ("far", blocks if far is None else far)):
             if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[1:] != blocks.shape[1:] or \
