@@ -32,7 +32,8 @@ from engine.runner import Row, Runner, Session
 class Switches:
     tok_s: float = 0.0  # at most this many decode steps a second (0: as fast as it goes)
     prefill_tok_s: float = 0.0  # at most this many prompt tokens read a second (0: as fast as it goes)
-    startup_s: float = 0.0  # seconds to wait before loading: the server sees a slow start
+    hold_until: str | None = None  # wait for this file to exist before loading (at most HOLD_MAX_S): the
+    # server sees a slow start for as long as a test needs it
     die_after: int = 0  # exit (code 3, a CUDA-like error on stderr) at the Nth generated token (T or BT)
     silent_after: int = 0  # write nothing more after the Nth generated token, and stay alive
     admission_log: str | None = None  # append a JSON line per read started: kind, slot, prompt, reused
@@ -126,9 +127,19 @@ class HarnessLoop(EngineLoop):
             fh.write(json.dumps(record) + "\n")
 
 
+HOLD_MAX_S = 120.0  # a held engine loads anyway after this long (a test that never releases it)
+
+
+def _hold(path: str) -> None:
+    deadline = time.monotonic() + HOLD_MAX_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main(argv: list[str] | None = None) -> int:
     switches, engine_argv = parse(sys.argv[1:] if argv is None else argv)
-    time.sleep(switches.startup_s)
+    if switches.hold_until:
+        _hold(switches.hold_until)
     return engine_main(engine_argv, partial(PacedRunner, switches=switches),
                        partial(HarnessLoop, switches=switches))
 

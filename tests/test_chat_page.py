@@ -57,6 +57,7 @@ def browser(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     driver.quit()
 
 
+RELEASE = "release-engine"  # the file the slow server's held engine waits for before loading
 THOUGHT = "Plan a short greeting."
 ANSWER = "Hello there! This reply streams slowly, so that the stop button can cut it short."
 
@@ -64,9 +65,10 @@ ANSWER = "Hello there! This reply streams slowly, so that the stop button can cu
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
     """Both servers start at once, while the browser starts: `slow` (no key, a reasoning reply at 25
-    tokens a second, its engine 3 s late, so the first test meets it loading) and `keyed` (API key,
-    HashLM's hash rule: each reply depends on the whole conversation)."""
-    slow = LiveServer(tmp_path_factory.mktemp("chat-slow"), switches={"startup_s": 3.0, "tok_s": 25},
+    tokens a second, its engine held until the first test has met it loading: `release`) and `keyed`
+    (API key, HashLM's hash rule: each reply depends on the whole conversation)."""
+    work = tmp_path_factory.mktemp("chat-slow")
+    slow = LiveServer(work, switches={"hold_until": str(work / RELEASE), "tok_s": 25},
                       rule=Rule(text=f"<think>{THOUGHT}</think>{ANSWER}"), wait=False)
     keyed = LiveServer(tmp_path_factory.mktemp("chat-keyed"), config={"api_key": KEY}, wait=False)
     yield slow, keyed
@@ -162,6 +164,7 @@ def test_loading_reasoning_streaming_stop_and_new_chat(browser, servers):
     assert page.status().startswith("loading the model")
     message = page.refused("hi")
     assert "the model is loading" in message and message.endswith("(HTTP 503)")
+    (srv.tmp / RELEASE).touch()  # now the engine loads
 
     wait_for(browser, lambda: page.status() == "ready", "the status never turned ready")
     page.send("hi")

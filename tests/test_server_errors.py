@@ -248,7 +248,7 @@ def test_engine_silent_is_ended_by_the_watchdog(tmp_path):
 
 
 def test_loading_answers_503(tmp_path):
-    s = LiveServer(tmp_path, switches={"startup_s": 3}, wait=False)
+    s = LiveServer(tmp_path, switches={"hold_until": str(tmp_path / "release")}, wait=False)  # loads once released
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -262,6 +262,7 @@ def test_loading_answers_503(tmp_path):
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         assert r.headers.get("retry-after")
         assert httpx.get(s.base + "/metrics").json()["live"]["state"] == "loading"
+        (tmp_path / "release").touch()
         s.wait_ready()
         assert s.chat(OK_MSGS, max_tokens=3)
         assert "engine ready" in s.output() and "ready: http://127.0.0.1" in s.output()
