@@ -102,12 +102,12 @@ def _k_scales(w, blk, j, mask):
 def _group(w, row, g, i, mask, QTYPE: tl.constexpr):
     """Groups g [1, G, 1] of the weight rows starting at bytes `row` [R, 1, 1], values i [1, 1, GROUP]:
     float32 q [R, G, GROUP], scale [R, G, 1] and min ([R, G, 1], or 0.0) with w = q * scale - min."""
-    if QTYPE == _F16:  # a float16 value each, in groups of 32: q is the value, no scale
-        q = tl.load(w.to(tl.pointer_type(tl.float16)) + row // 2 + g * 32 + i, mask=mask, other=0.0)
-        scale = 1.0
-        minimum = 0.0
-    elif QTYPE == _BF16:
-        q = tl.load(w.to(tl.pointer_type(tl.bfloat16)) + row // 2 + g * 32 + i, mask=mask, other=0.0)
+    if QTYPE == _F16 or QTYPE == _BF16:  # a 16-bit float each, in groups of 32: q is the value, no scale
+        if QTYPE == _F16:
+            values = w.to(tl.pointer_type(tl.float16))
+        else:
+            values = w.to(tl.pointer_type(tl.bfloat16))
+        q = tl.load(values + row // 2 + g * 32 + i, mask=mask, other=0.0)
         scale = 1.0
         minimum = 0.0
     elif QTYPE == _Q8_0:  # 34 bytes: d, 32 int8

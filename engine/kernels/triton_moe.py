@@ -118,6 +118,14 @@ def _expert_at(w, far, slot, expert_bytes):
     return base
 
 
+@triton.jit
+def _run_start(experts, slot_of, p):
+    """Sorted pair p's expert, its slot table entry, and whether p is the first pair of its expert's run."""
+    e = tl.load(experts + p)
+    before = tl.load(experts + p - 1, mask=p > 0, other=-1)
+    return e, tl.load(slot_of + e), e != before
+
+
 @triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
 def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, pairs, n, k, row_bytes,
                        expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
@@ -126,10 +134,9 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        SB2: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
-    e = tl.load(experts + p)
-    before = tl.load(experts + p - 1, mask=p > 0, other=-1)
-    slot = tl.load(slot_of + e).to(tl.int64)
-    if (e != before) & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
+    e, slot, first = _run_start(experts, slot_of, p)
+    slot = slot.to(tl.int64)
+    if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
         if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
@@ -226,7 +233,8 @@ class Tiles:
         rows, warps = (4 if gated else 8), 4
         chunks = 4 if qtype == Q.Q6_K else 8  # of a block, one a thread
         blocks = min(warps * 32 // (rows * chunks), triton.next_power_of_2(max(1, k // 256)))
-        return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, 1, 1, 4)
+        return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
+                   solo_blocks=4)
 
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
@@ -454,11 +462,8 @@ def _stage_kernel(src0, src1, src2, dst0, dst1, dst2, slot_of, experts, size0, s
     """Chunk program_id(1) of the three projections' blocks of sorted pair p's expert, copied from its far
     entry to the same entry of the staging tensors when p is the first pair of its expert's run and the
     slot table sends the expert far."""
-    p = tl.program_id(0)
-    e = tl.load(experts + p)
-    before = tl.load(experts + p - 1, mask=p > 0, other=-1)
-    slot = tl.load(slot_of + e)
-    if (e != before) & (slot < -1):
+    _, slot, first = _run_start(experts, slot_of, tl.program_id(0))
+    if first & (slot < -1):
         entry = (-2 - slot).to(tl.int64)
         at = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
         _copy_chunk(src0, dst0, entry, size0, at)

@@ -54,7 +54,7 @@ class GpuTieredExperts(Experts):
     def __init__(self, slots: GpuLayerSlots, pcie_frac: float = 0.0, streams: bool = True,
                  staging: Staging | None = None, counts: DeviceCounts | None = None, index: int = 0):
         self.slots = slots
-        self.staging = staging  # where misses that cross PCIe are copied (None: the kernel reads host memory)
+        # the stacks reading misses that cross PCIe from the staging buffers (None: the kernel reads host memory)
         self._staged = staging.stacks(slots) if staging is not None else None
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
         self.streams = streams  # prompt chunks read their misses over PCIe (else on the CPU)
@@ -101,7 +101,7 @@ class GpuTieredExperts(Experts):
         return rows <= MATVEC_ROWS and self.pcie_frac >= 1  # the in-place path: no host sync
 
     def before_replay(self) -> None:
-        """The in-place table after the slots changed; the device counts' host copy marked stale (a
+        """The unsynced calls' table after the slots changed; the device counts' host copy marked stale (a
         call counts into them)."""
         if self._unsynced_version != self.slots.version:
             every = torch.arange(self.slots.experts, dtype=torch.int32)
@@ -125,7 +125,12 @@ class GpuTieredExperts(Experts):
         # read before the GPU work is queued: a read after it would wait for it
         x_host = x.float().cpu() if on_cpu else None
         self.table.copy_(table)
-        stacks = self.staging.stage(self.slots, far) if far and self.staging is not None else self.slots.stacks
+        stacks = self.slots.stacks
+        if far and self._staged is not None:  # copied whole by DMA, the host knowing which
+            for host, stack in zip(self.slots.host, self._staged, strict=True):
+                for e in far:
+                    stack.far[e].copy_(host.blocks[e], non_blocking=True)
+            stacks = self._staged
         y, routing = triton_moe.swiglu_experts(*stacks, x, ids, self.table)
         patch, cpu_us = (self._on_cpu(x_host, ids_host, on_cpu) if x_host is not None else (None, 0))
         far_n, cpu_n = (int(counts[part].sum()) if part else 0 for part in (far, on_cpu))

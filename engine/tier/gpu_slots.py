@@ -46,9 +46,9 @@ class GpuLayerSlots(SlotTable):
 
 
 class Staging:
-    """VRAM a window or prompt chunk copies its missed experts into before the kernel reads them: whole experts by
-    DMA at the link's speed, where the kernel's own reads of host memory reach a fraction of it (they are
-    small and scattered). One buffer per projection, big enough for every expert of any layer; the
+    """VRAM a window or prompt chunk copies its missed experts into before the kernel reads them: whole
+    experts, by DMA or by the GPU's own copy kernel (`triton_moe.stage_far`), at the link's speed, where the
+    matvec's own reads of host memory reach less than half of it (they are small and scattered). One buffer per projection, big enough for every expert of any layer; the
     layers use it in turn, their copies and kernels ordered on one stream."""
 
     def __init__(self, layers: list[GpuLayerSlots]):
@@ -61,15 +61,6 @@ class Staging:
 
     def stacks(self, slots: GpuLayerSlots) -> tuple[triton_moe.Stack, ...]:
         """The layer's stacks reading their far entries in the buffers (as many entries as the layer has
-        experts, each where `stage` or `triton_moe.stage_far` copies it)."""
+        experts, each where `GpuTieredExperts` or `triton_moe.stage_far` copies it)."""
         return tuple(stack.with_far(buf[: host.blocks.numel()].view(host.blocks.shape))
                      for buf, host, stack in zip(self.buffers, slots.host, slots.stacks, strict=True))
-
-    def stage(self, slots: GpuLayerSlots, experts: list[int]) -> tuple[triton_moe.Stack, ...]:
-        """Copy `experts` of the layer into the buffers (DMA, the host knowing which); the layer's stacks
-        reading their far entries there."""
-        staged = self.stacks(slots)
-        for host, stack in zip(slots.host, staged, strict=True):
-            for e in experts:
-                stack.far[e].copy_(host.blocks[e], non_blocking=True)
-        return staged
