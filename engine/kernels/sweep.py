@@ -1,12 +1,13 @@
-"""`python -m engine.kernels.sweep [SECONDS]`: the one-row tile sweeps behind `triton_blocks` and
-`triton_moe.Tiles.solo_*` on a CUDA device, within a time limit (each configuration compiles once,
-1-3 s): the int16 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at
-qwen3-30b-a3b's dense shapes and its Q6_K head, then the fused MoE kernel's one-row windows (gate+up,
-down). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`);
+"""`python -m engine.kernels.sweep [SECONDS]`: the decode tile sweeps behind `triton_blocks` and
+`triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once, 1-3 s): the
+fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16 dense kernel
+(`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense
+shapes for one row, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`);
 each shape's configurations are printed fastest first, the one the code uses marked."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -19,9 +20,10 @@ from triton.testing import do_bench_cudagraph
 
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
+from engine.kernels.triton_blocks import MATVEC_ROWS
 from engine.kernels.triton_xq import ASM, RoundedRows
 
-DENSE = ((Q.Q4_K, 5120, 2048), (Q.Q4_K, 2048, 4096), (Q.Q6_K, 512, 2048), (Q.Q6_K, 151936, 2048))
+DENSE = ((Q.Q6_K, 151936, 2048), (Q.Q4_K, 5120, 2048), (Q.Q4_K, 2048, 4096), (Q.Q6_K, 512, 2048))
 HIDDEN, FF, EXPERTS, TOP_K = 2048, 768, 128, 8
 CHOICES = (1, 2, 4, 8)
 
@@ -62,41 +64,65 @@ def dense_one_row(deadline: float) -> None:
         _dense(qtype, n, k, deadline, gen)
 
 
-def moe_one_row(deadline: float) -> None:
+def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
+    """[rows, TOP_K] distinct experts a row, drawn with weights rank ** -0.5: eight rows route ~50 distinct
+    experts, as the 12-layer test models with `--router-skew 1` do."""
+    weights = (torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** -0.5)[torch.randperm(EXPERTS, generator=gen)]
+    return torch.stack([torch.multinomial(weights, TOP_K, generator=gen) for _ in range(rows)])
+
+
+def moe_window(rows: int, deadline: float) -> None:
+    """The fused MoE kernel on a window of `rows` rows: one row sweeps `Tiles.solo_*`, more rows the matvec
+    tiles (`matvec_rows`, `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert."""
     gen = torch.Generator().manual_seed(1)
     shapes = {"gate": (Q.Q4_K, FF, HIDDEN), "up": (Q.Q4_K, FF, HIDDEN), "down": (Q.Q6_K, HIDDEN, FF)}
     blocks = {name: (qtype, tb.random_blocks(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1).cuda(), k)
               for name, (qtype, n, k) in shapes.items()}
     slot_of = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
-    ids = torch.randperm(EXPERTS, generator=gen)[:TOP_K][None].cuda()
+    ids = _skewed_ids(rows, gen).cuda()
     routing = tm.Routing.of(ids, EXPERTS)
-    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(TOP_K, FF, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(rows * TOP_K, FF, device="cuda", dtype=torch.bfloat16)
 
     def stack(name: str, tiles: tm.Tiles) -> tm.Stack:
         qtype, b, k = blocks[name]
         return tm.Stack(qtype, b, k, tiles)
 
+    def tiles_of(qtype: Q, k: int, gated: bool, config: tuple[int, int, int] | None) -> tm.Tiles:
+        used = tm.Tiles.for_stack(qtype, k, gated)
+        if config is None:
+            return used
+        r, b, w = config
+        if rows == 1:
+            return dataclasses.replace(used, solo_rows=r, solo_blocks=b, solo_warps=w)
+        return dataclasses.replace(used, matvec_rows=r, row_blocks=b, matvec_warps=w)
+
+    def chosen(qtype: Q, k: int, gated: bool) -> tuple[int, int, int]:
+        t = tiles_of(qtype, k, gated, None)
+        return (t.solo_rows, t.solo_blocks, t.solo_warps) if rows == 1 else (t.matvec_rows, t.row_blocks, t.matvec_warps)
+
     gated, down = {}, {}
-    for rows, blocks_a_step, warps in itertools.product(CHOICES, CHOICES, CHOICES):
+    configs = [chosen(Q.Q4_K, HIDDEN, True), chosen(Q.Q6_K, FF, False)]
+    configs += [c for c in itertools.product(CHOICES, CHOICES, CHOICES[:3]) if c not in configs]
+    for config in configs:
         if time.monotonic() > deadline:
             break
-        tiles = tm.Tiles(8, 512, 64, 64, 64, solo_rows=rows, solo_warps=warps, solo_blocks=blocks_a_step)
-        config = (rows, blocks_a_step, warps)
-        gated[config] = _us(lambda t=tiles: tm.swiglu(stack("gate", t), stack("up", t), x, routing, slot_of))
-        down[config] = _us(lambda t=tiles: tm.project(stack("down", t), h, routing, slot_of))
-    used = tm.Tiles.for_stack(Q.Q4_K, HIDDEN, gated=True)
-    _report("MoE gate+up (Q4_K), one row", gated, (used.solo_rows, used.solo_blocks, used.solo_warps))
-    used = tm.Tiles.for_stack(Q.Q6_K, FF, gated=False)
-    _report("MoE down (Q6_K), one row", down, (used.solo_rows, used.solo_blocks, used.solo_warps))
+        g = tiles_of(Q.Q4_K, HIDDEN, True, config)
+        d = tiles_of(Q.Q6_K, FF, False, config)
+        gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    experts = routing.experts.unique().numel()
+    _report(f"MoE gate+up (Q4_K), {rows} rows, {experts} experts", gated, chosen(Q.Q4_K, HIDDEN, True))
+    _report(f"MoE down (Q6_K), {rows} rows, {experts} experts", down, chosen(Q.Q6_K, FF, False))
 
 
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {seconds:.0f} s")
     start = time.monotonic()
-    dense_one_row(start + seconds / 2)
-    moe_one_row(start + seconds)
+    moe_window(MATVEC_ROWS, start + seconds * 0.4)
+    dense_one_row(start + seconds * 0.8)
+    moe_window(1, start + seconds)
 
 
 if __name__ == "__main__":
