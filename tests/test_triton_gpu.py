@@ -4,6 +4,7 @@ the number of rows; a Q8_0 model keeps its blocks on the GPU and batch = solo.""
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # before the kernels are imported: elsewhere they run interpreted
@@ -65,6 +66,17 @@ def test_rows_do_not_depend_on_m(case):
     assert_same_bits(mat.matmul(x[5:6]), mat.matmul(x[5:6].clone()))
     chunk = mat.matmul(x)
     assert_same_bits(mat.matmul(x[5:30]), chunk[5:30])  # other rows, other places in the GEMM's tiles
+
+
+def test_q6_k_head_one_row_matches_reference():
+    """A Q6_K head (32,768 rows and more) has one-row tiles of its own."""
+    n, k = 32768, 2048
+    blocks = tb.random_blocks(Q.Q6_K, n, k, torch.Generator().manual_seed(3)).cuda()
+    mat = tb.Matrix(Q.Q6_K, blocks, k)
+    assert mat._one_row == (4, 1, 1)
+    x = random_x(1, k, torch.bfloat16)
+    assert_close(mat.matmul(x), x, reference(Q.Q6_K, blocks), matvec_tolerance(torch.bfloat16),
+                 rounding_error(x))
 
 
 def test_q8_model_keeps_blocks_and_batch_equals_solo(tiny_model_q8):

@@ -55,7 +55,7 @@ def _dense(qtype: Q, n: int, k: int, deadline: float, gen: torch.Generator) -> N
         if time.monotonic() > deadline:
             break
         times[config] = _us(lambda config=config: call(*config))
-    _report(f"{qtype.name} {n}x{k}, one row", times, (2, mat._int_blocks, mat._int_warps))
+    _report(f"{qtype.name} {n}x{k}, one row", times, mat._one_row)
 
 
 def dense_one_row(deadline: float) -> None:

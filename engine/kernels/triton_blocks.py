@@ -487,6 +487,10 @@ class Matrix:
         chunks = 8 if qtype == Q.Q4_K else 4
         self._int_blocks = min(self.tiles.row_blocks * 8 // chunks, triton.next_power_of_2(max(1, k // 256)))
         self._int_warps = max(1, 2 * self._int_blocks * chunks // 32)
+        # one row: the same, but the Q6_K head (151,936 rows) four rows a program, a block a step, one warp:
+        # 186.8 -> 150.5 us on an H200, the fastest of `python -m engine.kernels.sweep` (rows 1-4, blocks 1-8,
+        # warps 1-4)
+        self._one_row = (4, 1, 1) if qtype == Q.Q6_K and self.n >= 32768 else (2, self._int_blocks, self._int_warps)
         self._type_args = dict(QTYPE=int(qtype), GROUP=GROUP[qtype])
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
@@ -515,10 +519,11 @@ class Matrix:
         t = self.tiles
         if x.shape[0] and self._rounded:
             rounded = RoundedRows.of(x)
-            _rounded_kernel[(triton.cdiv(self.n, 2),)](
+            rows, blocks, warps = self._one_row if x.shape[0] == 1 else (2, self._int_blocks, self._int_warps)
+            _rounded_kernel[(triton.cdiv(self.n, rows),)](
                 self.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, x.shape[0], self.n, self.k,
-                self.blocks.shape[1], QTYPE=int(self.qtype), R=2, SB=self._int_blocks,
-                ROWS=1 if x.shape[0] == 1 else MATVEC_ROWS, ASM=ASM, num_warps=self._int_warps)
+                self.blocks.shape[1], QTYPE=int(self.qtype), R=rows, SB=blocks,
+                ROWS=1 if x.shape[0] == 1 else MATVEC_ROWS, ASM=ASM, num_warps=warps)
         elif x.shape[0] == 1:
             _row_kernel[(self.n,)](self.blocks, x, y, self.n, self.k, self.blocks.shape[1], **self._type_args, R=1,
                                    BK=t.row_k, num_warps=2, **_FUSED)
