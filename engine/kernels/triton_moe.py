@@ -10,19 +10,16 @@ the device, no host sync):
 
 - decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
   first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
-  the others return at once. So each routed expert's rows are read once for all its pairs. Pairs alone
-  on their expert (every pair of a one-row window, most of an 8-row one) take `triton_blocks`' one-row
-  sums (~2x faster) with tiles of their own (`Tiles.solo_*`), in a launch of their own: compiled beside
-  the runs' path, they ran at the registers and occupancy of that path (8 rows, 44 experts on an H200:
-  gate+up 119.7 us, down 104.8 us).
+  the others return at once. So each routed expert's rows are read once for all its pairs. A pair alone
+  on its expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot.
 
 Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' types and shapes only (`Tiles`), so
 a pair's result depends on its own row, and in the matvec on whether its expert's run has company: in a run
-of 2-8 a pair runs the same instructions whatever its place, alone it runs the one-row sums with the same
-tiles in any window (exact mode runs rows alone: always those); in the GEMM it is the same dots over the same tiles whatever its place in the
+of 2-8 a pair runs the same instructions whatever its place, alone it runs the one-row sums (exact mode runs
+rows alone: always those); in the GEMM it is the same dots over the same tiles whatever its place in the
 tile (as in `triton_blocks`). The paths round differently from each other.
 
 `python -m engine.kernels.triton_moe` prints the fused kernel's time, GB/s and TFLOP/s for decode windows
@@ -134,10 +131,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr,
-                       SB2: tl.constexpr, ASM: tl.constexpr, SHARED: tl.constexpr):
-    """SHARED: the runs of 2-8 pairs on one expert (the others return at once); else the pairs alone on
-    their expert. Two launches, so that each compiles only its own path: the one-row sums keep the
-    registers (and so the occupancy) of a one-row window."""
+                       SB2: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
     e, slot, first = _run_start(experts, slot_of, p)
@@ -145,7 +139,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
     if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
-        if (count == 1) & (not SHARED):  # alone on its expert, as every pair of a one-row window
+        if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
             at = tl.load(src + p).to(tl.int64)
             one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k, row_bytes,
                            QTYPE, GROUP, R, BK, SB, ASM)
@@ -154,7 +148,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                                row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                 one = one * tl.sigmoid(one) * up1
             tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
-        elif (count > 1) & SHARED:
+        else:
             acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count, k,
                             row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
             if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
@@ -224,16 +218,10 @@ class Tiles:
     matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
-    # pairs alone on their expert (every pair of a one-row window, most of an 8-row one): weight rows per
-    # program, warps and blocks a step (None: as above)
+    # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
     solo_blocks: int | None = None
-
-    def solo(self) -> tuple[int, int, int]:
-        """Weight rows a program, blocks a step and warps for the pairs alone on their expert."""
-        return (self.solo_rows or self.matvec_rows, self.solo_blocks or self.row_blocks,
-                self.solo_warps or self.matvec_warps)
 
     @classmethod
     def for_stack(cls, qtype: Q, k: int, gated: bool) -> Tiles:
@@ -404,21 +392,17 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         if routing.rows > MATVEC_ROWS:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {routing.rows}: route prompt "
                              f"chunks with gemm_m")
+        solo = routing.rows == 1 and tiles.solo_rows is not None
+        rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
+                           (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
+        sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         # the kernel takes the rounded rows' pointers whatever the types; the float types never read them
         rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
-        args = (w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
-                rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes)
-        kinds = w.type_args() | other.type_args("2")
-        # pairs alone on their expert (every pair of a one-row window) with the one-row tiles in any window
-        rows, blocks, warps = tiles.solo()
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
-            *args, **kinds, GATED=gated, R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=blocks,
-            SB2=other.tiles(gated).solo()[1], ASM=ASM, SHARED=False, num_warps=warps, **_FUSED)
-        if routing.rows > 1:  # runs of 2-8 pairs
-            _moe_matvec_kernel[(triton.cdiv(w.n, tiles.matvec_rows), pairs)](
-                *args, **kinds, GATED=gated, R=tiles.matvec_rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS,
-                SB=tiles.row_blocks, SB2=other.tiles(gated).row_blocks, ASM=ASM, SHARED=True,
-                num_warps=tiles.matvec_warps, **_FUSED)
+            w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
+            rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
+            **other.type_args("2"), GATED=gated, R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM,
+            num_warps=warps, **_FUSED)
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
