@@ -25,7 +25,7 @@ from engine.kernels import cpu as cpu_kernels
 from engine.loading import DTYPES, open_model, placement_of
 from engine.models.base import Model
 from engine.protocol import Sampling
-from engine.runner import Row, Runner
+from engine.runner import AHEAD, Row, Runner
 from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 
 GB = 1e9
@@ -72,9 +72,32 @@ class Figures:
     replay_ms: float | None  # a one-row window's CUDA graph replayed alone (None: no graph)
 
 
+def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
+    """`steps` decode windows of `rows`, as the engine's loop runs them: each queued on the last one's
+    tokens before the host reads them where the runner can (`Runner.can_queue_ahead`). Returns the rows of
+    the next window."""
+    if not runner.can_queue_ahead(rows):
+        for _ in range(steps):
+            tokens = runner.decode_window(rows)[0]
+            rows = [Row(r.session, t, r.sampling, r.seed) for r, t in zip(rows, tokens, strict=True)]
+        return rows
+    window = runner.queue(rows)
+    for step in range(steps):
+        ahead = None
+        if step + 1 < steps:
+            ahead = runner.queue([Row(r.session, AHEAD, r.sampling, r.seed) for r in rows], after=window)
+        tokens = window.tokens()
+        if ahead is not None:
+            for r, t in zip(rows, tokens, strict=True):
+                r.session.tokens.append(t)  # the window queued ahead fed it
+        rows = [Row(r.session, t, r.sampling, r.seed) for r, t in zip(rows, tokens, strict=True)]
+        window = ahead
+    return rows
+
+
 def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3,
-        graphs: bool = True) -> Figures:
-    runner = Runner(model, slots, exact=False, graphs=graphs)
+        graphs: bool = True, ahead: bool | None = None) -> Figures:
+    runner = Runner(model, slots, exact=False, graphs=graphs, ahead=ahead)
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
     greedy = Sampling()
@@ -84,8 +107,7 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         state["token"] = int(runner.read(runner.solo, prompt).argmax())
 
     def one_row(steps: int) -> None:
-        for _ in range(steps):
-            state["token"] = runner.decode_window([Row(runner.solo, state["token"], greedy, 0)])[0][0]
+        state["token"] = decode_steps(runner, [Row(runner.solo, state["token"], greedy, 0)], steps)[0].token
 
     read()  # warm-up, as llama-bench does: the first read also pays one-off costs (page faults, plans)
     runner.solo.tokens = []
@@ -108,9 +130,7 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
 
         def steps(windows: int) -> None:
             nonlocal rows
-            for _ in range(windows):
-                tokens = runner.decode_window(rows)[0]
-                rows = [Row(r.session, t, greedy, 0) for r, t in zip(rows, tokens, strict=True)]
+            rows = decode_steps(runner, rows, windows)
 
         steps(warmup)
         batch_tok_s = slots * decode / timed(device, lambda: steps(decode))
@@ -187,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU decode products: int16, int8 or float32 activations")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="decode windows replayed from CUDA "
                    "graphs, as the engine's")
+    p.add_argument("--ahead", choices=("on", "off"), default="on", help="decode windows queued on the last "
+                   "one's tokens before the host reads them, as the engine's loop does (CUDA)")
     p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
                    "adapts during them)")
     add_tier_flags(p)
@@ -220,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     for _ in range(args.rounds):
         rounds.append(run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup,
-                          graphs=args.cuda_graphs == "on"))
+                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False))
         if args.llama_bench:
             peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
                                      reps=1 if args.rounds > 1 else 5))
@@ -246,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if r.runner.graphs is not None:
         graphs = r.runner.graphs
         print(f"cuda graphs  {graphs.captures} captured, {graphs.replays} windows replayed"
-              + (f"; off: {graphs.failed}" if graphs.failed else ""))
+              + (f"; off: {graphs.failed}" if graphs.failed else "")
+              + f"; {r.runner.queued_ahead} queued on the last one's tokens before the host read them")
         if r.replay_ms is not None:
             print(f"one row      {1000 / decode_tok_s:.3f} ms a window, {r.replay_ms:.3f} ms of it the graph's "
                   f"replay (the GPU's work; the rest is the host's)")

@@ -32,9 +32,10 @@ class Driver:
     """One model, any number of scripted runs; each run starts with empty sessions."""
 
     def __init__(self, model: Model, stop_ids: frozenset[int], slots: int, exact: bool = True, prefill: int = 16,
-                 decode_share: float = 0.5, groups: int = 1):
+                 decode_share: float = 0.5, groups: int = 1, ahead: bool | None = None):
         self.model, self.stop_ids, self.slots = model, stop_ids, slots
         self.exact, self.prefill, self.decode_share, self.groups = exact, prefill, decode_share, groups
+        self.ahead = ahead  # windows queued ahead (`Runner.queue`); None: where the runner chooses (CUDA)
         self.lines: list[str] = []
         self.hooks: list[Hook] = []
         self.server = self._fresh()
@@ -47,8 +48,8 @@ class Driver:
         return cls(model, stop_token_ids(g.metadata), slots, **kw)
 
     def _fresh(self) -> EngineLoop:
-        return EngineLoop(Runner(self.model, self.slots, self.exact, self.groups), self.stop_ids, self.prefill,
-                          self.decode_share, out=self)
+        return EngineLoop(Runner(self.model, self.slots, self.exact, self.groups, ahead=self.ahead), self.stop_ids,
+                          self.prefill, self.decode_share, out=self)
 
     def reset(self) -> None:
         """Forget every held session (a fresh engine, the model kept)."""

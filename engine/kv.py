@@ -35,6 +35,7 @@ class KVCache:
         self.sessions = sessions
         self.context = context
         self.max_chunk = max_chunk
+        self.rings = min(self.lengths, default=context) < context  # some layer keeps a ring, not the context
 
     @staticmethod
     def bytes_per_session(windows: tuple[int | None, ...], kv_heads: int, context: int, head_dim: int,

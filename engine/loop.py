@@ -26,7 +26,7 @@ from engine.loading import log
 from engine.memory import memory_split
 from engine.models.base import Model
 from engine.parking import ParkingStore
-from engine.runner import Row, Runner, Session
+from engine.runner import AHEAD, Queued, Row, Runner, Session
 from engine.sampling import Draw, logprob_of
 from engine.window_log import WindowLog
 
@@ -77,6 +77,8 @@ class EngineLoop:
         self.pending: deque[Job] = deque()
         self.reading: Job | None = None
         self.decoding: dict[int, Job] = {}  # session index -> job
+        # a decode window queued on the last one's tokens (`Runner.queue`), not read yet, and its rows' jobs
+        self.ahead: tuple[Queued, list[Job]] | None = None
         self.quit = False  # QUIT or end of stdin seen: exit once idle
         self.stats = _StatsCounter()
         self.window_log = WindowLog()
@@ -258,14 +260,29 @@ class EngineLoop:
             if job.stop:
                 del self.decoding[index]
                 self.finish_decoding(job, "cancel")
-        if not self.decoding:
+        queued, self.ahead = self.ahead, None
+        if queued is not None and not self._live(queued[1]):
+            queued = None  # every row it continued stopped since: its tokens are not wanted
+        if not self.decoding and queued is None:
             return
-        jobs = sorted(self.decoding.values(), key=lambda j: j.session.index)
         t0 = time.perf_counter()
-        tokens, window = self.runner.decode_window(
-            [Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs])
+        if queued is None:
+            jobs = sorted(self.decoding.values(), key=lambda j: j.session.index)
+            rows = [Row(job.session, job.next_token, job.sampling, job.seed) for job in jobs]
+            if self.runner.can_queue_ahead(rows):
+                queued = (self.runner.queue(rows), jobs)
+        if queued is None:
+            tokens, window = self.runner.decode_window(rows)
+        else:
+            self._queue_ahead(*queued)
+            window, jobs = queued[0].experts, queued[1]
+            tokens = queued[0].tokens()
+        fed_ahead = {id(job) for job in self.ahead[1]} if self.ahead is not None else set()
+        picked = [(job, token) for job, token in zip(jobs, tokens, strict=True)
+                  if self.decoding.get(job.session.index) is job]  # not those stopped since it was queued
+        jobs = [job for job, _ in picked]
         served = window.share(len(jobs))
-        for job, token in zip(jobs, tokens, strict=True):
+        for job, token in picked:
             job.experts += served
             job.generated += 1
             if job.slot is None:
@@ -278,6 +295,8 @@ class EngineLoop:
             if finish:
                 del self.decoding[job.session.index]
                 self.finish_decoding(job, finish)
+            elif id(job) in fed_ahead:
+                job.session.tokens.append(token)  # the window queued ahead fed it
         seconds = time.perf_counter() - t0
         self.stats.step(len(jobs), seconds, jobs, window)
         tier = self.model.tier
@@ -285,6 +304,22 @@ class EngineLoop:
                                       (tier.rounds, tier.swaps, tier.adapt_wait_s) if tier is not None else None)
         if line:
             log(line)
+
+    def _live(self, jobs: list[Job]) -> bool:
+        return any(self.decoding.get(job.session.index) is job for job in jobs)
+
+    def _queue_ahead(self, window: Queued, jobs: list[Job]) -> None:
+        """Queue the next window on `window`'s tokens before reading them, so the device runs it while
+        the host handles these: when every decoding row is in `window` and none stops by length at its
+        token. A row that stops at its token anyway (a stop token) was fed one token more; its output is
+        dropped (docs/architecture.md, "decode windows queued ahead")."""
+        live = [job for job in jobs if self.decoding.get(job.session.index) is job]
+        if len(live) != len(self.decoding) or any(
+                job.generated + 1 >= job.max_new or job.read_pos + 2 >= self.model.context for job in live):
+            return
+        rows = [Row(job.session, AHEAD, job.sampling, job.seed) for job in live]
+        if self.runner.can_queue_ahead(rows):
+            self.ahead = (self.runner.queue(rows, after=window), live)
 
     def decode_steps_for(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds

@@ -23,7 +23,7 @@ from engine.loading import log
 from engine.models.base import Model
 from engine.parking import ParkingStore, common_prefix, continues
 from engine.protocol import Sampling
-from engine.sampling import Draw, sample_rows
+from engine.sampling import Draw, choose, sample_rows
 from engine.weights import MATVEC_ROWS
 
 
@@ -36,7 +36,8 @@ class Session:
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a decode step: `session` is fed `token`, then draws its next token."""
+    """One row of a decode step: `session` is fed `token` (`AHEAD`: the token the window queued before
+    chose for it, still on the device), then draws its next token."""
 
     session: Session
     token: int
@@ -44,12 +45,34 @@ class Row:
     seed: int
 
 
+AHEAD = -1
+
+
+@dataclass
+class Queued:
+    """A decode window handed to the device: its rows, their chosen tokens (`chosen`, on the device) on
+    their way to the host, and the routed entries it served."""
+
+    rows: list[Row]
+    chosen: torch.Tensor
+    experts: ExpertStats = field(default_factory=ExpertStats)
+    _host: torch.Tensor | list[int] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def tokens(self) -> list[int]:
+        """The chosen tokens, once the device has them (the only wait for this window)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host if isinstance(self._host, list) else self._host.tolist()
+
+
 class Runner:
     """`groups`: the slots in that many groups of consecutive slots (`--batch-groups`), each decoded in
     its own window; the solo session goes with the last group. `graphs`: decode windows replayed from
     CUDA graphs where the model allows (engine/cuda_graphs.py)."""
 
-    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True):
+    def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True,
+                 ahead: bool | None = None):
         if groups < 1 or (n_slots and n_slots % groups):
             raise ValueError(f"{groups} groups do not divide {n_slots} slots")
         self.model = model
@@ -60,6 +83,10 @@ class Runner:
         self.batches = BatchBuilder(model.device, max(model.kv.max_chunk, n_slots + 1), n_slots + 1)
         cpu_kernels.set_threads(torch.get_num_threads())
         self.graphs = DecodeGraphs(model) if graphs and DecodeGraphs.usable(model) else None
+        # windows queued on the last one's tokens before the host reads them (`queue`): where the device
+        # runs apart from the host (None: on CUDA)
+        self.ahead = model.device.type == "cuda" if ahead is None else ahead
+        self.queued_ahead = 0  # windows queued on the last one's tokens
 
     @property
     def solo(self) -> Session:
@@ -131,9 +158,12 @@ class Runner:
         dst.tokens, dst.turn = list(src.tokens), src.turn
 
     @torch.inference_mode()
-    def forward(self, spans: list[Span], tokens: list[int]) -> torch.Tensor:
-        """One forward pass; float32 logits of each span's last row, [len(spans), vocab]."""
+    def forward(self, spans: list[Span], tokens: list[int], fed: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass; float32 logits of each span's last row, [len(spans), vocab]. `fed`: the
+        rows' tokens on the device, in place of `tokens`."""
         batch = self.batches.build(spans, tokens)
+        if fed is not None:
+            batch.tokens.copy_(fed)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is not None:
             return logits
@@ -195,17 +225,64 @@ class Runner:
         split over GPUs nothing waits for the host in between, so stage k works on one group's window
         while stage k + 1 works on the one before.
         """
+        return self._launch(rows).tokens()
+
+    def can_queue_ahead(self, rows: list[Row]) -> bool:
+        """Whether the next window of `rows` can be queued on this one's tokens before the host reads
+        them: one forward a window on one device (no exact rows apart, no groups, no layer split), nothing in
+        it that needs the tokens on the host (penalties, log-probabilities) or a window boundary (an expert
+        tier), and only
+        full-attention caches (a row that stops has been fed one token past its end: a ring would lose a
+        position it still holds)."""
+        return (self.ahead and self.model.tier is None and self.groups == 1 and not (self.exact and len(rows) > 1)
+                and not self.model.kv.rings and not self.model.placement.split
+                and all(r.sampling.logprobs < 0 and not r.sampling.penalized for r in rows))
+
+    def queue(self, rows: list[Row], after: Queued | None = None) -> Queued:
+        """`decode_window` without reading the tokens back: the loop reads them with `Queued.tokens`. With
+        `after`, the rows (a subset of its rows, `can_queue_ahead`) feed the tokens it chose: the device
+        runs this window while the host reads that one's tokens. The caller appends each such token to
+        its session once read (unless the row stopped there)."""
+        before = self.model.expert_stats()
+        window = self._launch(rows, after)
+        window.experts = self.model.expert_stats() - before
+        self.queued_ahead += after is not None
+        return window
+
+    def _launch(self, rows: list[Row], after: Queued | None = None) -> Queued:
         spans = [Span(r.session.index, len(r.session.tokens), 1) for r in rows]
-        tokens = [r.token for r in rows]
+        tokens = [max(r.token, 0) for r in rows]
+        if after is None:
+            fed = None
+        elif [r.session for r in rows] == [r.session for r in after.rows]:
+            fed = after.chosen
+        else:
+            at = {id(r.session): i for i, r in enumerate(after.rows)}
+            fed = after.chosen[torch.tensor([at[id(r.session)] for r in rows], device=after.chosen.device)]
         if self.exact and len(rows) > 1:
             logits = torch.cat([self.forward([span], [token]) for span, token in zip(spans, tokens, strict=True)])
         elif self.groups > 1:
             logits = self._group_windows(rows, spans, tokens)
         else:
-            logits = self.forward(spans, tokens)
-        for r in rows:
-            r.session.tokens.append(r.token)
-        return self.sample(logits, [Draw.after(r.sampling, r.seed, r.session.tokens) for r in rows])
+            logits = self.forward(spans, tokens, fed)
+        draws = []
+        for r, span in zip(rows, spans, strict=True):
+            if r.token == AHEAD:  # its token is not on the host yet: no penalties (`can_queue_ahead`)
+                draws.append(Draw(r.sampling, r.seed, span.start + 1))
+            else:
+                r.session.tokens.append(r.token)
+                draws.append(Draw.after(r.sampling, r.seed, r.session.tokens))
+        if any(d.sampling.logprobs >= 0 for d in draws):
+            picks = self.sample(logits, draws)
+            return Queued(rows, torch.tensor(picks, device=logits.device), _host=picks)
+        chosen = choose(logits, draws)
+        if chosen.device.type != "cuda":
+            return Queued(rows, chosen, _host=chosen)
+        host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+        host.copy_(chosen, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return Queued(rows, chosen, _host=host, _copied=copied)
 
     def _group_windows(self, rows: list[Row], spans: list[Span], tokens: list[int]) -> torch.Tensor:
         """One forward per group with rows; the logits in the rows' order."""

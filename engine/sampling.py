@@ -75,17 +75,26 @@ def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
     the same alone or beside any other rows.
     """
     logits = penalize(logits, draws)
-    chosen = cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
-    sampled = [i for i, d in enumerate(draws) if not d.sampling.greedy]
-    if sampled:
-        chosen[sampled] = _sample(logits[sampled], [draws[i] for i in sampled])
-    ids: list[int] = chosen.tolist()
+    ids: list[int] = _chosen(logits, draws).tolist()
     asked = [i for i, d in enumerate(draws) if d.sampling.logprobs >= 0]
     if asked:
         for i, logprob in zip(asked, _logprobs(logits[asked], [ids[i] for i in asked],
                                                [draws[i].sampling.logprobs for i in asked]), strict=True):
             ids[i] = Pick(ids[i], logprob)
     return ids
+
+
+def choose(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    """`sample_rows`' ids (without log-probabilities) as an int64 tensor on the logits' device, not read back."""
+    return _chosen(penalize(logits, draws), draws)
+
+
+def _chosen(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    chosen = cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
+    sampled = [i for i, d in enumerate(draws) if not d.sampling.greedy]
+    if sampled:
+        chosen[sampled] = _sample(logits[sampled], [draws[i] for i in sampled])
+    return chosen
 
 
 def _logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int]) -> list[Logprob]:
