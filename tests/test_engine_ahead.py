@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine import bench
+from engine import protocol as P
 from engine.check import Driver, collect, compare, sample_prompts
+from engine.kv import KVCache
 from engine.protocol import Sampling
 from engine.runner import Row, Runner
 from engine.scenarios import INTERLEAVES
@@ -79,3 +81,26 @@ def test_windows_queued_ahead_on_cuda(tiny_model_q8):
     assert compare(driver, sample_prompts(driver.model.hyper.vocab, 4, seed=5), max_new=16) == []
     assert driver.server.runner.queued_ahead > 0
     test_bench_decode_steps_queue_ahead_with_the_same_tokens(driver)
+
+
+def test_rows_that_need_their_tokens_on_the_host_are_not_queued_ahead(driver):
+    runner = Runner(driver.model, 2, exact=False, ahead=True)
+    plain = [Row(runner.slot(i), 1, Sampling(), 0) for i in range(2)]
+    assert runner.can_queue_ahead(plain)
+    for keys in ("repeat_penalty=1.3", "logprobs=2"):
+        sampling = P.parse_command(f"GEN 1 {keys} 0").sampling
+        assert not runner.can_queue_ahead([plain[0], Row(runner.slot(1), 1, sampling, 0)])
+    assert not Runner(driver.model, 2, exact=True, ahead=True).can_queue_ahead(plain)  # rows run apart
+    assert Runner(driver.model, 2, exact=True, ahead=True).can_queue_ahead(plain[:1])
+    assert not Runner(driver.model, 2, exact=False, ahead=False).can_queue_ahead(plain)
+
+
+def test_ring_caches_are_told_apart():
+    """A sliding-window layer's ring would lose a position to the token a stopped row was fed ahead."""
+    def kv(windows):
+        return KVCache(windows, sessions=1, kv_heads=1, context=64, head_dim=8, max_chunk=8, dtype=torch.float32,
+                       device=torch.device("cpu"))
+
+    assert kv((None, 16)).rings
+    assert not kv((None, None)).rings
+    assert not kv((None, 60)).rings  # a window whose ring holds the whole context
