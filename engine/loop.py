@@ -312,7 +312,7 @@ class EngineLoop:
         """Queue the next window on `window`'s tokens before reading them, so the device runs it while
         the host handles these: when every decoding row is in `window` and none stops by length at its
         token. A row that stops at its token anyway (a stop token) was fed one token more; its output is
-        dropped (docs/architecture.md, "decode windows queued ahead")."""
+        dropped and its session keeps what it keeps without look-ahead (`Runner.can_queue_ahead`)."""
         live = [job for job in jobs if self.decoding.get(job.session.index) is job]
         if len(live) != len(self.decoding) or any(
                 job.generated + 1 >= job.max_new or job.read_pos + 2 >= self.model.context for job in live):

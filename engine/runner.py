@@ -229,11 +229,10 @@ class Runner:
 
     def can_queue_ahead(self, rows: list[Row]) -> bool:
         """Whether the next window of `rows` can be queued on this one's tokens before the host reads
-        them: one forward a window on one device (no exact rows apart, no groups, no layer split), nothing in
-        it that needs the tokens on the host (penalties, log-probabilities) or a window boundary (an expert
-        tier), and only
-        full-attention caches (a row that stops has been fed one token past its end: a ring would lose a
-        position it still holds)."""
+        them: one forward a window on one device (no exact rows apart, no groups, no layer split), nothing
+        in it that needs the tokens on the host (penalties, log-probabilities) or a window boundary (an
+        expert tier), and only full-attention caches (a row that stops has been fed one token past its
+        end: a ring would lose a position it still holds)."""
         return (self.ahead and self.model.tier is None and self.groups == 1 and not (self.exact and len(rows) > 1)
                 and not self.model.kv.rings and not self.model.placement.split
                 and all(r.sampling.logprobs < 0 and not r.sampling.penalized for r in rows))
@@ -243,6 +242,8 @@ class Runner:
         `after`, the rows (a subset of its rows, `can_queue_ahead`) feed the tokens it chose: the device
         runs this window while the host reads that one's tokens. The caller appends each such token to
         its session once read (unless the row stopped there)."""
+        if after is not None and not self.can_queue_ahead(rows):
+            raise ValueError("these rows cannot be queued ahead (Runner.can_queue_ahead)")
         before = self.model.expert_stats()
         window = self._launch(rows, after)
         window.experts = self.model.expert_stats() - before
@@ -253,6 +254,8 @@ class Runner:
         spans = [Span(r.session.index, len(r.session.tokens), 1) for r in rows]
         tokens = [max(r.token, 0) for r in rows]
         if after is None:
+            if any(r.token == AHEAD for r in rows):
+                raise ValueError("a row fed the token a window queued before chose needs that window (after=)")
             fed = None
         elif [r.session for r in rows] == [r.session for r in after.rows]:
             fed = after.chosen

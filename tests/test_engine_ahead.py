@@ -12,7 +12,7 @@ from engine import protocol as P
 from engine.check import Driver, collect, compare, sample_prompts
 from engine.kv import KVCache
 from engine.protocol import Sampling
-from engine.runner import Row, Runner
+from engine.runner import AHEAD, Row, Runner
 from engine.scenarios import INTERLEAVES
 
 
@@ -104,3 +104,13 @@ def test_ring_caches_are_told_apart():
     assert kv((None, 16)).rings
     assert not kv((None, None)).rings
     assert not kv((None, 60)).rings  # a window whose ring holds the whole context
+
+
+def test_a_row_fed_ahead_needs_the_window_before(driver):
+    runner = Runner(driver.model, 2, exact=True, ahead=True)
+    with pytest.raises(ValueError, match="needs that window"):
+        runner.decode([Row(runner.slot(0), AHEAD, Sampling(), 0)])
+    two = [Row(runner.slot(i), 1, Sampling(), 0) for i in range(2)]
+    window = runner.queue(two)
+    with pytest.raises(ValueError, match="cannot be queued ahead"):  # exact mode runs these rows apart
+        runner.queue([Row(r.session, AHEAD, r.sampling, r.seed) for r in two], after=window)
