@@ -2,8 +2,9 @@
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once, 1-3 s): the
 fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16 dense kernel
 (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense
-shapes for one row, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`);
-each shape's configurations are printed fastest first, the one the code uses marked."""
+shapes for one row, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA
+graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed fastest first, the
+one the code uses marked."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from triton.testing import do_bench_cudagraph
 
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
-from engine.kernels.triton_blocks import MATVEC_ROWS
 from engine.kernels.triton_xq import ASM, RoundedRows
 
 DENSE = ((Q.Q6_K, 151936, 2048), (Q.Q4_K, 5120, 2048), (Q.Q4_K, 2048, 4096), (Q.Q6_K, 512, 2048))
@@ -88,17 +88,14 @@ def moe_window(rows: int, deadline: float) -> None:
         qtype, b, k = blocks[name]
         return tm.Stack(qtype, b, k, tiles)
 
-    def tiles_of(qtype: Q, k: int, gated: bool, config: tuple[int, int, int] | None) -> tm.Tiles:
-        used = tm.Tiles.for_stack(qtype, k, gated)
-        if config is None:
-            return used
-        r, b, w = config
+    def tiles_of(qtype: Q, k: int, gated: bool, config: tuple[int, int, int]) -> tm.Tiles:
+        used, (r, b, w) = tm.Tiles.for_stack(qtype, k, gated), config
         if rows == 1:
             return dataclasses.replace(used, solo_rows=r, solo_blocks=b, solo_warps=w)
         return dataclasses.replace(used, matvec_rows=r, row_blocks=b, matvec_warps=w)
 
     def chosen(qtype: Q, k: int, gated: bool) -> tuple[int, int, int]:
-        t = tiles_of(qtype, k, gated, None)
+        t = tm.Tiles.for_stack(qtype, k, gated)
         return (t.solo_rows, t.solo_blocks, t.solo_warps) if rows == 1 else (t.matvec_rows, t.row_blocks, t.matvec_warps)
 
     gated, down = {}, {}
@@ -120,7 +117,7 @@ def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {seconds:.0f} s")
     start = time.monotonic()
-    moe_window(MATVEC_ROWS, start + seconds * 0.4)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.4)
     dense_one_row(start + seconds * 0.8)
     moe_window(1, start + seconds)
 
