@@ -40,6 +40,7 @@ MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; 
 HEADS = ("output", "token_embd")
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
+GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`
 
 
 def is_vector(info: TensorInfo) -> bool:
@@ -155,7 +156,8 @@ class BlockLinear(Linear):
 
 
 class Projections:
-    """Matrices that take the same input (a layer's q, k and v: `blk.attn_qkv`), joined at load into one
+    """Matrices that take the same input (a layer's q, k and v: `blk.attn_qkv`; a dense FFN's gate and up:
+    `blk.ffn_gate_up`), joined at load into one
     matrix per run of them of one kind and type (`Linear.kind`), so a decode step runs one product (one
     kernel launch) per run instead of one per matrix; each output is split back."""
 
@@ -200,7 +202,8 @@ class LinearStack:
 
 class Block:
     """One layer's weights as attributes named like its GGUF tensors: `blk.attn_output`, `blk.ffn_norm`;
-    q, k and v are `blk.attn_qkv` (`Projections`), as llama.cpp names a fused QKV."""
+    q, k and v are `blk.attn_qkv` (`Projections`), as llama.cpp names a fused QKV, and a dense FFN's gate
+    and up `blk.ffn_gate_up`."""
 
     def __getattr__(self, name: str):
         raise AttributeError(f"this layer has no tensor {name!r}")
@@ -307,8 +310,9 @@ class WeightStore:
             else:
                 part = self.linear(name, device)
             setattr(block, name.removeprefix(prefix), part)
-        if all(name in vars(block) for name in QKV):
-            block.attn_qkv = Projections([vars(block).pop(name) for name in QKV])
+        for joined, names in (("attn_qkv", QKV), ("ffn_gate_up", GATE_UP)):
+            if all(name in vars(block) for name in names):
+                setattr(block, joined, Projections([vars(block).pop(name) for name in names]))
         return block
 
     def bytes(self, predicate=lambda name: True) -> int:

@@ -26,6 +26,11 @@ def test_demo_weights_stay_in_file_format(demo_model):
     assert model.w.bytes() == planned_bytes(g, CPU, model.dtype)
     assert model.w.split() == {"cpu": model.w.bytes()}
     assert "Q8_0 blocks" in model.w.describe() and "Q5_0 blocks" in model.w.describe()
+    b = model.blk[0]  # q, k, v and the FFN's gate and up each joined (one product a run of one type)
+    assert isinstance(b.attn_qkv, Projections) and isinstance(b.ffn_gate_up, Projections)
+    assert not hasattr(b, "ffn_gate") and not hasattr(b, "attn_q")
+    gate, up = b.ffn_gate_up(torch.randn(1, model.hyper.hidden))
+    assert gate.shape == up.shape == (1, g.tensors["blk.0.ffn_gate.weight"].shape[0])
 
 
 def test_dense_policy_counts_dequantized_bytes(tiny_model_q8):

@@ -41,5 +41,6 @@ class Gemma3(Model):
         rope = self.rope_full if window is None else self.rope_local
         o = self.attention(i, a, rows, rope, self.scale, window)
         x, m = add_rms_norm(x, rms_norm(b.attn_output(o), b.post_attention_norm, h.eps), b.ffn_norm, h.eps)
-        f = F.gelu(b.ffn_gate(m), approximate="tanh") * b.ffn_up(m)
+        gate, up = b.ffn_gate_up(m)
+        f = F.gelu(gate, approximate="tanh") * up
         return x + rms_norm(b.ffn_down(f), b.post_ffw_norm, h.eps)

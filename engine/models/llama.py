@@ -41,4 +41,5 @@ class Llama(Model):
         b, h = self.blk[i], self.hyper
         o = self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale)
         x, m = add_rms_norm(x, b.attn_output(o), b.ffn_norm, h.eps)
-        return x + b.ffn_down(F.silu(b.ffn_gate(m)) * b.ffn_up(m))
+        gate, up = b.ffn_gate_up(m)
+        return x + b.ffn_down(F.silu(gate) * up)
