@@ -22,6 +22,7 @@ ATTEND_BUCKET = 256
 # cuDNN's attention gave other bits for the same call, run to run, on an H200 (two eager runs of the same
 # windows); torch's other backends give the same bits every run.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+PROMPT_BLOCK = 64  # rows of a CPU prompt chunk's attention a call (`_blocked_sdpa`; the fastest of 64-256 here)
 
 
 def _on_triton(x: torch.Tensor) -> bool:
@@ -160,7 +161,10 @@ def attend(
             mask &= q_pos - k_pos < window
         # 4-D: torch's fused kernels take it (3-D goes to the math path: on the CPU 2.5x slower at 512 rows)
         qs, keys, values = q[part].transpose(0, 1)[None], keys[None], values[None]  # [1, Hq, T, D]
-        o = _sdpa(qs, keys, values, mask[None, None], scale)
+        if q.is_cuda or span.length <= PROMPT_BLOCK:
+            o = _sdpa(qs, keys, values, mask[None, None], scale)
+        else:
+            o = _blocked_sdpa(qs, keys, values, mask, scale, span.start - lo, window)
         out.append(o[0].transpose(0, 1).reshape(span.length, -1))
     return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
@@ -212,6 +216,22 @@ def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: i
         mask &= pos[:, None] - k_pos < window
     o = _sdpa(q[:, :, None, :], keys, values, mask[:, None, None, :], scale)
     return o.reshape(len(spans), -1)
+
+
+def _blocked_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                  first: int, window: int | None) -> torch.Tensor:
+    """A prompt chunk's attention on the CPU, its rows PROMPT_BLOCK at a time, each block over only the keys
+    its rows can see: torch's CPU kernel computes every key of a masked call, so one call over the chunk
+    does the whole square where the causal mask leaves half of it (512 rows, 4 heads of 256: 7.6 -> 5.2
+    ms). q [1, H, T, D]; keys, values [1, H, L, D]; mask [T, L]; row i sees key `first + i` and those
+    before it (within `window`)."""
+    out = []
+    for a in range(0, q.shape[2], PROMPT_BLOCK):
+        b = min(a + PROMPT_BLOCK, q.shape[2])
+        lo = 0 if window is None else max(0, first + a - window + 1)
+        hi = first + b
+        out.append(_sdpa(q[:, :, a:b], keys[:, :, lo:hi], values[:, :, lo:hi], mask[a:b, lo:hi][None, None], scale))
+    return torch.cat(out, dim=2)
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

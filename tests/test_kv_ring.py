@@ -84,3 +84,22 @@ def test_usable_prefix_needs_the_window_in_the_ring():
     assert kv.usable_prefix(held=2000, n=1000) == 0  # the ring no longer holds 488..999
     full = KVCache([None], 1, 1, 4096, 8, 64, torch.float16, torch.device("cpu"))
     assert full.usable_prefix(held=2000, n=1000) == 1000
+
+
+@pytest.mark.parametrize(("start", "lo", "rows", "window"), [(0, 0, 300, None), (100, 0, 200, None),
+                                                               (0, 0, 300, 128), (700, 573, 200, 128)])
+def test_prompt_attention_in_row_blocks_matches_one_masked_call(start, lo, rows, window):
+    """A CPU prompt chunk's attention runs PROMPT_BLOCK rows a call over only the keys they see (a chunk
+    from its session's start, one continuing a session, a sliding window's): one masked call's values."""
+    from engine import layers
+
+    gen = torch.Generator().manual_seed(start)
+    keys = start + rows - lo
+    q, k, v = (torch.randn(1, 4, n, 32, generator=gen) for n in (rows, keys, keys))
+    q_pos, k_pos = torch.arange(start, start + rows)[:, None], torch.arange(lo, start + rows)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    whole = layers._sdpa(q, k, v, mask[None, None], 0.2)
+    blocked = layers._blocked_sdpa(q, k, v, mask, 0.2, start - lo, window)
+    assert torch.allclose(blocked, whole, atol=1e-6, rtol=0)
