@@ -157,9 +157,9 @@ class BlockLinear(Linear):
 
 class Projections:
     """Matrices that take the same input (a layer's q, k and v: `blk.attn_qkv`; a dense FFN's gate and up:
-    `blk.ffn_gate_up`), joined at load into one
-    matrix per run of them of one kind and type (`Linear.kind`), so a decode step runs one product (one
-    kernel launch) per run instead of one per matrix; each output is split back."""
+    `blk.ffn_gate_up`), joined at load into one matrix per run of them of one kind and type
+    (`Linear.kind`), so a decode step runs one product (one kernel launch) per run instead of one per
+    matrix; each output is split back."""
 
     def __init__(self, parts: list[Linear]):
         self.runs: list[tuple[Linear, list[int]]] = []
