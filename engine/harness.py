@@ -25,7 +25,7 @@ from engine.__main__ import main as engine_main
 from engine.loading import log
 from engine.loop import EngineLoop
 from engine.models.base import Model
-from engine.runner import Row, Runner, Session
+from engine.runner import Queued, Row, Runner, Session
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Switches:
     die_after: int = 0  # exit (code 3, a CUDA-like error on stderr) at the Nth generated token (T or BT)
     silent_after: int = 0  # write nothing more after the Nth generated token, and stay alive
     admission_log: str | None = None  # append a JSON line per read started: kind, slot, prompt, reused
+    ahead: int = 0  # 1: decode windows queued ahead (`Runner.queue`) on the CPU too, as on CUDA
 
 
 def _flag(name: str) -> str:
@@ -76,7 +77,7 @@ class PacedRunner(Runner):
 
     def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True, *,
                  switches: Switches):
-        super().__init__(model, n_slots, exact, groups, graphs)
+        super().__init__(model, n_slots, exact, groups, graphs, ahead=True if switches.ahead else None)
         self.step_s = 1 / switches.tok_s if switches.tok_s else 0.0
         self.read_token_s = 1 / switches.prefill_tok_s if switches.prefill_tok_s else 0.0
 
@@ -91,6 +92,12 @@ class PacedRunner(Runner):
         tokens = super().decode(rows)
         _pace(started, self.step_s)
         return tokens
+
+    def queue(self, rows: list[Row], after: Queued | None = None) -> Queued:
+        started = time.perf_counter()
+        window = super().queue(rows, after)
+        _pace(started, self.step_s)
+        return window
 
 
 class HarnessLoop(EngineLoop):

@@ -320,6 +320,8 @@ class EngineLoop:
         rows = [Row(job.session, AHEAD, job.sampling, job.seed) for job in live]
         if self.runner.can_queue_ahead(rows):
             self.ahead = (self.runner.queue(rows, after=window), live)
+            if self.runner.queued_ahead == 1:
+                log("decode windows queued ahead: each on the device tokens of the last, before the host reads them")
 
     def decode_steps_for(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds

@@ -91,3 +91,35 @@ def test_real_engine_penalties_and_tools_reach_the_model(real):
     tokenizer, template = load_vocabulary(real.config["model"])
     rendered = template.render(messages, add_generation_prompt=True, tools=tools)
     assert "get_weather" in rendered and r["usage"]["prompt_tokens"] == len(encode_prompt(tokenizer, rendered))
+
+
+@pytest.fixture(scope="module")
+def ahead(tiny_model_q8, tmp_path_factory):
+    """The server over the engine with decode windows queued ahead (`engine.harness --ahead 1`: on the CPU as
+    on CUDA), four slots, default mode: the tiny Q8_0 model's rows get their solo tokens in any window."""
+    cfg = {"model": str(tiny_model_q8), "model_name": "tiny", "tokenizer": "gguf", "context": 512, "parallel": 4,
+           "device": "cpu", "exact": False, "prefill": 64}
+    s = LiveServer(tmp_path_factory.mktemp("ahead"), config=cfg, switches={"ahead": 1}, wait=False)
+    try:
+        s.wait_ready(timeout=120)
+    except Exception:
+        s.stop()
+        raise
+    yield s
+    s.stop()
+
+
+def test_windows_queued_ahead_through_the_server(ahead):
+    """Concurrent requests of different lengths (rows stopping while the next window is queued), a client
+    that leaves mid-stream, then each prompt alone: every answer the same, and no error."""
+    prompts = [("one two three", 12), ("the quick brown fox", 5), ("lorem ipsum dolor", 9), ("a b c d e f", 16)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: ask(ahead, *p)["choices"][0]["message"]["content"], prompts))
+        body = {"messages": [{"role": "user", "content": "left early"}], "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", ahead.base + "/v1/chat/completions", json=body, timeout=120) as resp:
+            next(resp.iter_lines())  # one event, then the client goes away
+    alone = [ask(ahead, *p)["choices"][0]["message"]["content"] for p in prompts]
+    assert together == alone
+    assert "decode windows queued ahead" in Path(ahead.config["log"]).read_text()
+    m = ahead.metrics()
+    assert m["engine"]["info"].get("batch_slots") == 4 and m["totals"]["errors"] == 0
