@@ -49,6 +49,13 @@ class Batch:
         return all(s.length == 1 for s in self.spans)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a tensor on `device`, without the host waiting: torch's copy of pageable memory
+    to a CUDA device waits for the stream, so a window queued ahead would wait for the one before it."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 class BatchBuilder:
     """Builds batches into buffers kept for the run (grown when a batch needs more room)."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.batch import BatchBuilder, Span
+from engine.batch import BatchBuilder, Span, to_device
 from engine.cuda_graphs import DecodeGraphs
 from engine.experts import ExpertStats
 from engine.kernels import cpu as cpu_kernels
@@ -261,7 +261,7 @@ class Runner:
             fed = after.chosen
         else:
             at = {id(r.session): i for i, r in enumerate(after.rows)}
-            fed = after.chosen[torch.tensor([at[id(r.session)] for r in rows], device=after.chosen.device)]
+            fed = after.chosen[to_device([at[id(r.session)] for r in rows], torch.int64, after.chosen.device)]
         if self.exact and len(rows) > 1:
             logits = torch.cat([self.forward([span], [token]) for span, token in zip(spans, tokens, strict=True)])
         elif self.groups > 1:

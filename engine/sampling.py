@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch import to_device
 from engine.kernels import ops as cpu_ops
 from engine.protocol import TOP_K_MAX, Logprob, Sampling
 
@@ -126,7 +127,7 @@ def penalize(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
         return logits
 
     def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=logits.device)
+        return to_device(values, dtype, logits.device)
 
     at = (column(rows, torch.int64), column(ids, torch.int64))
     repeat, frequency, presence = column(params).unbind(1)
@@ -140,7 +141,7 @@ def penalize(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     def column(values: list[float], dtype=torch.float64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=logits.device)[:, None]
+        return to_device(values, dtype, logits.device)[:, None]
 
     k = min(TOP_K_MAX, logits.shape[-1])
     temperature = column([d.sampling.temperature for d in draws])
