@@ -261,7 +261,7 @@ class EngineLoop:
                 del self.decoding[index]
                 self.finish_decoding(job, "cancel")
         queued, self.ahead = self.ahead, None
-        if queued is not None and not self._live(queued[1]):
+        if queued is not None and not any(map(self._decodes, queued[1])):
             queued = None  # every row it continued stopped since: its tokens are not wanted
         if not self.decoding and queued is None:
             return
@@ -279,7 +279,7 @@ class EngineLoop:
             tokens = queued[0].tokens()
         fed_ahead = {id(job) for job in self.ahead[1]} if self.ahead is not None else set()
         picked = [(job, token) for job, token in zip(jobs, tokens, strict=True)
-                  if self.decoding.get(job.session.index) is job]  # not those stopped since it was queued
+                  if self._decodes(job)]  # not those stopped since it was queued
         jobs = [job for job, _ in picked]
         served = window.share(len(jobs))
         for job, token in picked:
@@ -305,15 +305,16 @@ class EngineLoop:
         if line:
             log(line)
 
-    def _live(self, jobs: list[Job]) -> bool:
-        return any(self.decoding.get(job.session.index) is job for job in jobs)
+    def _decodes(self, job: Job) -> bool:
+        """Whether `job` still decodes (a window queued before it stopped may still hold its row)."""
+        return self.decoding.get(job.session.index) is job
 
     def _queue_ahead(self, window: Queued, jobs: list[Job]) -> None:
         """Queue the next window on `window`'s tokens before reading them, so the device runs it while
         the host handles these: when every decoding row is in `window` and none stops by length at its
         token. A row that stops at its token anyway (a stop token) was fed one token more; its output is
         dropped and its session keeps what it keeps without look-ahead (`Runner.can_queue_ahead`)."""
-        live = [job for job in jobs if self.decoding.get(job.session.index) is job]
+        live = [job for job in jobs if self._decodes(job)]
         if len(live) != len(self.decoding) or any(
                 job.generated + 1 >= job.max_new or job.read_pos + 2 >= self.model.context for job in live):
             return

@@ -27,10 +27,15 @@ def real(request, tmp_path_factory):
         pytest.skip("no tiny_model fixture (tests/conftest.py) to run the real engine on")
     for mod in ("engine.tokenizer", "engine.chat_template"):
         pytest.importorskip(mod, reason=f"{mod} is not in this tree yet")
-    tmp = tmp_path_factory.mktemp("e2e")
-    cfg = {"model": str(Path(model)), "model_name": "tiny", "tokenizer": "gguf", "context": 512, "parallel": 2,
-           "device": "cpu", "exact": True, "prefill": 64, "engine_command": [sys.executable, "-m", "engine"]}
-    s = LiveServer(tmp, config=cfg, wait=False)
+    yield from _served(tmp_path_factory.mktemp("e2e"), model, parallel=2, exact=True,
+                       engine_command=[sys.executable, "-m", "engine"])
+
+
+def _served(tmp: Path, model: Path, switches: dict | None = None, **config):
+    """A live server over `model` (the GGUF's own tokenizer, CPU), stopped after the module's tests."""
+    cfg = {"model": str(Path(model)), "model_name": "tiny", "tokenizer": "gguf", "context": 512, "device": "cpu",
+           "prefill": 64, **config}
+    s = LiveServer(tmp, config=cfg, switches=switches, wait=False)
     try:
         s.wait_ready(timeout=120)
     except Exception:
@@ -97,16 +102,7 @@ def test_real_engine_penalties_and_tools_reach_the_model(real):
 def ahead(tiny_model_q8, tmp_path_factory):
     """The server over the engine with decode windows queued ahead (`engine.harness --ahead 1`: on the CPU as
     on CUDA), four slots, default mode: the tiny Q8_0 model's rows get their solo tokens in any window."""
-    cfg = {"model": str(tiny_model_q8), "model_name": "tiny", "tokenizer": "gguf", "context": 512, "parallel": 4,
-           "device": "cpu", "exact": False, "prefill": 64}
-    s = LiveServer(tmp_path_factory.mktemp("ahead"), config=cfg, switches={"ahead": 1}, wait=False)
-    try:
-        s.wait_ready(timeout=120)
-    except Exception:
-        s.stop()
-        raise
-    yield s
-    s.stop()
+    yield from _served(tmp_path_factory.mktemp("ahead"), tiny_model_q8, {"ahead": 1}, parallel=4, exact=False)
 
 
 def test_windows_queued_ahead_through_the_server(ahead):

@@ -47,9 +47,10 @@ class GpuLayerSlots(SlotTable):
 
 class Staging:
     """VRAM a window or prompt chunk copies its missed experts into before the kernel reads them: whole
-    experts, by DMA or by the GPU's own copy kernel (`triton_moe.stage_far`), at the link's speed, where the
-    matvec's own reads of host memory reach less than half of it (they are small and scattered). One buffer per projection, big enough for every expert of any layer; the
-    layers use it in turn, their copies and kernels ordered on one stream."""
+    experts, by DMA or by the GPU's own copy kernel (`triton_moe.stage_far`), at the link's speed, where
+    the matvec's own reads of host memory reach less than half of it (they are small and scattered). One
+    buffer per projection, big enough for every expert of any layer; the layers use it in turn, their
+    copies and kernels ordered on one stream."""
 
     def __init__(self, layers: list[GpuLayerSlots]):
         device = layers[0].device
