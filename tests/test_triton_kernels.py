@@ -70,6 +70,18 @@ def test_matvec_matches_reference(case, dtype):
     assert_close(mat.matvec(x), x, ref, tolerance, rounding_error(x) if rounded else None)
 
 
+@pytest.mark.parametrize(("qtype", "n", "k"), [(Q.Q4_K, 8, 4096), (Q.Q6_K, 32768, 256)], ids=["Q4_K-k4096", "Q6_K-head"])
+def test_matvec_rows_with_the_tiles_of_their_shape(qtype, n, k):
+    """2-8 rows of the shapes with tiles of their own (`Matrix._rows`): a Q4_K matrix of k >= 4096 (four
+    weight rows, two warps), the Q6_K head of 32,768 rows and more (eight rows, one warp: run on its first
+    12 rows here, the interpreter takes minutes for the whole)."""
+    blocks = tb.random_blocks(qtype, n, k, torch.Generator().manual_seed(n)).to(DEVICE)
+    mat, part = tb.Matrix(qtype, blocks, k), tb.Matrix(qtype, blocks[:12].clone(), k)
+    part._rows = mat._rows
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    assert_close(part.matvec(x), x, reference(qtype, blocks[:12]), matvec_tolerance(x.dtype), rounding_error(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_row_matches_reference(case, dtype):
     mat, ref = case

@@ -42,13 +42,13 @@ DECODE_TYPES = (torch.bfloat16, torch.float32)
 PROMPT_TYPES = (torch.float16, torch.float32)  # bf16 tiles: GPU only (the interpreter multiplies their bits)
 
 
-def stacks_of(qtype: Q, seed: int) -> tuple[list[tm.Stack], list[torch.Tensor]]:
+def stacks_of(qtype: Q, seed: int, tiles: tm.Tiles | None = TILES) -> tuple[list[tm.Stack], list[torch.Tensor]]:
     """Random gate, up and down stacks of `qtype` and gguf-py's float32 values of them [E, n, k]."""
     gen = torch.Generator().manual_seed(seed)
     stacks, values = [], []
     for n, k in SHAPES:
         blocks = random_blocks(qtype, E * n, k, gen).to(DEVICE)
-        stacks.append(tm.Stack(qtype, blocks.view(E, n, -1), k, TILES))
+        stacks.append(tm.Stack(qtype, blocks.view(E, n, -1), k, tiles))
         values.append(reference(qtype, blocks).view(E, n, k))
     return stacks, values
 
@@ -95,6 +95,16 @@ def test_one_row_windows_match_reference(qtype):
     stacks, values = case(qtype)
     x = random_x(1, torch.bfloat16)
     routing, h, y = run(stacks, x, ids_of(DECODE_IDS[:1]), prompt=False)
+    check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_decode_with_the_tiles_the_shapes_choose(qtype):
+    """`Tiles.for_stack`'s own matvec tiles (one-warp programs of 2 or 4 weight rows), which the interpreted
+    tests above replace by wide ones; two rows (a run of two pairs, a pair alone): the interpreter is slow."""
+    stacks, values = stacks_of(qtype, int(qtype), tiles=None)
+    x = random_x(2, torch.bfloat16)
+    routing, h, y = run(stacks, x, ids_of(DECODE_IDS[:2]), prompt=False)
     check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
 
 

@@ -490,7 +490,13 @@ class Matrix:
         # one row: the same, but the Q6_K head (151,936 rows) four rows a program, a block a step, one warp:
         # 186.8 -> 150.5 us on an H200, the fastest of `python -m engine.kernels.sweep` (rows 1-4, blocks 1-8,
         # warps 1-4)
-        self._one_row = (4, 1, 1) if qtype == Q.Q6_K and self.n >= 32768 else (2, self._int_blocks, self._int_warps)
+        head = qtype == Q.Q6_K and self.n >= 32768
+        self._one_row = (4, 1, 1) if head else (2, self._int_blocks, self._int_warps)
+        # 2-8 rows: the Q6_K head eight rows a program (565.2 -> 396.5 us at 8 rows), a Q4_K matrix of k >= 4096
+        # four rows and two warps (2048x4096: 24.9 -> 17.5 us), the fastest of a sweep on an H200 (rows 1-8,
+        # blocks 2-8, warps 1-2)
+        self._rows = (8, 4, 1) if head else (4, 8, 2) if qtype == Q.Q4_K and k >= 4096 else \
+            (2, self._int_blocks, self._int_warps)
         self._type_args = dict(QTYPE=int(qtype), GROUP=GROUP[qtype])
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
@@ -519,7 +525,7 @@ class Matrix:
         t = self.tiles
         if x.shape[0] and self._rounded:
             rounded = RoundedRows.of(x)
-            rows, blocks, warps = self._one_row if x.shape[0] == 1 else (2, self._int_blocks, self._int_warps)
+            rows, blocks, warps = self._one_row if x.shape[0] == 1 else self._rows
             _rounded_kernel[(triton.cdiv(self.n, rows),)](
                 self.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, x.shape[0], self.n, self.k,
                 self.blocks.shape[1], QTYPE=int(self.qtype), R=rows, SB=blocks,
