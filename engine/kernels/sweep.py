@@ -1,8 +1,8 @@
 """`python -m engine.kernels.sweep [SECONDS]`: the decode tile sweeps behind `triton_blocks` and
-`triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once, 1-3 s): the
-fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16 dense kernel
-(`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense
-shapes for one row, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA
+`triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
+for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16
+dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head
+and dense shapes for 8 rows and for one, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA
 graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed fastest first, the
 one the code uses marked."""
 
@@ -40,28 +40,35 @@ def _report(name: str, times: dict[tuple[int, int, int], float], used: tuple[int
         print(f"  {'*' if config == used else ' '} {config}  {us:8.1f} us")
 
 
-def _dense(qtype: Q, n: int, k: int, deadline: float, gen: torch.Generator) -> None:
+def _dense(qtype: Q, n: int, k: int, m: int, deadline: float, gen: torch.Generator) -> None:
     mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k)
-    rounded = RoundedRows.of(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
-    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    rounded = RoundedRows.of(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
     def call(rows: int, blocks: int, warps: int) -> None:
         tb._rounded_kernel[(triton.cdiv(n, rows),)](
-            mat.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, 1, n, k, mat.blocks.shape[1],
-            QTYPE=int(qtype), R=rows, SB=blocks, ROWS=1, ASM=ASM, num_warps=warps)
+            mat.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, m, n, k, mat.blocks.shape[1],
+            QTYPE=int(qtype), R=rows, SB=blocks, ROWS=1 if m == 1 else tb.MATVEC_ROWS, ASM=ASM, num_warps=warps)
 
+    used = mat._one_row if m == 1 else mat._rows
     times = {}
-    for config in itertools.product(CHOICES[:3], CHOICES, CHOICES[:3]):
+    for config in [used] + [c for c in _configs(CHOICES + (16,), CHOICES, CHOICES[:3]) if c != used]:
         if time.monotonic() > deadline:
             break
         times[config] = _us(lambda config=config: call(*config))
-    _report(f"{qtype.name} {n}x{k}, one row", times, mat._one_row)
+    _report(f"{qtype.name} {n}x{k}, {m} rows", times, used)
 
 
-def dense_one_row(deadline: float) -> None:
+def _configs(rows: tuple[int, ...], blocks: tuple[int, ...], warps: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(rows a program, blocks a step, warps), fewest warps first: one-warp programs keep a program's weight
+    rows in each thread, so x is loaded once for all of them (the fastest at 8 rows so far)."""
+    return sorted(itertools.product(rows, blocks, warps), key=lambda c: (c[2], c[0], c[1]))
+
+
+def dense(m: int, deadline: float) -> None:
     gen = torch.Generator().manual_seed(0)
     for qtype, n, k in DENSE:
-        _dense(qtype, n, k, deadline, gen)
+        _dense(qtype, n, k, m, deadline, gen)
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -100,7 +107,7 @@ def moe_window(rows: int, deadline: float) -> None:
 
     gated, down = {}, {}
     configs = [chosen(Q.Q4_K, HIDDEN, True), chosen(Q.Q6_K, FF, False)]
-    configs += [c for c in itertools.product(CHOICES, CHOICES, CHOICES[:3]) if c not in configs]
+    configs += [c for c in _configs(CHOICES, CHOICES, CHOICES[:3]) if c not in configs]
     for config in configs:
         if time.monotonic() > deadline:
             break
@@ -117,8 +124,9 @@ def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {seconds:.0f} s")
     start = time.monotonic()
-    moe_window(tb.MATVEC_ROWS, start + seconds * 0.4)
-    dense_one_row(start + seconds * 0.8)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.35)
+    dense(tb.MATVEC_ROWS, start + seconds * 0.6)
+    dense(1, start + seconds * 0.8)
     moe_window(1, start + seconds)
 
 
