@@ -75,7 +75,11 @@ class Experts:
 
     _stats: ExpertStats
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row of x through its routed experts (`ids` [rows, k]), the outputs weighted (`weights`)
+        and summed in the order of choices; plus `residual` when given, with the bits of `residual + `
+        that sum (on CUDA in the sum's launch)."""
         raise NotImplementedError
 
     def stats(self) -> ExpertStats:
@@ -120,16 +124,17 @@ class ResidentExperts(Experts):
     def replayable(self, rows: int) -> bool:
         return self.grouped
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         n, k = ids.shape
         t0 = time.perf_counter()
         if self.c_stacks is not None and cpu_ops.usable(x):  # a window or a prompt chunk: one C call
-            out = cpu_ops.swiglu_experts(self.c_stacks, x, ids, weights)
+            out = with_residual(cpu_ops.swiglu_experts(self.c_stacks, x, ids, weights), residual)
         else:
             flat, order = by_expert(ids)
             rows = order // k
             y = self._grouped(x[rows], flat, order) if self.grouped else self._per_expert(x[rows], flat[order])
-            out = combine(y, weights, order)
+            out = combine(y, weights, order, residual=residual)
         self._count(n * k, time.perf_counter() - t0)
         return out
 
@@ -195,11 +200,13 @@ def resident_experts(gate: LinearStack, up: LinearStack, down: LinearStack, devi
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None = None,
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's k expert outputs weighted and summed in a fixed order. `y` [rows * k, H] in flat
     (row, choice) order (the fused MoE kernel's), or in expert-sorted order with `order` (the flat pair
     at each sorted position); `patch` (flat pair indices, their outputs) replaces the outputs of pairs
-    computed elsewhere. On CUDA one Triton launch (`triton_moe.weighted_sum`)."""
+    computed elsewhere; `residual` is added (`with_residual`). On CUDA one Triton launch
+    (`triton_moe.weighted_sum`)."""
     n, k = weights.shape
     if order is not None:
         flat = torch.empty_like(y)
@@ -210,5 +217,10 @@ def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None =
     if y.is_cuda and gpu_kernels.available():
         from engine.kernels.triton_moe import weighted_sum  # imports Triton, so only when a CUDA tensor comes
 
-        return weighted_sum(y, weights)
-    return (y.view(n, k, -1).float() * weights[..., None]).sum(dim=1).to(y.dtype)
+        return weighted_sum(y, weights, residual)
+    return with_residual((y.view(n, k, -1).float() * weights[..., None]).sum(dim=1).to(y.dtype), residual)
+
+
+def with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """`residual + out` (out alone without one): what an `Experts` call returns."""
+    return out if residual is None else residual + out

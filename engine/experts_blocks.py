@@ -39,7 +39,8 @@ class BlockExperts(Experts):
     def replayable(self, rows: int) -> bool:
         return self.on_gpu
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         n, k = ids.shape
         y, routing = triton_moe.swiglu_experts(self.gate, self.up, self.down, x, ids, self.slot_of)
         self._stats.lookups += n * k
@@ -47,4 +48,4 @@ class BlockExperts(Experts):
             self._stats.vram += n * k
         else:  # Triton's interpreter (tests)
             self._stats.cpu += n * k
-        return combine(y, weights)
+        return combine(y, weights, residual=residual)

@@ -271,6 +271,23 @@ def test_weighted_sum_is_each_rows_choices_in_order():
         tm.weighted_sum(y[:5], weights)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16]), ids=str)
+def test_weighted_sum_adds_the_residual_bit_for_bit(dtype):
+    """With `residual`, the bits of `residual + weighted_sum(y, weights)` in one launch: the sum rounded to
+    y's dtype first, as a layer's residual add after it rounds (the interpreter truncates to bf16 where
+    torch rounds: bf16 on the GPU only)."""
+    gen = torch.Generator().manual_seed(13)
+    y = torch.randn(3 * 4, 96, generator=gen).to(DEVICE, dtype)
+    weights = torch.rand(3, 4, generator=gen).to(DEVICE)
+    residual = (torch.randn(3, 96, generator=gen) * 4).to(DEVICE, dtype)
+    out = tm.weighted_sum(y, weights, residual)
+    assert out.dtype == dtype and torch.equal(out, residual + tm.weighted_sum(y, weights))
+    if dtype != torch.float32:  # it rounds twice, not once
+        assert not torch.equal(out, (residual.float() + tm.weighted_sum(y.float(), weights)).to(dtype))
+    with pytest.raises(ValueError, match="residual must be"):
+        tm.weighted_sum(y, weights, residual[:2])
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_route_matches_torch(normalize):
     """`triton_moe.route` (what `experts.route` runs on CUDA): the torch router's experts in its order and

@@ -493,28 +493,38 @@ def stage_far(stacks: tuple[Stack, Stack, Stack], staged: tuple[Stack, Stack, St
 
 
 @triton.jit
-def _weighted_sum_kernel(y, weights, out, h, K: tl.constexpr, BLOCK: tl.constexpr):
+def _weighted_sum_kernel(y, weights, residual, out, h, K: tl.constexpr, BLOCK: tl.constexpr,
+                         RESIDUAL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(K):  # choices in their order: a row's sum whatever the other rows
         acc += tl.load(weights + r * K + i).to(tl.float32) * tl.load(y + (r * K + i) * h + cols, mask=cols < h,
                                                                       other=0.0).to(tl.float32)
-    tl.store(out + r * h + cols, acc.to(out.dtype.element_ty), mask=cols < h)
+    total = acc.to(out.dtype.element_ty)
+    if RESIDUAL:  # rounded to y's dtype first, then added and rounded again: the bits of `residual + sum`
+        total = (tl.load(residual + r * h + cols, mask=cols < h, other=0.0).to(tl.float32) +
+                 total.to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + r * h + cols, total, mask=cols < h)
 
 
-def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's k outputs (y [rows * k, H], flat (row, choice) order) times its weights [rows, k], summed
-    in float32 in the order of choices: [rows, H] in y's dtype, one launch."""
+    in float32 in the order of choices: [rows, H] in y's dtype, one launch. With `residual` ([rows, H],
+    y's dtype), `residual + ` that sum, bit for bit, in the same launch."""
     n, k = weights.shape
     if y.dim() != 2 or y.shape[0] != n * k:
         raise ValueError(f"y must be [rows * top_k = {n * k}, H], got {tuple(y.shape)}")
+    if residual is not None and (residual.shape != (n, y.shape[1]) or residual.dtype != y.dtype):
+        raise ValueError(f"residual must be {y.dtype} [{n}, {y.shape[1]}], got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
     y, weights = y.contiguous(), weights.contiguous()
     out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
     if n:
         block = min(1024, triton.next_power_of_2(y.shape[1]))
-        _weighted_sum_kernel[(n, triton.cdiv(y.shape[1], block))](y, weights, out, y.shape[1], K=k, BLOCK=block,
-                                                                   num_warps=4, enable_fp_fusion=False)
+        _weighted_sum_kernel[(n, triton.cdiv(y.shape[1], block))](
+            y, weights, y if residual is None else residual.contiguous(), out, y.shape[1], K=k, BLOCK=block,
+            RESIDUAL=residual is not None, num_warps=4, enable_fp_fusion=False)
     return out
 
 

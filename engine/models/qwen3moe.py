@@ -33,4 +33,4 @@ class Qwen3Moe(Model):
         o = self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale)
         x, m = add_rms_norm(x, b.attn_output(o), b.ffn_norm, h.eps)
         weights, ids = route(m, b.ffn_gate_inp, h.experts_used, normalize=True)
-        return x + b.experts(m, weights, ids)
+        return b.experts(m, weights, ids, residual=x)

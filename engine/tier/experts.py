@@ -23,7 +23,8 @@ class TieredExperts(Experts):
         self.routed = torch.zeros(slots.experts, dtype=torch.int64)  # entries per expert, every call (the profile)
         self._stats = ExpertStats()
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         n, k = ids.shape
         flat, order = by_expert(ids)
         xs = x[order // k]
@@ -51,4 +52,4 @@ class TieredExperts(Experts):
         s.vram += hits
         s.cpu += misses
         s.cpu_us += round(miss_s * 1e6)
-        return combine(y, weights, order)
+        return combine(y, weights, order, residual=residual)

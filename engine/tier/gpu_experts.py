@@ -110,10 +110,11 @@ class GpuTieredExperts(Experts):
             self._unsynced_version = self.slots.version
         self._counts.layer(self._index)
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         n, k = ids.shape
         if self.replayable(n):
-            return self._unsynced(x, weights, ids)
+            return self._unsynced(x, weights, ids, residual)
         ids_host = ids.cpu()  # the layer's one host sync: it decides who computes each expert
         counts = torch.bincount(ids_host.reshape(-1), minlength=self.slots.experts)
         self._routed_host += counts
@@ -140,9 +141,10 @@ class GpuTieredExperts(Experts):
         s.pcie += far_n
         s.cpu += cpu_n
         s.cpu_us += cpu_us
-        return combine(y, weights, patch=patch)
+        return combine(y, weights, patch=patch, residual=residual)
 
-    def _unsynced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _unsynced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  residual: torch.Tensor | None) -> torch.Tensor:
         """A decode window whose misses all cross PCIe, without a host sync: the kernel reads cached
         experts from their slots and the others from the staging buffers, where the GPU copied them
         (or, without staging, in place in pinned host memory), and the entries are counted on the
@@ -161,7 +163,7 @@ class GpuTieredExperts(Experts):
         y, _ = triton_moe.swiglu_experts(*stacks, x, ids, self.unsynced_table, routing)
         self._stats.lookups += n * k
         self._stats.vram += n * k  # less the far entries, read from the device in `stats`
-        return combine(y, weights)
+        return combine(y, weights, residual=residual)
 
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int]
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
