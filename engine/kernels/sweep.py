@@ -2,9 +2,9 @@
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16
 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head
-and dense shapes for 8 rows and for one, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA
-graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed fastest first, the
-one the code uses marked."""
+and dense shapes for 8 rows and for one, then the MoE kernel's one-row windows. Each figure is one call
+replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
+fastest first, the one the code uses marked."""
 
 from __future__ import annotations
 
