@@ -98,7 +98,7 @@ def test_one_row_windows_match_reference(qtype):
     check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
 def test_decode_with_the_tiles_the_shapes_choose(qtype):
     """`Tiles.for_stack`'s own matvec tiles (one-warp programs of 2 or 4 weight rows), which the interpreted
     tests above replace by wide ones; two rows (a run of two pairs, a pair alone): the interpreter is slow."""
