@@ -230,15 +230,16 @@ class Tiles:
         # One-row windows: one weight row a program, one warp, 4 blocks a step (gate and up 21.7 -> 13.8 us,
         # the Q6_K down 17.3 -> 15.4 us against the 8-row tiles; one row a program, 1-8 warps and blocks swept).
         wide = 256 if qtype == Q.Q6_K and not gated else 512
-        rows, warps = (4 if gated else 8), 4
-        chunks = 4 if qtype == Q.Q6_K else 8  # of a block, one a thread
-        blocks = min(warps * 32 // (rows * chunks), triton.next_power_of_2(max(1, k // 256)))
         if qtype in (Q.Q8_0, Q.Q6_K) or (qtype == Q.Q4_K and gated):
             # One-warp programs over 2 (gate+up) or 4 (down) weight rows, in windows of 8 rows (skewed routing,
             # 51 experts, H200): Q4_K gate+up 122.6 -> 77.5 us, Q6_K down 107.8 -> 80.0, Q8_0 170.2 -> 121.7
             # and 107.6 -> 77.4. Four-warp programs spread their rows over warps, each warp loading the same
             # x values (82% of L1 busy, 15% of DRAM); a Q4_K down (k = 768) was faster as it was.
             rows, warps, blocks = (2 if gated else 4), 1, 4
+        else:
+            rows, warps = (4 if gated else 8), 4
+            # a 16-byte chunk of a block a thread: 8 chunks a Q4_K block
+            blocks = min(warps * 32 // (rows * 8), triton.next_power_of_2(max(1, k // 256)))
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
                    solo_blocks=4)
 

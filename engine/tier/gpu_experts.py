@@ -126,12 +126,7 @@ class GpuTieredExperts(Experts):
         # read before the GPU work is queued: a read after it would wait for it
         x_host = x.float().cpu() if on_cpu else None
         self.table.copy_(table)
-        stacks = self.slots.stacks
-        if far and self._staged is not None:  # copied whole by DMA, the host knowing which
-            for host, stack in zip(self.slots.host, self._staged, strict=True):
-                for e in far:
-                    stack.far[e].copy_(host.blocks[e], non_blocking=True)
-            stacks = self._staged
+        stacks = self._stage(far) if far and self._staged is not None else self.slots.stacks
         y, routing = triton_moe.swiglu_experts(*stacks, x, ids, self.table)
         patch, cpu_us = (self._on_cpu(x_host, ids_host, on_cpu) if x_host is not None else (None, 0))
         far_n, cpu_n = (int(counts[part].sum()) if part else 0 for part in (far, on_cpu))
@@ -142,6 +137,14 @@ class GpuTieredExperts(Experts):
         s.cpu += cpu_n
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch, residual=residual)
+
+    def _stage(self, far: list[int]) -> tuple[triton_moe.Stack, ...]:
+        """The stacks reading the `far` experts from the staging buffers, copied there whole by DMA (the
+        host knows which)."""
+        for host, stack in zip(self.slots.host, self._staged, strict=True):
+            for e in far:
+                stack.far[e].copy_(host.blocks[e], non_blocking=True)
+        return self._staged
 
     def _unsynced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   residual: torch.Tensor | None) -> torch.Tensor:

@@ -44,7 +44,6 @@ class GpuLayerSlots(SlotTable):
             buf[slot].copy_(stack.blocks[expert], non_blocking=True)
 
 
-
 class Staging:
     """VRAM a window or prompt chunk copies its missed experts into before the kernel reads them: whole
     experts, by DMA or by the GPU's own copy kernel (`triton_moe.stage_far`), at the link's speed, where
