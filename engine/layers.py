@@ -199,10 +199,9 @@ def _attend_rows(q, k, v, k_cache, v_cache, rows: Batch, scale: float, window: i
     ring = k_cache.shape[2]
     bucket = attend_bucket(spans, fused=q.is_cuda)
     if bucket == 0:
-        from engine.kernels.triton_attention import decode_attention, write_kv  # imports Triton: only on CUDA
+        from engine.kernels.triton_attention import decode_attention  # imports Triton: only on CUDA
 
-        write_kv(k, v, k_cache, v_cache, sessions, pos)
-        return decode_attention(q, k_cache, v_cache, sessions, pos, scale, window)
+        return decode_attention(q, k, v, k_cache, v_cache, sessions, pos, scale, window)
     k_cache[sessions, :, pos % ring] = k.to(k_cache.dtype)
     v_cache[sessions, :, pos % ring] = v.to(v_cache.dtype)
     length = min(bucket, ring)

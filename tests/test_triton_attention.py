@@ -10,7 +10,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytest.importorskip("triton")
 
 from engine.kernels import triton_attention  # noqa: E402
-from engine.kernels.triton_attention import BLOCK_L, CHUNK, decode_attention, write_kv  # noqa: E402
+from engine.kernels.triton_attention import BLOCK_L, CHUNK, decode_attention  # noqa: E402
 
 SESSIONS, KV_HEADS, HEADS, D = 3, 2, 6, 32  # 3 query heads per KV head (a padded head block)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -20,6 +20,13 @@ def caches(ring: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, 
     gen = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(SESSIONS, KV_HEADS, ring, D, generator=gen) for _ in range(2))
     return k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+
+
+def attend(q, k_cache, v_cache, sessions, positions, scale, window=None):
+    """`decode_attention` with each row's key and value the ones its cache already holds (written again)."""
+    slots = positions % k_cache.shape[2]
+    k, v = k_cache[sessions, :, slots].clone(), v_cache[sessions, :, slots].clone()
+    return decode_attention(q, k, v, k_cache, v_cache, sessions, positions, scale, window)
 
 
 def reference(q, k_cache, v_cache, sessions, positions, scale, window):
@@ -56,7 +63,7 @@ def test_matches_float64_attention(case, dtype):
     sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
     positions = torch.tensor([p for _, p in rows], device=DEVICE)
     scale = D ** -0.5
-    got = decode_attention(q, k_cache, v_cache, sessions, positions, scale, window)
+    got = attend(q, k_cache, v_cache, sessions, positions, scale, window)
     assert got.shape == (len(rows), HEADS * D) and got.dtype == dtype
     want = reference(q, k_cache, v_cache, sessions, positions, scale, window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -70,27 +77,46 @@ def test_a_row_alone_gives_its_bits_in_any_window(case):
     q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
     sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
     positions = torch.tensor([p for _, p in rows], device=DEVICE)
-    together = decode_attention(q, k_cache, v_cache, sessions, positions, 0.2, window)
+    together = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
     for i in range(len(rows)):
-        alone = decode_attention(q[i : i + 1], k_cache, v_cache, sessions[i : i + 1], positions[i : i + 1], 0.2, window)
+        alone = attend(q[i : i + 1], k_cache, v_cache, sessions[i : i + 1], positions[i : i + 1], 0.2, window)
         assert torch.equal(alone[0], together[i])
 
 
-def test_write_kv_is_the_indexed_assignment():
+def test_the_merge_rounds_the_rows_it_writes():
+    """A decode window's output rounded for attn_output's int16 product in the merge's launch: what
+    `RoundedRows.of` returns for it, the same as rounding it apart."""
+    from test_triton_kernels import assert_same_rounding
+
+    from engine.kernels.triton_xq import RoundedRows
+
+    ring, window, rows = CASES["many chunks"]
+    k_cache, v_cache = caches(ring, torch.float16, seed=4)
+    q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
+    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    out = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
+    assert_same_rounding(RoundedRows.of(out), RoundedRows.of(out.clone()))
+
+
+def test_the_rows_keys_and_values_are_written_first():
     """A decode window's k and v written into ring slot position % ring of each row's session (float32
-    rows into float16 caches), as `layers.attend` wrote them with indexed assignment."""
+    rows into float16 caches), as `layers.attend` wrote them with indexed assignment, before the rows
+    attend: the output is the one over caches that held them already."""
     k_cache, v_cache = caches(40, torch.float16, seed=6)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     gen = torch.Generator().manual_seed(7)
     k, v = (torch.randn(3, KV_HEADS, D, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(3, HEADS, D, generator=gen).to(DEVICE, torch.float16)
     sessions = torch.tensor([2, 0, 1], device=DEVICE)
-    positions = torch.tensor([5, 39, 87], device=DEVICE)  # the last wraps the ring
-    write_kv(k, v, k_cache, v_cache, sessions, positions)
+    positions = torch.tensor([5, 39, 87], device=DEVICE)  # the last wraps the ring of a sliding layer
+    out = decode_attention(q, k, v, k_cache, v_cache, sessions, positions, 0.2, window=40)
     expect_k[sessions, :, positions % 40] = k.to(torch.float16)
     expect_v[sessions, :, positions % 40] = v.to(torch.float16)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    assert torch.equal(out, attend(q, expect_k, expect_v, sessions, positions, 0.2, window=40))
     with pytest.raises(ValueError, match="for these caches"):
-        write_kv(k[:, :1], v[:, :1], k_cache, v_cache, sessions, positions)
+        decode_attention(q, k[:, :1], v[:, :1], k_cache, v_cache, sessions, positions, 0.2)
 
 
 def test_bad_shapes_are_refused():
@@ -98,7 +124,7 @@ def test_bad_shapes_are_refused():
     q = torch.zeros(1, 5, D, device=DEVICE)  # 5 query heads over 2 KV heads
     one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="query heads"):
-        decode_attention(q, k_cache, v_cache, one, one, 1.0)
+        attend(q, k_cache, v_cache, one, one, 1.0)
 
 
 def test_a_row_has_its_bits_however_its_chunks_are_spread(monkeypatch):
@@ -109,9 +135,9 @@ def test_a_row_has_its_bits_however_its_chunks_are_spread(monkeypatch):
     q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
     sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
     positions = torch.tensor([p for _, p in rows], device=DEVICE)
-    spread = decode_attention(q, k_cache, v_cache, sessions, positions, 0.2, window)
+    spread = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
     monkeypatch.setattr(triton_attention, "PROGRAMS", 1)  # one program per (row, KV head) walks every chunk
-    assert torch.equal(decode_attention(q, k_cache, v_cache, sessions, positions, 0.2, window), spread)
+    assert torch.equal(attend(q, k_cache, v_cache, sessions, positions, 0.2, window), spread)
 
 
 def test_the_fused_kernel_takes_every_length():

@@ -207,3 +207,36 @@ def test_x_rounded_to_int16_per_group():
     assert torch.equal(r.halves, r.q.int().view(3, -1, 16).sum(-1))
     assert not r.q[1, 32:64].any() and r.scale[1, 1] == 0
     assert torch.equal(RoundedRows.of(x[2:3]).q, r.q[2:3])
+
+
+def assert_same_rounding(got, want) -> None:
+    """Two `RoundedRows` equal: the int16 values, scales and q sums bit for bit, the float sums of a group to
+    float32 rounding (summed in another order on a GPU)."""
+    assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale) and torch.equal(got.halves, want.halves)
+    assert torch.allclose(got.sums, want.sums, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [2048, 640])
+def test_the_norms_round_the_rows_they_write(d):
+    """`rms_norm` and `add_rms_norm` of up to MATVEC_ROWS rows round what they store in the same launch:
+    `RoundedRows.of(y)` is that rounding (no launch), the same as rounding y apart; more rows are not rounded
+    there; a write into y forgets it."""
+    from engine.kernels import triton_rows
+    from engine.kernels.triton_xq import RoundedRows, _made
+
+    x = (torch.randn(3, d, generator=torch.Generator().manual_seed(7)) * 3).to(DEVICE, torch.bfloat16)
+    weight = torch.randn(d, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    y = triton_rows.rms_norm(x, weight, 1e-6)
+    assert _made[y.device][0].data_ptr() == y.data_ptr()
+    assert_same_rounding(RoundedRows.of(y), RoundedRows.of(y.clone()))
+    s, y2 = triton_rows.add_rms_norm(x, x, weight, 1e-6)
+    assert RoundedRows.of(y2) is _made[y2.device][2]
+    assert_same_rounding(RoundedRows.of(y2), RoundedRows.of(y2.clone()))
+    y2.mul_(2)  # in place: the remembered rounding is of the old values
+    assert_same_rounding(RoundedRows.of(y2), RoundedRows.of(y2.clone()))
+    many = triton_rows.rms_norm(x.repeat(3, 1), weight, 1e-6)  # 9 rows: the prompt's GEMM takes them, unrounded
+    assert _made[many.device][0].data_ptr() != many.data_ptr()
+    with torch.inference_mode():  # the engine's mode: its tensors count no versions
+        y = triton_rows.rms_norm(x, weight, 1e-6)
+        assert RoundedRows.of(y) is _made[y.device][2]
+        assert_same_rounding(RoundedRows.of(y), RoundedRows.of(y.clone()))

@@ -21,8 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+from engine.kernels.triton_blocks import MATVEC_ROWS
+from engine.kernels.triton_xq import GROUP, RoundedRows, round_groups
+
 BLOCK_L = 64  # keys per step: fixed, so a row's reduction order depends on its own length only
-CHUNK = 2 * BLOCK_L  # keys per partial result
+CHUNK = BLOCK_L  # keys per partial result: one step a program (128 keys, two steps: 7.1 us a one-row call)
 MERGE = 16  # chunks merged per step
 PROGRAMS = 512  # (row, KV head, split) programs a launch aims at: a few per SM; does not change results
 
@@ -33,9 +37,10 @@ def _first_seen(pos, window):
 
 
 @triton.jit
-def _chunks_kernel(q, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions, scale, ring, window,
+def _chunks_kernel(q, k, v, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions, scale, ring, window,
                    chunks, stride_s, stride_h, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                   BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     heads = tl.num_programs(1) * N_REP
@@ -48,6 +53,12 @@ def _chunks_kernel(q, k_cache, v_cache, part_max, part_total, part_acc, sessions
     head = (row * heads + kv_head * N_REP + h).to(tl.int64)
     qh = tl.load(q + head[:, None] * D + d[None, :], mask=live_h[:, None], other=0.0).to(k_cache.dtype.element_ty)
     base = session * stride_s + kv_head * stride_h
+    if tl.program_id(2) == ((pos - lo) // CHUNK) % tl.num_programs(2):  # the program of the row's last chunk
+        new = (row * tl.num_programs(1) + kv_head).to(tl.int64) * D + d  # writes the row's key and value first
+        slot = base + (pos % ring).to(tl.int64) * D + d
+        tl.store(k_cache + slot, tl.load(k + new).to(k_cache.dtype.element_ty))
+        tl.store(v_cache + slot, tl.load(v + new).to(v_cache.dtype.element_ty))
+        tl.debug_barrier()  # then its threads read them back among the chunk's keys
     for c in range(tl.program_id(2), tl.cdiv(pos - lo + 1, CHUNK), tl.num_programs(2)):
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         total = tl.zeros((BLOCK_H,), tl.float32)
@@ -73,8 +84,9 @@ def _chunks_kernel(q, k_cache, v_cache, part_max, part_total, part_acc, sessions
 
 
 @triton.jit
-def _merge_kernel(part_max, part_total, part_acc, out, positions, window, chunks, D: tl.constexpr,
-                  CHUNK: tl.constexpr, MERGE: tl.constexpr):
+def _merge_kernel(part_max, part_total, part_acc, out, q, scale, sums, halves, positions, window, chunks,
+                  D: tl.constexpr, CHUNK: tl.constexpr, MERGE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row = tl.program_id(0)
     head = (row * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
     pos = tl.load(positions + row)
@@ -94,46 +106,30 @@ def _merge_kernel(part_max, part_total, part_acc, out, positions, window, chunks
         total += w * tl.load(part_total + at, mask=live, other=0.0)
         acc += tl.sum(w[:, None] * tl.load(part_acc + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0),
                       axis=0)
-    tl.store(out + head * D + d, (acc / tl.sum(total, axis=0)).to(out.dtype.element_ty))
+    merged = (acc / tl.sum(total, axis=0)).to(out.dtype.element_ty)
+    tl.store(out + head * D + d, merged)
+    if ROUND:  # the row rounded for attn_output's int16 product, this head's groups of it
+        g = tl.program_id(1) * (D // 32) + tl.arange(0, D // 32)[:, None]
+        round_groups(tl.reshape(merged.to(tl.float32), (D // 32, 32)), g, g >= 0, q, scale, sums, halves,
+                     row.to(tl.int64), tl.num_programs(1) * D, D // 32)
 
 
-@triton.jit
-def _write_kernel(k, v, k_cache, v_cache, sessions, positions, ring, stride_s, stride_h, D: tl.constexpr):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, D)
-    at = (row * tl.num_programs(1) + head).to(tl.int64) * D + d
-    slot = tl.load(sessions + row).to(tl.int64) * stride_s + head * stride_h + (tl.load(positions + row) % ring) * D
-    tl.store(k_cache + slot + d, tl.load(k + at).to(k_cache.dtype.element_ty))
-    tl.store(v_cache + slot + d, tl.load(v + at).to(v_cache.dtype.element_ty))
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sessions: torch.Tensor,
-             positions: torch.Tensor) -> None:
-    """A decode window's keys and values (k, v [N, Hkv, D]) into ring slot position % ring of each row's
-    session, in the caches' dtype: one launch where indexed assignment takes three."""
-    n, kv_heads, dim = k.shape
-    if k.shape != v.shape or k_cache.shape[1] != kv_heads or k_cache.shape[3] != dim or dim & (dim - 1):
-        raise ValueError(f"k, v [N, {k_cache.shape[1]}, {k_cache.shape[3]}] (a power of two) for these caches, "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
-        raise ValueError("the K and V caches must be contiguous and of one shape")
-    if n:
-        _write_kernel[(n, kv_heads)](k.contiguous(), v.contiguous(), k_cache, v_cache, sessions, positions,
-                                     k_cache.shape[2], k_cache.stride(0), k_cache.stride(1), D=dim)
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sessions: torch.Tensor,
-                     positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
-    """q [N, Hq, D] (row i is session `sessions[i]`'s query at `positions[i]`, whose key and value are
-    already in the caches); caches [sessions, Hkv, ring, D]. Returns [N, Hq * D] in q's dtype."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     sessions: torch.Tensor, positions: torch.Tensor, scale: float, window: int | None = None
+                     ) -> torch.Tensor:
+    """q [N, Hq, D] (row i is session `sessions[i]`'s query at `positions[i]`), the rows' keys and values k, v
+    [N, Hkv, D], written into ring slot position % ring of each row's session in the caches' dtype first
+    (by the program that reads that chunk); caches [sessions, Hkv, ring, D]. Returns [N, Hq * D] in q's
+    dtype."""
     n, heads, dim = q.shape
     kv_heads, ring = k_cache.shape[1], k_cache.shape[2]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
         raise ValueError(f"{heads} query heads over {kv_heads} KV heads of {dim} (a power of two >= 16)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
         raise ValueError("the K and V caches must be contiguous and of one shape")
-    q = q.contiguous()
+    if k.shape != (n, kv_heads, dim) or v.shape != k.shape:
+        raise ValueError(f"k, v [{n}, {kv_heads}, {dim}] for these caches, got {tuple(k.shape)} and {tuple(v.shape)}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunks = triton.cdiv(ring, CHUNK)  # the most a row can have: its positions fit in the ring
     part_max = torch.empty(n, heads, chunks, dtype=torch.float32, device=q.device)
     part_total = torch.empty_like(part_max)
@@ -141,11 +137,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n_rep = heads // kv_heads
     splits = max(1, min(chunks, PROGRAMS // (n * kv_heads)))
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    _chunks_kernel[(n, kv_heads, splits)](q, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions,
+    _chunks_kernel[(n, kv_heads, splits)](q, k, v, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions,
                                           scale, ring, window or 0, chunks, k_cache.stride(0), k_cache.stride(1),
                                           N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=dim,
-                                          BLOCK_L=BLOCK_L, CHUNK=CHUNK, PRECISION=precision)
+                                          BLOCK_L=BLOCK_L, CHUNK=CHUNK, PRECISION=precision,
+                                          **pdl.launch(q.device))
     out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
-    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, positions, window or 0, chunks, D=dim,
-                              CHUNK=CHUNK, MERGE=MERGE)
+    rounds = n <= MATVEC_ROWS and dim % GROUP == 0
+    rounded = RoundedRows.empty(n, heads * dim, q.device) if rounds else None
+    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, *(rounded.tensors() if rounded else (out,) * 4),
+                              positions, window or 0, chunks, D=dim, CHUNK=CHUNK, MERGE=MERGE, ROUND=rounds,
+                              **pdl.launch(q.device))
+    if rounded is not None:
+        rounded.remember(out)
     return out

@@ -42,6 +42,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from engine.kernels import pdl
 from engine.kernels.gpu import SUPPORTED
 from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
@@ -157,7 +158,8 @@ def _partial(q, scale, minimum, xj, HAS_MIN: tl.constexpr):
 
 @triton.jit
 def _dequantize_kernel(w, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-                       BK: tl.constexpr):
+                       BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     g = tl.program_id(1) * (BK // GROUP) + tl.arange(0, BK // GROUP)[None, :, None]
     i = tl.arange(0, GROUP)[None, None, :]
@@ -187,7 +189,8 @@ def _row_dot(w, rows, n, x_at, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.cons
 
 @triton.jit
 def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-                BK: tl.constexpr):
+                BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     acc = _row_dot(w, rows, n, x, k, row_bytes, QTYPE, GROUP, R, BK)
     tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rows < n)
@@ -393,8 +396,9 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
 def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr,
-                    SB: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
+                    SB: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     """y [m, n] for x rounded to int16: one row (ROWS 1) or 2-8 rows (ROWS `MATVEC_ROWS`), Q4_K or Q6_K."""
+    pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     if ROWS == 1:
         if QTYPE == _Q4_K:
@@ -413,7 +417,8 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
 def _gemm_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     xr = tl.program_id(0) * BM + tl.arange(0, BM)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row = rows.to(tl.int64)[:, None, None] * row_bytes
@@ -529,10 +534,10 @@ class Matrix:
             _rounded_kernel[(triton.cdiv(self.n, rows),)](
                 self.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, x.shape[0], self.n, self.k,
                 self.blocks.shape[1], QTYPE=int(self.qtype), R=rows, SB=blocks,
-                ROWS=1 if x.shape[0] == 1 else MATVEC_ROWS, ASM=ASM, num_warps=warps)
+                ROWS=1 if x.shape[0] == 1 else MATVEC_ROWS, ASM=ASM, num_warps=warps, **pdl.launch(x.device))
         elif x.shape[0] == 1:
             _row_kernel[(self.n,)](self.blocks, x, y, self.n, self.k, self.blocks.shape[1], **self._type_args, R=1,
-                                   BK=t.row_k, num_warps=2, **_FUSED)
+                                   BK=t.row_k, num_warps=2, **_FUSED, **pdl.launch(x.device))
         elif x.shape[0]:
             self._gemm(x, y, SMALL_M, t.small_n, t.small_k)
         return y
@@ -548,7 +553,7 @@ class Matrix:
     def _gemm(self, x: torch.Tensor, y: torch.Tensor, bm: int, bn: int, bk: int) -> None:
         grid = (triton.cdiv(x.shape[0], bm), triton.cdiv(self.n, bn))
         _gemm_kernel[grid](self.blocks, x, y, x.shape[0], self.n, self.k, self.blocks.shape[1], **self._type_args,
-                           BM=bm, BN=bn, BK=bk, **_FUSED)
+                           BM=bm, BN=bn, BK=bk, **_FUSED, **pdl.launch(x.device))
 
     def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` of W (all rows: None) as [len(ids), k] of `dtype`."""
@@ -559,7 +564,7 @@ class Matrix:
             grid = (triton.cdiv(blocks.shape[0], rows), triton.cdiv(self.k, bk))
             # no fused multiply-add: q * scale - min rounds twice, as gguf-py's float32 numpy does
             _dequantize_kernel[grid](blocks, y, blocks.shape[0], self.k, blocks.shape[1], **self._type_args,
-                                     R=rows, BK=bk, enable_fp_fusion=False)
+                                     R=rows, BK=bk, enable_fp_fusion=False, **pdl.launch(y.device))
         return y
 
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
+from engine.kernels import pdl
 from engine.kernels.gpu import SUPPORTED
 from engine.kernels.triton_blocks import (
     _FUSED,
@@ -131,7 +132,8 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr,
-                       SB2: tl.constexpr, ASM: tl.constexpr):
+                       SB2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
     e, slot, first = _run_start(experts, slot_of, p)
@@ -183,7 +185,8 @@ def _gemm_tile(w, xs_at, live, rows, n, k, row_bytes, acc, x_dtype: tl.constexpr
 def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, dst, x, y, n, k, row_bytes, expert_bytes,
                      row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, QTYPE2: tl.constexpr,
                      GROUP2: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     t = tl.program_id(0)
     e = tl.load(tile_expert + t)
     slot = tl.load(slot_of + e, mask=e >= 0, other=-1).to(tl.int64)
@@ -345,9 +348,10 @@ SORT_PAIRS_MAX = 128  # a decode window's pairs (8 rows of top-8: 64) sorted in 
 
 
 @triton.jit
-def _sort_pairs_kernel(ids, order, experts, src, pairs, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sort_pairs_kernel(ids, order, experts, src, pairs, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """The stable sort of the pairs by expert: each pair's sorted position is the count of pairs before it
     (a lower expert, or the same expert at a lower flat index)."""
+    pdl.wait(PDL)
     p = tl.arange(0, BLOCK)
     live = p < pairs
     e = tl.load(ids + p, mask=live, other=0)
@@ -367,7 +371,7 @@ def _sort_pairs(flat: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     src = torch.empty(pairs, dtype=torch.int32, device=flat.device)
     if pairs:
         _sort_pairs_kernel[(1,)](flat.contiguous(), order, experts, src, pairs, TOP_K=top_k,
-                                 BLOCK=max(16, triton.next_power_of_2(pairs)), num_warps=4)
+                                 BLOCK=max(16, triton.next_power_of_2(pairs)), num_warps=4, **pdl.launch(flat.device))
     return order, experts, src
 
 
@@ -409,7 +413,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM,
-            num_warps=warps, **_FUSED)
+            num_warps=warps, **_FUSED, **pdl.launch(x.device))
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
@@ -419,7 +423,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         _moe_gemm_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.tile_expert, routing.padded, src,
                                routing.order, x, y,
                                w.n, w.k, *sizes, **args, GATED=gated, BM=tiles.gemm_m, BN=tiles.gemm_n,
-                               BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED)
+                               BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED,
+                               **pdl.launch(x.device))
     return y
 
 
@@ -465,10 +470,12 @@ def _copy_chunk(src, dst, entry, size, at):
 
 
 @triton.jit
-def _stage_kernel(src0, src1, src2, dst0, dst1, dst2, slot_of, experts, size0, size1, size2, CHUNK: tl.constexpr):
+def _stage_kernel(src0, src1, src2, dst0, dst1, dst2, slot_of, experts, size0, size1, size2, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
     """Chunk program_id(1) of the three projections' blocks of sorted pair p's expert, copied from its far
     entry to the same entry of the staging tensors when p is the first pair of its expert's run and the
     slot table sends the expert far."""
+    pdl.wait(PDL)
     _, slot, first = _run_start(experts, slot_of, tl.program_id(0))
     if first & (slot < -1):
         entry = (-2 - slot).to(tl.int64)
@@ -490,12 +497,14 @@ def stage_far(stacks: tuple[Stack, Stack, Stack], staged: tuple[Stack, Stack, St
     if pairs:
         chunks = triton.cdiv(max(s.expert_bytes for s in stacks), STAGE_CHUNK)
         _stage_kernel[(pairs, chunks)](*(s.far for s in stacks), *(t.far for t in staged), slot_of, routing.experts,
-                                       *(s.expert_bytes for s in stacks), CHUNK=STAGE_CHUNK, num_warps=4)
+                                       *(s.expert_bytes for s in stacks), CHUNK=STAGE_CHUNK, num_warps=4,
+                                       **pdl.launch(slot_of.device))
 
 
 @triton.jit
 def _weighted_sum_kernel(y, weights, residual, out, h, K: tl.constexpr, BLOCK: tl.constexpr,
-                         RESIDUAL: tl.constexpr):
+                         RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -525,13 +534,14 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor 
         block = min(1024, triton.next_power_of_2(y.shape[1]))
         _weighted_sum_kernel[(n, triton.cdiv(y.shape[1], block))](
             y, weights, y if residual is None else residual.contiguous(), out, y.shape[1], K=k, BLOCK=block,
-            RESIDUAL=residual is not None, num_warps=4, enable_fp_fusion=False)
+            RESIDUAL=residual is not None, num_warps=4, enable_fp_fusion=False, **pdl.launch(y.device))
     return out
 
 
 @triton.jit
-def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr):
+def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     """logits[r, experts of this program] = x[r] . router[expert], float32, one order over h."""
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BE + tl.arange(0, BE)[:, None]
     acc = tl.zeros((BE, BH), dtype=tl.float32)
@@ -544,9 +554,11 @@ def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NORMALIZE: tl.constexpr):
+def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
     """A row's softmax over its logits, then its k largest probabilities (ties: the lower expert first),
     normalized to sum 1 when NORMALIZE."""
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     at = tl.arange(0, BE)
     v = tl.load(logits + r * e + at, mask=at < e, other=float("-inf"))
@@ -578,11 +590,13 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
     weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
     if n:
-        be = 2  # experts per program: one row's 128 experts over 64 programs (16 a program left SMs idle)
-        _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(256, triton.next_power_of_2(h)),
-                                                 num_warps=4, enable_fp_fusion=False)
+        # an expert a program and its whole row in one step: each program issues all its loads at once (two
+        # experts a program in steps of 256 took 5.0 us a one-row call)
+        be = 1
+        _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(4096, triton.next_power_of_2(h)),
+                                                 num_warps=4, enable_fp_fusion=False, **pdl.launch(x.device))
         _top_k_kernel[(n,)](logits, weights, ids, e, K=top_k, BE=triton.next_power_of_2(e), NORMALIZE=normalize,
-                            num_warps=1)
+                            num_warps=1, **pdl.launch(x.device))
     return weights, ids
 
 

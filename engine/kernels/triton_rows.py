@@ -15,26 +15,45 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+from engine.kernels.triton_blocks import MATVEC_ROWS
+from engine.kernels.triton_xq import GROUP, RoundedRows, round_groups
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 1024  # values a program handles when rows are shorter (several rows, or several heads)
 _UNFUSED = dict(enable_fp_fusion=False)
 
 
+@triton.jit
+def _normed(v, w, y, at, mask, i, d, eps, q, scale, sums, halves, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """Store the RMSNorm of v [ROWS, BLOCK] (float32) times w at `at`; ROUND (one row a program): that row
+    rounded for the int16 products as well (`triton_xq.round_groups`, from the values as stored)."""
+    scale_v = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
+    out = (v * scale_v * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)).to(y.dtype.element_ty)
+    tl.store(y + at, out, mask=mask)
+    if ROUND:
+        g = tl.arange(0, BLOCK // 32)[:, None]
+        round_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), g, g < d // 32, q, scale, sums, halves,
+                     tl.program_id(0).to(tl.int64), d, BLOCK // 32)
+
+
 @triton.jit(do_not_specialize=["rows"])  # one compiled kernel for every number of rows
-def _rms_norm_kernel(x, w, y, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x, w, y, q, scale, sums, halves, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     ROUND: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, BLOCK)[None, :]
     mask = (r < rows) & (i < d)
     at = r.to(tl.int64) * d + i
     v = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
-    out = v * scale * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)
-    tl.store(y + at, out.to(y.dtype.element_ty), mask=mask)
+    _normed(v, w, y, at, mask, i, d, eps, q, scale, sums, halves, ROUND, BLOCK)
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _add_rms_norm_kernel(x, r, w, s, y, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x, r, w, s, y, q, scale, sums, halves, rows, d, eps, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
     """s = x + r rounded to s's dtype (as torch's add), y = the RMSNorm of s as stored."""
+    pdl.wait(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, BLOCK)[None, :]
     mask = (row < rows) & (i < d)
@@ -42,10 +61,7 @@ def _add_rms_norm_kernel(x, r, w, s, y, rows, d, eps, ROWS: tl.constexpr, BLOCK:
     total = tl.load(x + at, mask=mask, other=0.0).to(tl.float32) + tl.load(r + at, mask=mask, other=0.0).to(tl.float32)
     stored = total.to(s.dtype.element_ty)
     tl.store(s + at, stored, mask=mask)
-    v = stored.to(tl.float32)
-    scale = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
-    out = v * scale * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)
-    tl.store(y + at, out.to(y.dtype.element_ty), mask=mask)
+    _normed(stored.to(tl.float32), w, y, at, mask, i, d, eps, q, scale, sums, halves, ROUND, BLOCK)
 
 
 @triton.jit
@@ -77,9 +93,10 @@ def _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, n, tile, NEOX: t
 
 @triton.jit
 def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, x2, y2, w2, eps2, heads2, tiles, NEOX: tl.constexpr,
-                 NORM: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
+                 NORM: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """Row program_id(0): the first `tiles` programs of axis 1 rotate x's heads, the others x2's (q and k
     of a layer in one launch; each head's arithmetic the same either way)."""
+    pdl.wait(PDL)
     n = tl.program_id(0)
     t = tl.program_id(1)
     if t < tiles:
@@ -101,20 +118,30 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{tuple(weight.shape)} on {weight.device}")
 
 
+def _launch_norm(kernel, x: torch.Tensor, inputs: tuple, weight: torch.Tensor, outputs: tuple, eps: float) -> None:
+    """One program per row (or per rows of a short row); a window of up to `MATVEC_ROWS` rows of a length that
+    is a multiple of 32 also rounded for the int16 products (`RoundedRows.remember`)."""
+    d = x.shape[-1]
+    rows, block = x.numel() // d, triton.next_power_of_2(d)
+    per_program = max(1, TILE // block)
+    rounds = per_program == 1 and rows <= MATVEC_ROWS and d % GROUP == 0
+    rounded = RoundedRows.empty(rows, d, x.device) if rounds else None
+    kernel[(triton.cdiv(rows, per_program),)](
+        *inputs, weight.contiguous(), *outputs, *(rounded.tensors() if rounded else (x,) * 4), rows, d, eps,
+        ROWS=per_program, BLOCK=block, ROUND=rounds, num_warps=_warps(per_program * block), **_UNFUSED,
+        **pdl.launch(x.device))
+    if rounded is not None:
+        rounded.remember(outputs[-1].view(rows, d))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dimension D of x [..., D] (float32/bf16/f16),
     weight [D]; in x's dtype."""
     _check_norm(x, weight)
-    d = x.shape[-1]
-    x, weight = x.contiguous(), weight.contiguous()
+    x = x.contiguous()
     y = torch.empty_like(x)
-    if x.numel() == 0:
-        return y
-    rows, block = x.numel() // d, triton.next_power_of_2(d)
-    per_program = max(1, TILE // block)
-    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        x, weight, y, rows, d, eps, ROWS=per_program, BLOCK=block, num_warps=_warps(per_program * block),
-        **_UNFUSED)
+    if x.numel():
+        _launch_norm(_rms_norm_kernel, x, (x,), weight, (y,), eps)
     return y
 
 
@@ -126,14 +153,8 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
         raise ValueError(f"r must match x {x.dtype} {tuple(x.shape)}, got {r.dtype} {tuple(r.shape)} on {r.device}")
     x, r = x.contiguous(), r.contiguous()
     s, y = torch.empty_like(x), torch.empty_like(x)
-    if x.numel() == 0:
-        return s, y
-    d = x.shape[-1]
-    rows, block = x.numel() // d, triton.next_power_of_2(d)
-    per_program = max(1, TILE // block)
-    _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        x, r, weight.contiguous(), s, y, rows, d, eps, ROWS=per_program, BLOCK=block,
-        num_warps=_warps(per_program * block), **_UNFUSED)
+    if x.numel():
+        _launch_norm(_add_rms_norm_kernel, x, (x, r), weight, (s, y), eps)
     return s, y
 
 
@@ -175,7 +196,8 @@ def rope_pair(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, 
     wk, ek = (k_norm[0].contiguous(), k_norm[1]) if k_norm is not None else (wq, eq)
     _rope_kernel[(n, tiles[0] + tiles[1])](
         q, yq, positions, cos, sin, wq, eq, heads[0], half, k, yk, wk, ek, max(heads[1], 1), tiles[0], NEOX=neox,
-        NORM=q_norm is not None, HEADS=per_program, HALF=block, num_warps=_warps(per_program * block), **_UNFUSED)
+        NORM=q_norm is not None, HEADS=per_program, HALF=block, num_warps=_warps(per_program * block), **_UNFUSED,
+        **pdl.launch(q.device))
     return yq, (None if k is q else yk)
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+
 GROUP = 32  # x values per scale
 ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"  # read when the kernels are defined, as Triton does
 
@@ -38,20 +40,29 @@ def _dp2a(x_pairs, w_bytes, acc, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _round_kernel(x, q, scale, sums, halves, k, BK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None]
+def round_groups(v, g, live, q, scale, sums, halves, r, k, G: tl.constexpr):
+    """Row r's G groups g ([G, 1]; `live` where g < k // 32) of float32 values v [G, 32], rounded into the
+    `RoundedRows` tensors q, scale, sums, halves of rows of k values: `_round_kernel`'s body, which other
+    kernels call on the values they have just stored."""
     i = tl.arange(0, 32)[None, :]
-    live = g < k // 32
-    v = tl.load(x + r * k + g * 32 + i, mask=live, other=0.0).to(tl.float32)
     top = tl.max(tl.abs(v), axis=1, keep_dims=True)
     inverse = tl.where(top > 0, 32767.0 / tl.where(top > 0, top, 1.0), 0.0)
     rounded = tl.floor(v * inverse + 0.5).to(tl.int32)
     tl.store(q + r * k + g * 32 + i, rounded.to(tl.int16), mask=live)
     tl.store(scale + r * (k // 32) + g, top / 32767.0, mask=live)
     tl.store(sums + r * (k // 32) + g, tl.sum(v, axis=1, keep_dims=True), mask=live)
-    half = tl.sum(tl.reshape(rounded, (BK // 32, 2, 16)), axis=2)  # [groups, 2]: each 16 values' q summed
+    half = tl.sum(tl.reshape(rounded, (G, 2, 16)), axis=2)  # [groups, 2]: each 16 values' q summed
     tl.store(halves + r * (k // 16) + g * 2 + tl.arange(0, 2)[None, :], half, mask=live)
+
+
+@triton.jit
+def _round_kernel(x, q, scale, sums, halves, k, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None]
+    live = g < k // 32
+    v = tl.load(x + r * k + g * 32 + tl.arange(0, 32)[None, :], mask=live, other=0.0).to(tl.float32)
+    round_groups(v, g, live, q, scale, sums, halves, r, k, BK // 32)
 
 
 @dataclass(frozen=True)
@@ -65,16 +76,49 @@ class RoundedRows:
     halves: torch.Tensor
 
     @classmethod
+    def empty(cls, m: int, k: int, device: torch.device) -> RoundedRows:
+        return cls(torch.empty(m, k, dtype=torch.int16, device=device),
+                   torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
+                   torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
+                   torch.empty(m, k // 16, dtype=torch.int32, device=device))
+
+    @classmethod
     def of(cls, x: torch.Tensor) -> RoundedRows:
-        """x [m, k] (contiguous, k a multiple of 32) rounded group by group; each row on its own."""
+        """x [m, k] (contiguous, k a multiple of 32) rounded group by group; each row on its own. The
+        rounding a kernel made beside x (`remember`) when there is one, else one launch."""
         m, k = x.shape
         if k % GROUP or not x.is_contiguous():
             raise ValueError(f"x must be contiguous with k a multiple of {GROUP}, got {tuple(x.shape)}")
-        out = cls(torch.empty(m, k, dtype=torch.int16, device=x.device),
-                  torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device),
-                  torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device),
-                  torch.empty(m, k // 16, dtype=torch.int32, device=x.device))
+        made = _made.get(x.device)
+        if made is not None and _same(made[0], made[1], x):
+            return made[2]
+        out = cls.empty(m, k, x.device)
         if m:
             _round_kernel[(m, triton.cdiv(k // GROUP, 8))](x, out.q, out.scale, out.sums, out.halves, k,
-                                                           BK=8 * GROUP)
+                                                           BK=8 * GROUP, **pdl.launch(x.device))
         return out
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.scale, self.sums, self.halves
+
+    def remember(self, x: torch.Tensor) -> None:
+        """Say that these are x's rows rounded (a kernel that wrote x rounded it in the same launch), so that
+        `of(x)` returns them: the products that read x (q/k/v, the experts) then skip the rounding launch.
+        One per device is kept, with x itself: its memory cannot be reused while it is remembered, and a
+        write into x (its version) forgets it, except under `torch.inference_mode` (the engine's), whose
+        tensors count no versions: nothing writes into a kernel's output there."""
+        _made[x.device] = (x, _version(x), self)
+
+
+_made: dict[torch.device, tuple[torch.Tensor, int, RoundedRows]] = {}
+
+
+def _same(a: torch.Tensor, version: int, b: torch.Tensor) -> bool:
+    """Whether b is (a view of) a as it was at `version`: the same memory, layout and dtype, not written since
+    (a view shares its base's version counter)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and _version(b) == version)
+
+
+def _version(x: torch.Tensor) -> int:
+    return -1 if x.is_inference() else x._version
