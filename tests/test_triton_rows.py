@@ -210,3 +210,11 @@ def test_layers_norm_and_rope_on_this_device(dtype):
         rope = layers.Rope(64, 10000.0, CONTEXT, torch.device(DEVICE), neox=neox)
         scale = x.float().abs().amax(-1, keepdim=True).expand_as(x)
         assert_matches(rope(x, positions), rope_reference(x, positions, rope.cos, rope.sin, neox), scale)
+
+
+def test_no_dependent_launch_off_the_gpu():
+    """`pdl.launch`: no programmatic dependent launch for CPU tensors (Triton's interpreter), so every
+    kernel's `wait` compiles to nothing there."""
+    from engine.kernels import pdl
+
+    assert pdl.launch(torch.device("cpu")) == {"PDL": False}

@@ -49,7 +49,7 @@ def _dense(qtype: Q, n: int, k: int, m: int, deadline: float, gen: torch.Generat
         tb._rounded_kernel[(triton.cdiv(n, rows),)](
             mat.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, m, n, k, mat.blocks.shape[1],
             QTYPE=int(qtype), R=rows, SB=blocks, ROWS=1 if m == 1 else tb.MATVEC_ROWS, ASM=ASM, num_warps=warps,
-            PDL=0)
+            PDL=False)
 
     used = mat._one_row if m == 1 else mat._rows
     times = {}
