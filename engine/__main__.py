@@ -15,7 +15,7 @@ from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
 from engine.kernels import cpu as cpu_kernels
-from engine.kv import KV_DTYPES
+from engine.kv import KV_DTYPES, kv_name
 from engine.loading import DTYPES, fit_slots, log, model_context, pick_device, pick_dtype, pick_kv_dtype
 from engine.loop import EngineLoop
 from engine.memory import MIB
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
     info: dict[str, int | float | str] = {
         "engine": __version__, "model": os.path.basename(args.model), "arch": g.architecture,
         "context": context, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "kv": str(kv_dtype).removeprefix("torch."), "cpu_activations": args.cpu_activations,
+        "kv": kv_name(kv_dtype), "cpu_activations": args.cpu_activations,
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
         "weights_mib": round(sum(model.w.split().get(str(d), 0) for d in placement.devices()) / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
         "prefill": args.prefill, "exact": int(args.exact),

@@ -22,6 +22,7 @@ from engine.batch import Span
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
+from engine.kv import KV_DTYPES
 from engine.loading import DTYPES, open_model, placement_of
 from engine.models.base import Model
 from engine.protocol import Sampling
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=64, help="tokens to decode")
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--kv", choices=tuple(KV_DTYPES), help="KV storage, as the engine's --kv")
     p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--cpu-activations", choices=tuple(cpu_kernels.ACTIVATIONS), default="int16",
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     g = GGUFFile(args.model)
     plan = plan_tier(args, g, placement_of(g, args.device, args.layer_split))
-    g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context,
+    g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context, kv=args.kv,
                           layer_split=args.layer_split, host_experts=plan.host_experts)
     setup_tier(args, model)
     device, dtype = model.device, model.dtype

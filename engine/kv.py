@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from engine import kv_blocks
 from engine.hyper import ring_lengths
 from engine.placement import on_device
 
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": kv_blocks.DTYPE}
 
 
 class KVCache:
-    """Keys and values of every layer for `sessions` sessions: `[sessions, kv_heads, length, head_dim]`,
-    `length` per layer from `ring_lengths`; each layer on `device`, or on its own device from `devices`
-    (a layer split: its stage's)."""
+    """Keys and values of every layer for `sessions` sessions: `[sessions, kv_heads, length, head_dim]`
+    (Q8_0, `kv_blocks.DTYPE`: uint8 rows of `kv_blocks.row_bytes(head_dim)`), `length` per layer from
+    `ring_lengths`; each layer on `device`, or on its own device from `devices` (a layer split: its
+    stage's)."""
 
     def __init__(self, windows: tuple[int | None, ...], sessions: int, kv_heads: int, context: int, head_dim: int,
                  max_chunk: int, dtype: torch.dtype, device: torch.device,
@@ -29,7 +31,8 @@ class KVCache:
         on = devices or [device] * len(self.lengths)
         if len(on) != len(self.lengths):
             raise ValueError(f"{len(on)} devices for {len(self.lengths)} layers")
-        shapes = [((sessions, kv_heads, n, head_dim), d) for n, d in zip(self.lengths, on, strict=True)]
+        row = _row(head_dim, dtype)
+        shapes = [((sessions, kv_heads, n, row), d) for n, d in zip(self.lengths, on, strict=True)]
         self.k = [torch.zeros(shape, dtype=dtype, device=d) for shape, d in shapes]
         self.v = [torch.zeros(shape, dtype=dtype, device=d) for shape, d in shapes]
         self.sessions = sessions
@@ -41,7 +44,7 @@ class KVCache:
     def bytes_per_session(windows: tuple[int | None, ...], kv_heads: int, context: int, head_dim: int,
                           max_chunk: int, dtype: torch.dtype) -> int:
         positions = sum(ring_lengths(windows, context, max_chunk))
-        return 2 * positions * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        return 2 * positions * kv_heads * _row(head_dim, dtype) * torch.empty(0, dtype=dtype).element_size()
 
     def session_bytes(self, device: torch.device | None = None) -> int:
         """One session's bytes (on `device` only, when given)."""
@@ -89,3 +92,13 @@ class KVCache:
             m = min(self.extent(i, n), ks[i].shape[1])
             k[session, :, :m].copy_(ks[i][:, :m])
             v[session, :, :m].copy_(vs[i][:, :m])
+
+
+def _row(head_dim: int, dtype: torch.dtype) -> int:
+    """A cached row's last dimension: head_dim values, or a Q8_0 row's bytes."""
+    return kv_blocks.row_bytes(head_dim) if dtype == kv_blocks.DTYPE else head_dim
+
+
+def kv_name(dtype: torch.dtype) -> str:
+    """What INFO says of a cache's storage: `q8_0`, else the dtype's name (`float16`, ...)."""
+    return "q8_0" if dtype == kv_blocks.DTYPE else str(dtype).removeprefix("torch.")

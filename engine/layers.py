@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine import kv_blocks
 from engine.batch import Batch, Span
 from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
@@ -140,20 +141,20 @@ def attend(
                                           v_cache[span.session], lo, span.end, scale))
             continue
         if span.end <= ring:  # no wrap: plain slices
-            k_cache[span.session, :, span.start : span.end] = k[part].transpose(0, 1).to(k_cache.dtype)
-            v_cache[span.session, :, span.start : span.end] = v[part].transpose(0, 1).to(v_cache.dtype)
+            k_cache[span.session, :, span.start : span.end] = kv_blocks.store(k[part].transpose(0, 1), k_cache.dtype)
+            v_cache[span.session, :, span.start : span.end] = kv_blocks.store(v[part].transpose(0, 1), v_cache.dtype)
             keys, values = k_cache[span.session, :, lo : span.end], v_cache[span.session, :, lo : span.end]
         else:
             slots = torch.arange(span.start, span.end, device=q.device) % ring
-            k_cache[span.session][:, slots] = k[part].transpose(0, 1).to(k_cache.dtype)
-            v_cache[span.session][:, slots] = v[part].transpose(0, 1).to(v_cache.dtype)
+            k_cache[span.session][:, slots] = kv_blocks.store(k[part].transpose(0, 1), k_cache.dtype)
+            v_cache[span.session][:, slots] = kv_blocks.store(v[part].transpose(0, 1), v_cache.dtype)
             seen = torch.arange(lo, span.end, device=q.device) % ring
             keys, values = k_cache[span.session][:, seen], v_cache[span.session][:, seen]
         if span.length == 1:
-            out.append(_attend_one(q[part], keys.to(q.dtype), values.to(q.dtype), scale))
+            out.append(_attend_one(q[part], kv_blocks.load(keys, q.dtype), kv_blocks.load(values, q.dtype), scale))
             continue
-        keys = keys.to(q.dtype).repeat_interleave(n_rep, dim=0)
-        values = values.to(q.dtype).repeat_interleave(n_rep, dim=0)
+        keys = kv_blocks.load(keys, q.dtype).repeat_interleave(n_rep, dim=0)
+        values = kv_blocks.load(values, q.dtype).repeat_interleave(n_rep, dim=0)
         q_pos = torch.arange(span.start, span.end, device=q.device)[:, None]
         k_pos = torch.arange(lo, span.end, device=q.device)[None, :]
         mask = k_pos <= q_pos

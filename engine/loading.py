@@ -43,8 +43,11 @@ def model_context(g: GGUFFile, asked: int) -> int:
 
 
 def pick_kv_dtype(name: str | None, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """KV storage: fp16 on the CPU (half the bytes of float32, more mantissa than bf16), else the
-    compute dtype (no cast per attention call on the GPU)."""
+    """KV storage: as asked (q8_0: the CPU only), else fp16 on the CPU (half the bytes of float32, more
+    mantissa than bf16) and the compute dtype on a GPU (no cast per attention call)."""
+    if name == "q8_0" and device.type != "cpu":
+        raise ValueError("--kv q8_0 runs on the CPU only for now (the GPU's attention kernel reads float caches): "
+                         "use bf16 or f16 on a GPU")
     if name:
         return KV_DTYPES[name]
     return torch.float16 if device.type == "cpu" else dtype

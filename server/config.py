@@ -64,7 +64,8 @@ class RunConfig(BaseModel):
     )
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
     prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
-    kv: Literal["auto", "f32", "f16", "bf16"] = Field("auto", description="KV cache storage (auto: f16 on CPU, bf16 on GPU)")
+    kv: Literal["auto", "f32", "f16", "bf16", "q8_0"] = Field(
+        "auto", description="KV cache storage (auto: f16 on CPU, bf16 on GPU; q8_0: 8-bit blocks, CPU only)")
     parallel: int = Field(1, ge=1, le=MAX_SLOTS, description="batch slots; 1 = one request at a time")
     batch_groups: int | Literal["auto"] = Field("auto", description="pipeline groups; must divide parallel")
     batch_mtp: bool = False

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import kv_blocks
 from engine.kernels import cpu, ops
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
@@ -70,23 +71,28 @@ def test_rope_fallback_in_torch_matches_the_kernel(monkeypatch):
 def reference_attention(q, keys, values, positions, scale):
     """q [H, D]; keys/values [Hkv, ring, D]; positions: which ring slots, in order."""
     slots = torch.tensor([p % keys.shape[1] for p in positions])
-    k = keys[:, slots].double().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
-    v = values[:, slots].double().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    k = kv_blocks.load(keys[:, slots], torch.float32).double().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    v = kv_blocks.load(values[:, slots], torch.float32).double().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
     w = torch.softmax((q.double()[:, None, :] @ k.transpose(1, 2)) * scale, dim=-1)
     return (w @ v).reshape(1, -1).float()
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16, kv_blocks.DTYPE),
+                         ids=("f32", "f16", "bf16", "q8_0"))
 def test_attend_row_stores_its_kv_then_matches_softmax_attention(dtype):
+    """The row's key and value stored as the cache keeps them (torch's rounding; Q8_0: gguf-py's), bit for
+    bit, then attention over the stored values."""
     heads, kv_heads, dim, ring = 4, 2, 64, 48
-    keys = torch.randn(kv_heads, ring, dim, generator=gen(5)).to(dtype)
-    values = torch.randn(kv_heads, ring, dim, generator=gen(6)).to(dtype)
+    keys = kv_blocks.store(torch.randn(kv_heads, ring, dim, generator=gen(5)), dtype)
+    values = kv_blocks.store(torch.randn(kv_heads, ring, dim, generator=gen(6)), dtype)
     q = torch.randn(heads, dim, generator=gen(7))
     scale = 1 / math.sqrt(dim)
     for lo, hi in ((0, 1), (0, 48), (30, 70)):  # the last wraps around the ring
         k, v = torch.randn(kv_heads, dim, generator=gen(hi)) * 1e3, torch.randn(kv_heads, dim, generator=gen(-hi))
         expected_keys, expected_values = keys.clone(), values.clone()
-        expected_keys[:, (hi - 1) % ring], expected_values[:, (hi - 1) % ring] = k.to(dtype), v.to(dtype)
+        v[0, :8] = torch.tensor([0.0, 127.0, -63.5, 0.5, 1.5, -2.5, 1e-30, 3.0])  # ties at the scale 1 (127 / 127)
+        expected_keys[:, (hi - 1) % ring] = kv_blocks.store(k, dtype)
+        expected_values[:, (hi - 1) % ring] = kv_blocks.store(v, dtype)
         got = ops.attend_row(q, k, v, keys, values, lo, hi, scale)
         assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # torch's rounding
         torch.testing.assert_close(got, reference_attention(q, keys, values, range(lo, hi), scale),

@@ -12,7 +12,7 @@ import torch
 from engine import protocol as P
 from engine.batch import Span
 from engine.check import Driver, bgen, collect, compare, gen, sample_prompts
-from engine.scenarios import give_way, long_read, next_turn, slots_n, solo, stop_solo
+from engine.scenarios import cases, give_way, long_read, next_turn, slots_n, solo, stop_solo
 
 PENALTIES = "repeat_penalty=1.3 presence_penalty=0.5 frequency_penalty=0.5 repeat_last_n=12"
 SAMPLED = "temperature=0.9 top_p=0.95 top_k=40 seed=1234"
@@ -133,3 +133,27 @@ def test_quantized_batch_equals_solo_without_exact_mode(tiny_model_q8, activatio
         assert compare(driver, prompts, max_new=16) == []
     finally:
         cpu.set_activations("int16")
+
+
+Q8_0_KV_CASES = cases([2, 4], max_new=16)
+
+
+@pytest.fixture(scope="module")
+def driver_q8_0_kv(tmp_path_factory):
+    """Two layers of the `demo-moe` preset: heads of 64 values, two Q8_0 blocks a row (the tiny model's
+    heads of 16 are refused, as llama.cpp refuses them)."""
+    from strata_desk.testmodel import write_test_model
+
+    path = write_test_model(tmp_path_factory.mktemp("models") / "moe-q8_0.gguf", preset="demo-moe", layers=2,
+                            dtype="q8_0")
+    with pytest.raises(ValueError, match="multiple of 32, got 16"):
+        Driver.load(str(write_test_model(path.with_name("tiny.gguf"))), slots=2, kv="q8_0")
+    return Driver.load(str(path), slots=4, exact=True, prefill=16, kv="q8_0")
+
+
+@pytest.mark.parametrize("case", list(Q8_0_KV_CASES))
+def test_batch_equals_solo_with_a_q8_0_kv_cache(driver_q8_0_kv, case):
+    """`--kv q8_0`: the prompt chunks' rows quantized by torch and the decode rows by the C kernel, the
+    same bits (tests/test_cpu_ops.py); every scenario's batch tokens equal solo."""
+    assert driver_q8_0_kv.model.kv.k[0].dtype == torch.uint8
+    assert Q8_0_KV_CASES[case](driver_q8_0_kv, "").failures == []

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from engine import kv_blocks
 from engine.kernels import cpu
 
-_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, kv_blocks.DTYPE: 3}  # uint8: Q8_0 rows
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -40,8 +41,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                lo: int, hi: int, scale: float) -> torch.Tensor:
     """One decode row: its k, v [kv_heads, dim] stored at position hi - 1 of one session's cache
-    keys/values [kv_heads, ring, dim] (position p in slot p % ring, contiguous), then its query
-    q [heads, dim] over positions lo..hi-1 -> [1, heads * dim]."""
+    keys/values [kv_heads, ring, dim] (position p in slot p % ring, contiguous; a Q8_0 cache: uint8
+    [kv_heads, ring, kv_blocks.row_bytes(dim)]), then its query q [heads, dim] over positions lo..hi-1
+    -> [1, heads * dim]."""
     heads, dim = q.shape[-2:]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(1, heads * dim)

@@ -18,7 +18,24 @@
 #define SD_AVX2 1
 #endif
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
+
+/* KV_Q8_0 (engine/kv_blocks.py): each row of d values is d / 32 blocks of a float16 scale and 32 int8 values.
+ * The functions below address a cache by element index i (row i / d, value i % d); the vector loads take 8
+ * values of one block (i a multiple of 8, d of 32). */
+static int64_t kv_row_bytes(int type, int64_t d) {
+    return type == KV_Q8_0 ? d / 32 * 34 : type == KV_F32 ? d * 4 : d * 2;
+}
+
+static inline const uint8_t *q8_block(const void *p, int64_t i, int64_t d) {
+    return (const uint8_t *)p + i / d * (d / 32 * 34) + i % d / 32 * 34;
+}
+
+static inline float q8_scale(const uint8_t *block) {
+    uint16_t h;
+    memcpy(&h, block, 2);
+    return sd_f16(h);
+}
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of dim values (out may be x). */
 void sd_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
@@ -71,8 +88,12 @@ void sd_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
 
 /* ---- one query row's attention ------------------------------------------------------------------ */
 
-static inline float load_kv(const void *p, int type, int64_t i) {
+static inline float load_kv(const void *p, int type, int64_t i, int64_t d) {
     if (type == KV_F32) return ((const float *)p)[i];
+    if (type == KV_Q8_0) {
+        const uint8_t *b = q8_block(p, i, d);
+        return q8_scale(b) * (float)(int8_t)b[2 + i % 32];
+    }
     uint16_t h = ((const uint16_t *)p)[i];
     if (type == KV_BF16) {
         uint32_t bits = (uint32_t)h << 16;
@@ -84,8 +105,13 @@ static inline float load_kv(const void *p, int type, int64_t i) {
 }
 
 #ifdef SD_AVX2
-static inline __m256 load8_kv(const void *p, int type, int64_t i) {
+static inline __m256 load8_kv(const void *p, int type, int64_t i, int64_t d) {
     if (type == KV_F32) return _mm256_loadu_ps((const float *)p + i);
+    if (type == KV_Q8_0) {
+        const uint8_t *b = q8_block(p, i, d);
+        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + i % 32))));
+        return _mm256_mul_ps(_mm256_set1_ps(q8_scale(b)), q);
+    }
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
     if (type == KV_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -106,12 +132,12 @@ static float dot_kv(const float *q, const void *k, int type, int64_t i, int64_t 
 #ifdef SD_AVX2
     __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
     for (; j + 16 <= d; j += 16) {
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8_kv(k, type, i + j), c0);
-        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), load8_kv(k, type, i + j + 8), c1);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8_kv(k, type, i + j, d), c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), load8_kv(k, type, i + j + 8, d), c1);
     }
     acc = hsum8(_mm256_add_ps(c0, c1));
 #endif
-    for (; j < d; j++) acc += q[j] * load_kv(k, type, i + j);
+    for (; j < d; j++) acc += q[j] * load_kv(k, type, i + j, d);
     return acc;
 }
 
@@ -121,9 +147,9 @@ static void axpy_kv(float *out, float p, const void *v, int type, int64_t i, int
 #ifdef SD_AVX2
     __m256 vp = _mm256_set1_ps(p);
     for (; j + 8 <= d; j += 8)
-        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(vp, load8_kv(v, type, i + j), _mm256_loadu_ps(out + j)));
+        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(vp, load8_kv(v, type, i + j, d), _mm256_loadu_ps(out + j)));
 #endif
-    for (; j < d; j++) out[j] += p * load_kv(v, type, i + j);
+    for (; j < d; j++) out[j] += p * load_kv(v, type, i + j, d);
 }
 
 /* out[0 .. d) += p[0] * v[i[0] ..) then p[1] * v[i[1] ..) ... p[3]: axpy_kv four times, each element's
@@ -133,14 +159,14 @@ static void axpy4_kv(float *out, const float p[4], const void *v, int type, cons
 #ifdef SD_AVX2
     __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]), p3 = _mm256_set1_ps(p[3]);
     for (; j + 8 <= d; j += 8) {
-        __m256 o = _mm256_fmadd_ps(p0, load8_kv(v, type, i[0] + j), _mm256_loadu_ps(out + j));
-        o = _mm256_fmadd_ps(p1, load8_kv(v, type, i[1] + j), o);
-        o = _mm256_fmadd_ps(p2, load8_kv(v, type, i[2] + j), o);
-        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p3, load8_kv(v, type, i[3] + j), o));
+        __m256 o = _mm256_fmadd_ps(p0, load8_kv(v, type, i[0] + j, d), _mm256_loadu_ps(out + j));
+        o = _mm256_fmadd_ps(p1, load8_kv(v, type, i[1] + j, d), o);
+        o = _mm256_fmadd_ps(p2, load8_kv(v, type, i[2] + j, d), o);
+        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p3, load8_kv(v, type, i[3] + j, d), o));
     }
 #endif
     for (; j < d; j++)
-        for (int r = 0; r < 4; r++) out[j] += p[r] * load_kv(v, type, i[r] + j);
+        for (int r = 0; r < 4; r++) out[j] += p[r] * load_kv(v, type, i[r] + j, d);
 }
 
 typedef struct {
@@ -180,7 +206,23 @@ static void attend_head(void *ctx, int64_t h, int thread) {
     for (; t < n; t++) axpy_kv(out, s[t] / sum, a->v, a->type, base + ((a->lo + t) % a->ring) * a->d, a->d);
 }
 
+/* One row of d values into a Q8_0 row, as ggml's reference quantizer (and gguf-py) rounds them. */
+static void store_q8_0(uint8_t *dst, const float *src, int64_t d) {
+    for (int64_t b = 0; b < d / 32; b++, src += 32, dst += 34) {
+        float top = 0.0f;
+        for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(src[j]));
+        float scale = top / 127, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        uint16_t h = sd_to_f16(scale);
+        memcpy(dst, &h, 2);
+        for (int j = 0; j < 32; j++) dst[2 + j] = (uint8_t)(int8_t)roundf(src[j] * inverse);
+    }
+}
+
 static void store_kv(void *dst, int type, const float *src, int64_t d) {
+    if (type == KV_Q8_0) {
+        store_q8_0(dst, src, d);
+        return;
+    }
     for (int64_t j = 0; j < d; j++) {
         if (type == KV_F32) {
             ((float *)dst)[j] = src[j];
@@ -199,9 +241,9 @@ static void store_kv(void *dst, int type, const float *src, int64_t d) {
 int sd_attend_row(const float *q, const float *k_new, const float *v_new, int64_t heads, int64_t kv_heads,
                   int64_t d, void *k, void *v, int type, int64_t ring, int64_t lo, int64_t hi, float scale,
                   float *out, int threads) {
-    int64_t n = hi - lo, size = type == KV_F32 ? 4 : 2;
+    int64_t n = hi - lo, row = kv_row_bytes(type, d);
     for (int64_t h = 0; h < kv_heads; h++) {
-        int64_t at = (h * ring + (hi - 1) % ring) * d * size;
+        int64_t at = (h * ring + (hi - 1) % ring) * row;
         store_kv((char *)k + at, type, k_new + h * d, d);
         store_kv((char *)v + at, type, v_new + h * d, d);
     }
