@@ -83,6 +83,16 @@ def test_a_row_alone_gives_its_bits_in_any_window(case):
         assert torch.equal(alone[0], together[i])
 
 
+def many_chunks() -> tuple:
+    """The "many chunks" window in float16: q, the caches, sessions, positions and the window."""
+    ring, window, rows = CASES["many chunks"]
+    k_cache, v_cache = caches(ring, torch.float16, seed=4)
+    q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
+    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    return q, k_cache, v_cache, sessions, positions, window
+
+
 def test_the_merge_rounds_the_rows_it_writes():
     """A decode window's output rounded for attn_output's int16 product in the merge's launch: what
     `RoundedRows.of` returns for it, the same as rounding it apart."""
@@ -90,11 +100,7 @@ def test_the_merge_rounds_the_rows_it_writes():
 
     from engine.kernels.triton_xq import RoundedRows
 
-    ring, window, rows = CASES["many chunks"]
-    k_cache, v_cache = caches(ring, torch.float16, seed=4)
-    q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
-    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
-    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    q, k_cache, v_cache, sessions, positions, window = many_chunks()
     out = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
     assert_same_rounding(RoundedRows.of(out), RoundedRows.of(out.clone()))
 
@@ -130,11 +136,7 @@ def test_bad_shapes_are_refused():
 def test_a_row_has_its_bits_however_its_chunks_are_spread(monkeypatch):
     """The programs a launch runs per (row, KV head) change with the window's rows: each chunk's partial
     result and the merge must not."""
-    ring, window, rows = CASES["many chunks"]
-    k_cache, v_cache = caches(ring, torch.float16, seed=4)
-    q = torch.randn(len(rows), HEADS, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
-    sessions = torch.tensor([s for s, _ in rows], device=DEVICE)
-    positions = torch.tensor([p for _, p in rows], device=DEVICE)
+    q, k_cache, v_cache, sessions, positions, window = many_chunks()
     spread = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
     monkeypatch.setattr(triton_attention, "PROGRAMS", 1)  # one program per (row, KV head) walks every chunk
     assert torch.equal(attend(q, k_cache, v_cache, sessions, positions, 0.2, window), spread)
