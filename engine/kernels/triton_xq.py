@@ -99,11 +99,13 @@ class RoundedRows:
         return out
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, scale, sums, halves: the order the kernels take them in."""
         return self.q, self.scale, self.sums, self.halves
 
     def remember(self, x: torch.Tensor) -> None:
         """Say that these are x's rows rounded (a kernel that wrote x rounded it in the same launch), so that
-        `of(x)` returns them: the products that read x (q/k/v, the experts) then skip the rounding launch.
+        `of(x)` returns them: the products that read x (q/k/v, `attn_output`, the experts' gate and up, the
+        head) then skip the rounding launch.
         One per device is kept, with x itself: its memory cannot be reused while it is remembered, and a
         write into x (its version) forgets it, except under `torch.inference_mode` (the engine's), whose
         tensors count no versions: nothing writes into a kernel's output there."""
