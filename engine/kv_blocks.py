@@ -7,6 +7,7 @@ its third axis, so copying, parking and restoring a session's positions move its
 float cache's. Rows are rounded as ggml's reference quantizer rounds them (scale = max |x| / 127, each
 value `roundf(x * (1 / scale))`, ties away from zero; gguf-py's `Q8_0.quantize_blocks`), and read as
 scale * value in float32. The CPU's decode row (`kernels/ops_cpu.c`) stores and reads the same bits.
+In torch rather than through gguf-py's numpy: every prompt chunk stores and reads its layers' rows.
 """
 
 from __future__ import annotations

@@ -141,14 +141,17 @@ Q8_0_KV_CASES = cases([2, 4], max_new=16)
 @pytest.fixture(scope="module")
 def driver_q8_0_kv(tmp_path_factory):
     """Two layers of the `demo-moe` preset: heads of 64 values, two Q8_0 blocks a row (the tiny model's
-    heads of 16 are refused, as llama.cpp refuses them)."""
+    heads of 16 are refused, as llama.cpp refuses them: below)."""
     from strata_desk.testmodel import write_test_model
 
     path = write_test_model(tmp_path_factory.mktemp("models") / "moe-q8_0.gguf", preset="demo-moe", layers=2,
                             dtype="q8_0")
-    with pytest.raises(ValueError, match="multiple of 32, got 16"):
-        Driver.load(str(write_test_model(path.with_name("tiny.gguf"))), slots=2, kv="q8_0")
     return Driver.load(str(path), slots=4, exact=True, prefill=16, kv="q8_0")
+
+
+def test_a_q8_0_kv_cache_refuses_heads_of_16_values(tiny_model):
+    with pytest.raises(ValueError, match="multiple of 32, got 16"):
+        Driver.load(str(tiny_model), slots=2, kv="q8_0")
 
 
 @pytest.mark.parametrize("case", list(Q8_0_KV_CASES))

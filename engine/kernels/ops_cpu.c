@@ -28,7 +28,7 @@ static int64_t kv_row_bytes(int type, int64_t d) {
 }
 
 static inline const uint8_t *q8_block(const void *p, int64_t i, int64_t d) {
-    return (const uint8_t *)p + i / d * (d / 32 * 34) + i % d / 32 * 34;
+    return (const uint8_t *)p + i / d * kv_row_bytes(KV_Q8_0, d) + i % d / 32 * 34;
 }
 
 static inline float q8_scale(const uint8_t *block) {

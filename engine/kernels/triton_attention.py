@@ -6,7 +6,8 @@ p % ring) are cut into chunks of `CHUNK` keys counted from `lo`. The first launc
 (row, KV head, split); each takes chunks split, split + splits, ... of its row and, for the query heads
 that share the KV head (GQA: query head h reads KV head h // n_rep), writes each chunk's running max,
 softmax total and weighted values (an online softmax over blocks of `BLOCK_L` keys). The second launch
-merges a row's chunks in chunk order. So nothing is gathered, padded or repeated per query head, a long
+merges a row's chunks in chunk order. The program that takes a row's last chunk first writes the row's
+own key and value into the cache (no launch of its own). So nothing is gathered, padded or repeated per query head, a long
 row is spread over many programs (flash decoding), and a row's result depends only on its own query and
 keys: the chunks and their merge follow its own length, whichever program computed them, so a row has
 the same bits alone or beside any other rows, at any length of the others.
