@@ -10,9 +10,9 @@ tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_bl
   F32 matrices are used as they are.
 - CUDA: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices keep the file's bytes and run through the Triton kernels
   (`GpuBlockLinear`: a matvec for decode windows, a dequantize-in-tile GEMM for prompt chunks), and so
-  do expert stacks of those types (`LinearStack.blocks`, run by the fused MoE kernel of
-  `engine.experts_blocks`); other types are dequantized once into the compute dtype (expert stacks
-  then run as bf16 grouped GEMMs).
+  do expert stacks of those types and of F16/BF16 (`LinearStack.blocks`, run by the fused MoE kernel of
+  `engine.experts_blocks`); other types are dequantized once into the compute dtype (dense F16/BF16
+  matrices run through cuBLAS, other expert stacks as bf16 grouped GEMMs).
 - Without a C compiler the CPU kernels are missing, without Triton the GPU ones: matrices are
   dequantized at load, and the log says why.
 
@@ -51,8 +51,9 @@ def is_vector(info: TensorInfo) -> bool:
 def keeps_blocks(info: TensorInfo, device: torch.device) -> bool:
     """The format policy: does this tensor stay in the file's format on `device`?"""
     if device.type == "cuda":
-        return (len(info.shape) in (2, 3) and not is_vector(info) and info.qtype in gpu_kernels.SUPPORTED
-                and gpu_kernels.available())
+        kernel_reads = (info.qtype in gpu_kernels.SUPPORTED and len(info.shape) in (2, 3)
+                        or info.qtype in gpu_kernels.FLOAT_BLOCKS and len(info.shape) == 3)
+        return kernel_reads and not is_vector(info) and gpu_kernels.available()
     return (device.type == "cpu" and not is_vector(info) and info.qtype != Q.F32
             and cpu_kernels.available() and info.qtype in cpu_kernels.SUPPORTED)
 
@@ -104,7 +105,9 @@ class DenseLinear(Linear):
         self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)  # an F16 expert kept for the kernels
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
@@ -280,8 +283,11 @@ class WeightStore:
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
             blocks = self._blocks(info).to(device)
-            experts: list[Linear] = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device)
-                                     for e in range(info.shape[0])]
+            if info.qtype in gpu_kernels.FLOAT_BLOCKS:  # the fused MoE kernel reads the values as they are
+                values = blocks.view(torch.float16 if info.qtype == Q.F16 else torch.bfloat16)
+                experts: list[Linear] = [DenseLinear(values[e]) for e in range(info.shape[0])]
+            else:
+                experts = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device) for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
             blocks = self._blocks(info)

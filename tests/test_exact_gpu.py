@@ -1,6 +1,6 @@
 """Exactness at real shapes on CUDA (marker `gpu`): the qwen3-30b-a3b preset, skewed router, every
-`strata-desk check` scenario three times, greedy and sampled, bf16 (grouped GEMMs) and the Q4_K_M mix
-(the fused MoE kernel over blocks)."""
+`strata-desk check` scenario three times, greedy and sampled, bf16 and the Q4_K_M mix (the fused MoE
+kernel over 16-bit values and over blocks)."""
 
 import pytest
 import restarts

@@ -15,7 +15,8 @@ from engine.experts import ResidentExperts  # noqa: E402
 from engine.experts_blocks import BlockExperts  # noqa: E402
 from engine.kernels import cpu as cpu_kernels  # noqa: E402
 from engine.kernels import triton_moe as tm  # noqa: E402
-from engine.kernels.triton_blocks import FLOAT_BLOCKS, random_blocks  # noqa: E402
+from engine.kernels.gpu import FLOAT_BLOCKS  # noqa: E402
+from engine.kernels.triton_blocks import random_blocks  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 from engine.tier.gpu_experts import GpuTieredExperts  # noqa: E402
 from engine.tier.gpu_slots import GpuLayerSlots, Staging  # noqa: E402

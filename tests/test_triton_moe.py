@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from engine.experts import ResidentExperts, resident_experts  # noqa: E402
 from engine.experts_blocks import BlockExperts  # noqa: E402
 from engine.kernels import triton_moe as tm  # noqa: E402
-from engine.kernels.triton_blocks import FLOAT_BLOCKS, random_blocks  # noqa: E402
+from engine.kernels.triton_blocks import random_blocks  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 
 # the sigmoid of a large negative gate overflows exp to inf in the interpreter's numpy: 1 / inf = 0, right
@@ -61,7 +61,7 @@ def case(qtype: Q) -> tuple[list[tm.Stack], list[torch.Tensor]]:
 def cases(dtypes: tuple[torch.dtype, torch.dtype], extra: Q) -> list:
     """Every type (the 16-bit float stacks of the GPU tier too) with the first dtype, one type with the
     second (the interpreter is slow)."""
-    return [pytest.param(q, dtypes[0], id=f"{q.name}-{dtypes[0]}") for q in gpu.SUPPORTED + FLOAT_BLOCKS] + [
+    return [pytest.param(q, dtypes[0], id=f"{q.name}-{dtypes[0]}") for q in gpu.SUPPORTED + gpu.FLOAT_BLOCKS] + [
         pytest.param(extra, dtypes[1], id=f"{extra.name}-{dtypes[1]}")]
 
 
@@ -251,7 +251,9 @@ def test_cuda_policy_keeps_expert_blocks_the_kernel_reads():
     cuda = torch.device("cuda")
     assert keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q4_K), cuda)
     assert keeps_blocks(info("blk.0.ffn_down_exps.weight", (8, 256, 64), Q.Q6_K), cuda)
-    assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.F16), cuda)  # bf16 grouped GEMMs
+    assert keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.F16), cuda)  # its values, as they are
+    assert keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.BF16), cuda)
+    assert not keeps_blocks(info("blk.0.attn_q.weight", (64, 256), Q.F16), cuda)  # cuBLAS
     assert not keeps_blocks(info("blk.0.ffn_up_exps.weight", (8, 64, 256), Q.Q5_0), cuda)
 
 

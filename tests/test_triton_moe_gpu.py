@@ -1,5 +1,5 @@
 """The fused MoE kernel compiled on CUDA at qwen3-30b-a3b's expert shapes (marker `gpu`; skipped without a
-GPU): hidden 2048, expert FFN 768, 128 experts, top-8. Every type against the float64 products of
+GPU): hidden 2048, expert FFN 768, 128 experts, top-8. Every type (F16 and BF16 values too) against the float64 products of
 gguf-py's values, decode windows of 1 and 8 rows and a 512-row prompt chunk, each pair's result
 bit-identical whatever the window of 2-8 rows (alone on its expert or in company), the slot table; a Q4_K_M model keeps its experts' blocks on the GPU
 and batch = solo."""
@@ -27,7 +27,7 @@ SHAPES = ((FF, HIDDEN), (FF, HIDDEN), (HIDDEN, FF))  # gate, up, down: [n, k]
 PROMPT = 512
 
 
-@pytest.fixture(scope="module", params=gpu.SUPPORTED, ids=lambda t: t.name)
+@pytest.fixture(scope="module", params=gpu.SUPPORTED + gpu.FLOAT_BLOCKS, ids=lambda t: t.name)
 def case(request: pytest.FixtureRequest) -> tuple[list[tm.Stack], list[torch.Tensor]]:
     """Random gate, up and down stacks (tiles chosen by their shapes) and gguf-py's values of them
     (the block kernels' exact dequantization, tested against gguf-py in test_triton_gpu.py)."""
@@ -37,7 +37,10 @@ def case(request: pytest.FixtureRequest) -> tuple[list[tm.Stack], list[torch.Ten
     for n, k in SHAPES:
         blocks = tb.random_blocks(qtype, EXPERTS * n, k, gen).cuda()
         stacks.append(tm.Stack(qtype, blocks.view(EXPERTS, n, -1), k))
-        values.append(tb.Matrix(qtype, blocks, k).dequantize().view(EXPERTS, n, k))
+        if qtype in gpu.FLOAT_BLOCKS:
+            values.append(blocks.view(torch.float16 if qtype == Q.F16 else torch.bfloat16).float().view(EXPERTS, n, k))
+        else:
+            values.append(tb.Matrix(qtype, blocks, k).dequantize().view(EXPERTS, n, k))
     return stacks, values
 
 

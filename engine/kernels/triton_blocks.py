@@ -43,14 +43,11 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
-from engine.kernels.gpu import SUPPORTED
+from engine.kernels.gpu import FLOAT_BLOCKS, SUPPORTED
 from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
 MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
 SMALL_M = 16  # rows of x a GEMM tile holds for a window of 2-8 rows (tl.dot's smallest)
-# 16-bit float "blocks" (a value each, no scale): the fused MoE kernel reads F16/BF16 expert stacks kept in
-# host memory for the GPU expert tier; dense F16/BF16 matrices stay torch's (cuBLAS), so not in SUPPORTED
-FLOAT_BLOCKS = (Q.F16, Q.BF16)
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED + FLOAT_BLOCKS}  # values per scale
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED = dict(enable_fp_fusion=True)  # fused multiply-adds in the products (Triton's default is changing)

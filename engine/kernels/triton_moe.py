@@ -36,12 +36,11 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
-from engine.kernels.gpu import SUPPORTED
+from engine.kernels.gpu import FLOAT_BLOCKS, SUPPORTED
 from engine.kernels.triton_blocks import (
     _FUSED,
     _Q4_K,
     _Q6_K,
-    FLOAT_BLOCKS,
     GROUP,
     MATVEC_ROWS,
     ROUNDED,
@@ -233,6 +232,10 @@ class Tiles:
         # One-row windows: one weight row a program, one warp, 4 blocks a step (gate and up 21.7 -> 13.8 us,
         # the Q6_K down 17.3 -> 15.4 us against the 8-row tiles; one row a program, 1-8 warps and blocks swept).
         wide = 256 if qtype == Q.Q6_K and not gated else 512
+        if qtype in FLOAT_BLOCKS:
+            # F16 at these shapes: 8 rows, one weight row a one-warp program (gate+up 114.7 -> 80.2 us, down
+            # 89.6 -> 83.3); one row, two (13.4 and 9.9 us against 14.9 and 12.5 with one)
+            return cls(1, min(512, triton.next_power_of_2(k)), 64, 64, 64, 1, 4, solo_rows=2, solo_warps=1, solo_blocks=4)
         if qtype in (Q.Q8_0, Q.Q6_K) or (qtype == Q.Q4_K and gated):
             # One-warp programs over 2 (gate+up) or 4 (down) weight rows, in windows of 8 rows (skewed routing,
             # 51 experts, H200): Q4_K gate+up 122.6 -> 77.5 us, Q6_K down 107.8 -> 80.0, Q8_0 170.2 -> 121.7
@@ -628,7 +631,7 @@ def _bench() -> None:
         u = torch._grouped_mm(xs, dense[1].transpose(1, 2), offs=offs)
         return torch._grouped_mm(F.silu(g) * u, dense[2].transpose(1, 2), offs=offs)
 
-    for qtype in (None, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+    for qtype in (None, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         if qtype is not None:
             stacks = [Stack(qtype, random_blocks(qtype, experts * n, k, gen).view(experts, n, -1).cuda(), k)
                       for n, k in ((ff, hidden), (ff, hidden), (hidden, ff))]
