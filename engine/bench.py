@@ -179,15 +179,14 @@ def spread(values: list[float]) -> str:
     return f"{median(values):.1f} tok/s (median of {len(values)} rounds, {min(values):.1f}-{max(values):.1f})"
 
 
-def profile(runner: Runner, rows: list, device: torch.device, windows: int = 3) -> str:
-    """Where a window's time goes: the top operators by device (or CPU) time."""
+def profile(work: Callable[[], object], device: torch.device) -> str:
+    """Where `work`'s time goes: the top operators by device (or CPU) time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        for _ in range(windows):
-            runner.decode(rows)
+        work()
         sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=15)
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--kv", choices=tuple(KV_DTYPES), help="KV storage, as the engine's --kv")
-    p.add_argument("--profile", action="store_true", help="print where one-row and batch windows spend time")
+    p.add_argument("--profile", action="store_true", help="print where one-row and batch windows and a prompt read spend time")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--cpu-activations", choices=tuple(cpu_kernels.ACTIVATIONS), default="int16",
                    help="CPU decode products: int16, int8 or float32 activations")
@@ -298,9 +297,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio        prefill {prefill_tok_s / peer_prefill:.2f}x, decode {decode_tok_s / peer_decode:.2f}x "
               f"llama.cpp{' (medians of rounds run in turn)' if len(peers) > 1 else ''}")
     if args.profile:
-        print("\none row:\n" + profile(r.runner, [r.solo_row], device))
+        runner = r.runner
+
+        def windows(rows: list[Row]) -> Callable[[], None]:
+            return lambda: [runner.decode(rows) for _ in range(3)]
+
+        print("\none row (3 windows):\n" + profile(windows([r.solo_row]), device))
         if r.batch_rows:
-            print(f"\n{args.slots} rows:\n" + profile(r.runner, r.batch_rows, device))
+            print(f"\n{args.slots} rows (3 windows):\n" + profile(windows(r.batch_rows), device))
+        prompt = runner.solo.tokens[:min(args.prompt, args.context // 2)]  # the bench's prompt, read again
+        runner.solo.tokens = []
+        print(f"\nprompt ({len(prompt)} tokens):\n" + profile(lambda: runner.read(runner.solo, prompt), device))
     finish_tier(args, model, r.served)  # --expert-profile-save
     return 0
 

@@ -49,3 +49,15 @@ def test_rounds_below_one_are_refused(tiny_model_q8: Path, capsys) -> None:
         bench.main(["--model", str(tiny_model_q8), "--rounds", "0"])
     assert exc.value.code == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:
+    """`--profile`: the top operators of one-row and batch windows and of the prompt read again from the start
+    (the read of the whole prompt runs its products as a chunk: `aten::mm` on the CPU)."""
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "24", "--decode", "4", "--slots", "2",
+            "--context", "64", "--profile"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    for title in ("one row (3 windows):", "2 rows (3 windows):", "prompt (24 tokens):"):
+        assert f"\n{title}\n" in out, out
+    assert "aten::mm" in out.split("prompt (24 tokens):")[1]
