@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--kv", choices=tuple(KV_DTYPES), help="KV storage, as the engine's --kv")
-    p.add_argument("--profile", action="store_true", help="print where one-row and batch windows and a prompt read spend time")
+    p.add_argument("--profile", action="store_true",
+                   help="print where one-row and batch windows and a prompt read spend time")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--cpu-activations", choices=tuple(cpu_kernels.ACTIVATIONS), default="int16",
                    help="CPU decode products: int16, int8 or float32 activations")
@@ -307,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{args.slots} rows (3 windows):\n" + profile(windows(r.batch_rows), device))
         prompt = runner.solo.tokens[:min(args.prompt, args.context // 2)]  # the bench's prompt, read again
         runner.solo.tokens = []
-        print(f"\nprompt ({len(prompt)} tokens):\n" + profile(lambda: runner.read(runner.solo, prompt), device))
+        read = profile(lambda: runner.read(runner.solo, prompt), device)
+        print(f"\nprompt ({len(prompt)} tokens):\n" + read)
     finish_tier(args, model, r.served)  # --expert-profile-save
     return 0
 

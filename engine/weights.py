@@ -107,7 +107,8 @@ class DenseLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight)
-        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)  # an F16 expert kept for the kernels
+        # an F16 expert stack kept for the fused kernel, in a layer whose other stacks run one by one
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
@@ -287,7 +288,8 @@ class WeightStore:
                 values = blocks.view(torch.float16 if info.qtype == Q.F16 else torch.bfloat16)
                 experts: list[Linear] = [DenseLinear(values[e]) for e in range(info.shape[0])]
             else:
-                experts = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device) for e in range(info.shape[0])]
+                experts = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device)
+                           for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
             blocks = self._blocks(info)

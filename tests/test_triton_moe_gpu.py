@@ -1,6 +1,6 @@
 """The fused MoE kernel compiled on CUDA at qwen3-30b-a3b's expert shapes (marker `gpu`; skipped without a
-GPU): hidden 2048, expert FFN 768, 128 experts, top-8. Every type (F16 and BF16 values too) against the float64 products of
-gguf-py's values, decode windows of 1 and 8 rows and a 512-row prompt chunk, each pair's result
+GPU): hidden 2048, expert FFN 768, 128 experts, top-8. Every type (F16 and BF16 values too) against the
+float64 products of gguf-py's values, decode windows of 1 and 8 rows and a 512-row prompt chunk, each pair's result
 bit-identical whatever the window of 2-8 rows (alone on its expert or in company), the slot table; a Q4_K_M model keeps its experts' blocks on the GPU
 and batch = solo."""
 
@@ -38,7 +38,8 @@ def case(request: pytest.FixtureRequest) -> tuple[list[tm.Stack], list[torch.Ten
         blocks = tb.random_blocks(qtype, EXPERTS * n, k, gen).cuda()
         stacks.append(tm.Stack(qtype, blocks.view(EXPERTS, n, -1), k))
         if qtype in gpu.FLOAT_BLOCKS:
-            values.append(blocks.view(torch.float16 if qtype == Q.F16 else torch.bfloat16).float().view(EXPERTS, n, k))
+            dtype = torch.float16 if qtype == Q.F16 else torch.bfloat16
+            values.append(blocks.view(dtype).float().view(EXPERTS, n, k))
         else:
             values.append(tb.Matrix(qtype, blocks, k).dequantize().view(EXPERTS, n, k))
     return stacks, values

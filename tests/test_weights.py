@@ -85,3 +85,15 @@ def test_projections_join_dense_matrices():
     joined = Projections(parts)
     assert [sizes for _, sizes in joined.runs] == [[8, 4, 4]]
     assert all(torch.allclose(g, p(x)) for g, p in zip(joined(x), parts, strict=True))
+
+
+def test_dense_linear_takes_x_of_another_dtype():
+    """An F16 expert stack kept for the fused kernel gives `DenseLinear` views of its values; where a layer's
+    other stacks run one expert at a time they take the compute dtype's x: the product in the weight's dtype,
+    returned in x's."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 32, generator=gen).half()
+    x = torch.randn(2, 32, generator=gen).bfloat16()
+    y = DenseLinear(w)(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.linear(x.half(), w).bfloat16())

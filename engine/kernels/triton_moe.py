@@ -235,7 +235,8 @@ class Tiles:
         if qtype in FLOAT_BLOCKS:
             # F16 at these shapes: 8 rows, one weight row a one-warp program (gate+up 114.7 -> 80.2 us, down
             # 89.6 -> 83.3); one row, two (13.4 and 9.9 us against 14.9 and 12.5 with one)
-            return cls(1, min(512, triton.next_power_of_2(k)), 64, 64, 64, 1, 4, solo_rows=2, solo_warps=1, solo_blocks=4)
+            return cls(1, min(512, triton.next_power_of_2(k)), 64, 64, 64, 1, 4, solo_rows=2, solo_warps=1,
+                       solo_blocks=4)
         if qtype in (Q.Q8_0, Q.Q6_K) or (qtype == Q.Q4_K and gated):
             # One-warp programs over 2 (gate+up) or 4 (down) weight rows, in windows of 8 rows (skewed routing,
             # 51 experts, H200): Q4_K gate+up 122.6 -> 77.5 us, Q6_K down 107.8 -> 80.0, Q8_0 170.2 -> 121.7
