@@ -98,10 +98,11 @@ def test_the_merge_rounds_the_rows_it_writes():
     `RoundedRows.of` returns for it, the same as rounding it apart."""
     from test_triton_kernels import assert_same_rounding
 
-    from engine.kernels.triton_xq import RoundedRows
+    from engine.kernels.triton_xq import RoundedRows, _made
 
     q, k_cache, v_cache, sessions, positions, window = many_chunks()
     out = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
+    assert _made[out.device][0].data_ptr() == out.data_ptr()  # remembered, not rounded again by `of`
     assert_same_rounding(RoundedRows.of(out), RoundedRows.of(out.clone()))
 
 
