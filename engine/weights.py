@@ -285,7 +285,7 @@ class WeightStore:
 
             blocks = self._blocks(info).to(device)
             if info.qtype in gpu_kernels.FLOAT_BLOCKS:  # the fused MoE kernel reads the values as they are
-                values = blocks.view(torch.float16 if info.qtype == Q.F16 else torch.bfloat16)
+                values = blocks.view(gpu_kernels.FLOAT_DTYPE[info.qtype])
                 experts: list[Linear] = [DenseLinear(values[e]) for e in range(info.shape[0])]
             else:
                 experts = [GpuBlockLinear(info.qtype, blocks[e], info.shape[-1], device)

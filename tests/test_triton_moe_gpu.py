@@ -38,8 +38,7 @@ def case(request: pytest.FixtureRequest) -> tuple[list[tm.Stack], list[torch.Ten
         blocks = tb.random_blocks(qtype, EXPERTS * n, k, gen).cuda()
         stacks.append(tm.Stack(qtype, blocks.view(EXPERTS, n, -1), k))
         if qtype in gpu.FLOAT_BLOCKS:
-            dtype = torch.float16 if qtype == Q.F16 else torch.bfloat16
-            values.append(blocks.view(dtype).float().view(EXPERTS, n, k))
+            values.append(blocks.view(gpu.FLOAT_DTYPE[qtype]).float().view(EXPERTS, n, k))
         else:
             values.append(tb.Matrix(qtype, blocks, k).dequantize().view(EXPERTS, n, k))
     return stacks, values

@@ -12,6 +12,7 @@ SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # 16-bit float "blocks" (a value each, no scale): expert stacks of these types stay as they are for the
 # fused MoE kernel; dense F16/BF16 matrices become torch's (cuBLAS), so these are not in SUPPORTED
 FLOAT_BLOCKS = (Q.F16, Q.BF16)
+FLOAT_DTYPE = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # the torch dtype of their values
 
 
 @functools.cache

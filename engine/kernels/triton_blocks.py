@@ -43,7 +43,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
-from engine.kernels.gpu import FLOAT_BLOCKS, SUPPORTED
+from engine.kernels.gpu import FLOAT_BLOCKS, FLOAT_DTYPE, SUPPORTED
 from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
 MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
@@ -574,7 +574,7 @@ def random_blocks(qtype: Q, n: int, k: int, generator: torch.Generator | None = 
     F16/BF16, normal values."""
     if qtype in FLOAT_BLOCKS:  # values, not bit patterns (those would hold NaNs and infinities)
         values = torch.randn(n, k, generator=generator) * 0.05
-        return values.to(torch.float16 if qtype == Q.F16 else torch.bfloat16).view(torch.uint8)
+        return values.to(FLOAT_DTYPE[qtype]).view(torch.uint8)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8, generator=generator)
     for at in _F16_FIELDS[qtype]:
