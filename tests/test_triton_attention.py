@@ -101,6 +101,7 @@ def test_the_merge_rounds_the_rows_it_writes():
     from engine.kernels.triton_xq import RoundedRows, _made
 
     q, k_cache, v_cache, sessions, positions, window = many_chunks()
+    RoundedRows.want(q.device)  # as a Q4_K or Q6_K matrix on the device says
     out = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
     assert _made[out.device][0].data_ptr() == out.data_ptr()  # remembered, not rounded again by `of`
     assert_same_rounding(RoundedRows.of(out), RoundedRows.of(out.clone()))

@@ -224,6 +224,7 @@ def test_the_norms_round_the_rows_they_write(d):
     from engine.kernels import triton_rows
     from engine.kernels.triton_xq import RoundedRows, _made
 
+    RoundedRows.want(torch.device(DEVICE))  # as a Q4_K or Q6_K matrix on the device says
     x = (torch.randn(3, d, generator=torch.Generator().manual_seed(7)) * 3).to(DEVICE, torch.bfloat16)
     weight = torch.randn(d, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     y = triton_rows.rms_norm(x, weight, 1e-6)
@@ -240,3 +241,20 @@ def test_the_norms_round_the_rows_they_write(d):
         y = triton_rows.rms_norm(x, weight, 1e-6)
         assert RoundedRows.of(y) is _made[y.device][2]
         assert_same_rounding(RoundedRows.of(y), RoundedRows.of(y.clone()))
+
+
+def test_the_norms_leave_the_rounding_where_no_product_takes_it(monkeypatch):
+    """On a device without a matrix or expert stack of a `ROUNDED` type (a Q8_0 or F16 file) the norms store
+    their rows only; a product that asks for the rounding then makes it apart."""
+    from engine.kernels import triton_rows, triton_xq
+    from engine.kernels.triton_xq import RoundedRows
+
+    monkeypatch.setattr(triton_xq, "_wanted", set())
+    monkeypatch.setattr(triton_xq, "_made", {})
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16)
+    y = triton_rows.rms_norm(x, torch.ones(2048, device=DEVICE), 1e-6)
+    assert not RoundedRows.wanted(y.device) and y.device not in triton_xq._made
+    tb.Matrix(Q.Q4_K, tb.random_blocks(Q.Q4_K, 4, 256, torch.Generator().manual_seed(1)).to(DEVICE), 256)
+    assert RoundedRows.wanted(y.device)
+    y = triton_rows.rms_norm(x, torch.ones(2048, device=DEVICE), 1e-6)
+    assert triton_xq._made[y.device][0].data_ptr() == y.data_ptr()

@@ -144,7 +144,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                                           BLOCK_L=BLOCK_L, CHUNK=CHUNK, PRECISION=precision,
                                           **pdl.launch(q.device))
     out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
-    rounds = n <= MATVEC_ROWS and dim % GROUP == 0
+    rounds = n <= MATVEC_ROWS and dim % GROUP == 0 and RoundedRows.wanted(q.device)
     rounded = RoundedRows.empty(n, heads * dim, q.device) if rounds else None
     _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, *(rounded.tensors() if rounded else (out,) * 4),
                               positions, window or 0, chunks, D=dim, CHUNK=CHUNK, MERGE=MERGE, ROUND=rounds,

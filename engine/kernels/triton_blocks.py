@@ -486,6 +486,8 @@ class Matrix:
         # Q4_K and Q6_K decode products sum x rounded to int16 (`triton_xq`), a 16-byte chunk a thread: 8
         # chunks a Q4_K block, 4 a Q6_K one; two weight rows a program
         self._rounded = qtype in ROUNDED and blocks.data_ptr() % 4 == 0
+        if self._rounded:
+            RoundedRows.want(blocks.device)
         chunks = 8 if qtype == Q.Q4_K else 4
         self._int_blocks = min(self.tiles.row_blocks * 8 // chunks, triton.next_power_of_2(max(1, k // 256)))
         self._int_warps = max(1, 2 * self._int_blocks * chunks // 32)

@@ -278,6 +278,8 @@ class Stack:
                 raise ValueError(f"{name} must be contiguous and start at a multiple of 4 bytes")
         self.qtype, self.blocks, self.k = qtype, blocks, k
         self.far = blocks if far is None else far
+        if qtype in ROUNDED:
+            RoundedRows.want(blocks.device)
         self.slots, self.n, self.row_bytes = blocks.shape
         self.expert_bytes = self.n * self.row_bytes
         self._tiles = tiles  # None: from the shape

@@ -120,11 +120,12 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def _launch_norm(kernel, x: torch.Tensor, inputs: tuple, weight: torch.Tensor, outputs: tuple, eps: float) -> None:
     """One program per row (or per rows of a short row); a window of up to `MATVEC_ROWS` rows of a length that
-    is a multiple of 32 also rounded for the int16 products (`RoundedRows.remember`)."""
+    is a multiple of 32 also rounded for the int16 products (`RoundedRows.remember`) where the device has
+    one (`RoundedRows.wanted`)."""
     d = x.shape[-1]
     rows, block = x.numel() // d, triton.next_power_of_2(d)
     per_program = max(1, TILE // block)
-    rounds = per_program == 1 and rows <= MATVEC_ROWS and d % GROUP == 0
+    rounds = per_program == 1 and rows <= MATVEC_ROWS and d % GROUP == 0 and RoundedRows.wanted(x.device)
     rounded = RoundedRows.empty(rows, d, x.device) if rounds else None
     kernel[(triton.cdiv(rows, per_program),)](
         *inputs, weight.contiguous(), *outputs, *(rounded.tensors() if rounded else (x,) * 4), rows, d, eps,

@@ -102,6 +102,16 @@ class RoundedRows:
         """q, scale, sums, halves: the order the kernels take them in."""
         return self.q, self.scale, self.sums, self.halves
 
+    @staticmethod
+    def want(device: torch.device) -> None:
+        """Say that a product on `device` takes x rounded (a matrix or an expert stack of a `ROUNDED` type), so
+        that the kernels that write x round it (`wanted`); none on a device: they leave it (Q8_0, F16 files)."""
+        _wanted.add(device)
+
+    @staticmethod
+    def wanted(device: torch.device) -> bool:
+        return device in _wanted
+
     def remember(self, x: torch.Tensor) -> None:
         """Say that these are x's rows rounded (a kernel that wrote x rounded it in the same launch), so that
         `of(x)` returns them: the products that read x (q/k/v, `attn_output`, the experts' gate and up, the
@@ -113,6 +123,7 @@ class RoundedRows:
 
 
 _made: dict[torch.device, tuple[torch.Tensor, int, RoundedRows]] = {}
+_wanted: set[torch.device] = set()
 
 
 def _same(a: torch.Tensor, version: int, b: torch.Tensor) -> bool:
