@@ -319,3 +319,39 @@ def test_decode_routing_is_a_stable_sort(rows):
         assert routing.order.dtype == torch.int64 and torch.equal(routing.order.cpu(), order)
         assert torch.equal(routing.experts.cpu(), ids.reshape(-1).cpu()[order].to(torch.int32))
         assert torch.equal(routing.src.cpu(), (order // 8).to(torch.int32))
+
+
+def tiled_reference(flat: torch.Tensor, top_k: int, n_experts: int, gemm_m: int) -> tuple[torch.Tensor, ...]:
+    """A prompt chunk's routing in torch: the pairs' stable sort by expert, each expert's pairs padded to whole
+    tiles of `gemm_m` (-1 in the padding), each tile's expert (-1 past the last)."""
+    flat = flat.cpu().long()
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    counts = torch.bincount(flat, minlength=n_experts)
+    tiles = (counts + gemm_m - 1) // gemm_m
+    tile_end = torch.cumsum(tiles, 0)
+    bound = -(-flat.numel() // gemm_m) + min(n_experts, flat.numel())
+    tile_expert = torch.searchsorted(tile_end, torch.arange(bound), right=True)
+    tile_expert = torch.where(tile_expert < n_experts, tile_expert, -1)
+    padded = torch.full((bound * gemm_m,), -1, dtype=torch.int64)
+    position = torch.arange(flat.numel())
+    padded[(tile_end - tiles)[experts] * gemm_m + position - (torch.cumsum(counts, 0) - counts)[experts]] = position
+    return order, experts, order // top_k, tile_expert, padded
+
+
+@pytest.mark.parametrize(("rows", "skew"), [(9, False), (64, True), (300, False), (512, True)])
+def test_prompt_routing_pads_each_experts_pairs_to_tiles(rows, skew):
+    """A prompt chunk's pairs sorted and padded to GEMM tiles in one launch: the torch reference's sort, tiles
+    and padding, whatever the rows (not a multiple of the kernel's chunks), with experts routed to by no pair
+    and, skewed, by most rows."""
+    gen = torch.Generator().manual_seed(rows)
+    weights = torch.arange(1, 25, dtype=torch.float64) ** (-2.0 if skew else 0.0)
+    ids = torch.stack([torch.multinomial(weights, 4, generator=gen) for _ in range(rows)]).to(DEVICE)
+    routing = tm.Routing.of(ids, 24, 16)
+    want = tiled_reference(ids.reshape(-1), 4, 24, 16)
+    got = (routing.order, routing.experts, routing.src, routing.tile_expert, routing.padded)
+    assert [t.dtype for t in got] == [torch.int64] + [torch.int32] * 4
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu().long(), w)
+    decode = tm.Routing.of(ids, 24)  # more pairs than the one-program sort takes, no tiles
+    assert decode.padded is None and torch.equal(decode.order.cpu(), want[0])
