@@ -70,6 +70,7 @@ class Figures:
     solo_row: Row
     batch_rows: list[Row]
     served: ExpertStats  # routed entries of the timed one-row decode, by where they were served
+    swaps: int  # experts the tier copied into its slots during the timed one-row decode
     replay_ms: float | None  # a one-row window's CUDA graph replayed alone (None: no graph)
 
 
@@ -114,9 +115,9 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
     runner.solo.tokens = []
     prefill_s = timed(device, read)
     one_row(warmup)  # warm-up (and, with an expert tier, its first rounds)
-    before = model.expert_stats()
+    before, swaps_before = model.expert_stats(), model.tier.swaps if model.tier else 0
     decode_s = timed(device, lambda: one_row(decode))
-    served = model.expert_stats() - before
+    served, swaps = model.expert_stats() - before, (model.tier.swaps if model.tier else 0) - swaps_before
     replay_ms = None
     if runner.graphs is not None and model.tier is None:  # the last window again (a tier would count it)
         last = len(runner.solo.tokens) - 1
@@ -136,7 +137,7 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         steps(warmup)
         batch_tok_s = slots * decode / timed(device, lambda: steps(decode))
     solo = Row(runner.solo, state["token"], greedy, 0)
-    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served, replay_ms)
+    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served, swaps, replay_ms)
 
 
 def handoff_us(model: Model, rows: int, reps: int = 100) -> float:
@@ -280,13 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         n = max(s.lookups, 1)
         print(f"tier         {tier.mode}: {tier.slots} slots for {tier.experts_total} experts "
               f"({tier.slots / tier.experts_total:.0%}); timed decode served {s.vram / n:.1%} from VRAM, "
-              f"{s.pcie / n:.1%} over PCIe, {s.cpu / n:.1%} on the CPU; {tier.swaps} swaps in {tier.rounds} rounds")
+              f"{s.pcie / n:.1%} over PCIe, {s.cpu / n:.1%} on the CPU; {tier.swaps} swaps in {tier.rounds} rounds, "
+              f"{r.swaps / args.decode:.2f} a token in the timed decode")
         costs = tier.miss_times
         if costs is not None and costs.pcie_us is not None:
             miss_ms = (s.pcie * costs.pcie_us + s.cpu * costs.cpu_us) / args.decode / 1000
+            # a blocking round's copies hold the next window up about as long as as many entries over PCIe
+            swap_ms = 0.0 if tier.copier is not None else r.swaps * costs.pcie_us / args.decode / 1000
             print(f"misses       {miss_ms:.2f} ms a token predicted from their counts and the costs measured at "
-                  f"start ({costs.pcie_us:.0f} us an entry over PCIe, {costs.cpu_us:.0f} us on the CPU): with an "
-                  f"all-resident step of T ms, 1000 / (T + {miss_ms:.2f}) tok/s")
+                  f"start ({costs.pcie_us:.0f} us an entry over PCIe, {costs.cpu_us:.0f} us on the CPU), "
+                  f"{swap_ms:.2f} ms for the blocking rounds' copies (an entry over PCIe each): with an "
+                  f"all-resident step of T ms, 1000 / (T + {miss_ms + swap_ms:.2f}) tok/s")
     if r.batch_tok_s is not None:
         batch = [f.batch_tok_s for f in rounds if f.batch_tok_s is not None]
         print(f"batch        {spread(batch)} aggregate over {args.slots} rows "

@@ -34,7 +34,7 @@ def test_round_swaps_only_when_the_gain_clears():
 
 
 def test_an_expert_needs_the_minimum_count_to_displace_a_cached_one():
-    counts = [t(0.2, 0, 2.5, 1)]  # cached experts 0 and 1 barely routed lately; 2 and 3 a little more
+    counts = [t(0.2, 0.1, 2.5, 1)]  # cached experts 0 and 1 barely routed lately; 2 and 3 a little more
     assert plan_round(counts, [[0, 1]], AdaptPolicy(min_count=3.0)) == []  # 2.5 and 1 are below 3
     plan = plan_round(counts, [[0, 1]], AdaptPolicy(min_count=2.0))
     assert [(s.slot, s.expert) for s in plan] == [(1, 2)]
@@ -55,8 +55,15 @@ def test_round_takes_the_largest_gains_across_layers_up_to_the_cap():
 def test_empty_slots_fill_first_whatever_the_cap_and_unrouted_experts_never_move_in():
     plan = plan_round([t(0, 5, 3, 0)], [[-1, -1, -1]], AdaptPolicy(swaps=0))
     assert [(s.slot, s.expert) for s in plan] == [(0, 1), (1, 2)]  # expert 0 and 3 were never routed
-    plan = plan_round([t(4, 0, 9, 1)], [[0, -1]], AdaptPolicy(), empty_only=True)
-    assert [(s.slot, s.expert) for s in plan] == [(1, 2)]  # expert 0 is not evicted by a fill round
+
+
+def test_any_routed_expert_displaces_one_never_routed_and_a_seed_round_has_no_cap():
+    counts, at = [t(4, 0, 2, 1)], [[0, 1]]
+    plan = plan_round(counts, at, AdaptPolicy())
+    assert [(s.slot, s.expert) for s in plan] == [(1, 2)]  # 2 < --adapt-min-count 3, but expert 1 has 0
+    assert plan_round([t(4, 0.5, 2, 1)], at, AdaptPolicy()) == []  # expert 1 was routed: 2 is under 3
+    assert plan_round(counts, at, AdaptPolicy(swaps=0)) == []
+    assert plan_round(counts, at, AdaptPolicy(swaps=0).seeding()) == plan
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -121,7 +128,7 @@ def _setup(model, *flags: str) -> dict:
 def test_setup_tier_from_flags(model, tmp_path):
     info = _setup(model, "--expert-cache", "12", "--adapt-every", "1000000", "--pcie-frac", "0.3", "--adapt-async", "1")
     assert model.tier is not None and model.tier.slots == 12 and model.tier.policy.every == 1_000_000
-    assert info == {"expert_slots": 12, "experts_cached": 0, "pcie_frac": 0, "adapt_every": 1_000_000,
+    assert info == {"expert_slots": 12, "experts_cached": 12, "pcie_frac": 0, "adapt_every": 1_000_000,
                     "adapt_async": 1, "expert_profile": "-"}
     assert model.tier.copier is not None
     path = tmp_path / "p.json"
@@ -242,8 +249,8 @@ def test_async_rounds_copy_on_a_helper_thread_and_no_window_waits(model, monkeyp
         assert release.wait(30), "the test never released the copies"
         fill(self, slot, expert)
 
-    monkeypatch.setattr(LayerSlots, "fill", held_fill)
     _setup(model, "--expert-cache", "8", "--adapt-every", "2", "--adapt-min-count", "0", "--adapt-async", "1")
+    monkeypatch.setattr(LayerSlots, "fill", held_fill)  # after the seeding, which copies at load
     tier = model.tier
     layer = tier.layers[0]
 
@@ -253,7 +260,7 @@ def test_async_rounds_copy_on_a_helper_thread_and_no_window_waits(model, monkeyp
         tier.window_done(ExpertStats())
 
     window(3)
-    window(3)  # a round is due: it plans expert 3 into an empty slot of layer 0 and returns at once
+    window(3)  # a round is due: it plans expert 3 in place of an unrouted one of layer 0 and returns at once
     assert tier.rounds == 1 and tier.copier.busy and layer.slots.slot_of[3] == -1
     window(5)
     window(5)  # due again while the copies are held: deferred, the windows still run

@@ -26,6 +26,14 @@ from engine.tier import (
     split_slots,
 )
 from engine.tier.sizing import auto_slots, slot_bytes, staging_bytes
+from engine.tier.tier import SEED_WINDOWS
+
+
+def seed_without_profile(policy: AdaptPolicy) -> str:
+    """How a cache seeded without a profile starts (`Tier.seed`), for the start's log line."""
+    if policy.every == 0:
+        return f"by expert id, then once from the first {SEED_WINDOWS} windows"
+    return "by expert id" + (", then from the rounds" if policy.adapts else "")
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -112,7 +120,7 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
              else "simulated: slots in host RAM, cached experts and misses on the CPU")
     log(f"expert tier ({where}): {tier.slots} slots for {tier.experts_total} experts "
         f"({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
-        f"seeded {'from ' + args.expert_profile if profile else 'from the first windows'}, adaptation {mode}")
+        f"seeded {'from ' + args.expert_profile if profile else seed_without_profile(policy)}, adaptation {mode}")
     return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": pcie, "adapt_every": policy.every,
             "adapt_async": int(tier.copier is not None), "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
 

@@ -2,7 +2,8 @@
 
 Per layer, the uncached experts by routing count (most first) are paired with the cached slots by
 count (least first; an empty slot counts as nothing cached); a pair is a swap while the hot count is
-above zero and at least `min_gain` times the cold one. Over all layers at most `swaps` pairs are
+above zero and at least `min_gain` times the cold one and `min_count` (against an empty slot or an
+expert never routed, any routed expert will do). Over all layers at most `swaps` pairs are
 taken, those with the largest count difference first (within a layer the differences only shrink
 along the pairs, so each layer gives up a prefix of its pairs). Counts decay by `decay` after every
 round.
@@ -10,11 +11,12 @@ round.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 FIXED = 1_000_000  # --adapt-every at or above this: the cache never changes after seeding (exact runs)
+SEED_SWAPS = 1 << 30  # a seed round's cap: none
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class AdaptPolicy:
     def adapts(self) -> bool:
         return 0 < self.every < FIXED
 
+    def seeding(self) -> AdaptPolicy:
+        """A static cache's one seed round: the same rule without the cap."""
+        return replace(self, swaps=SEED_SWAPS)
+
     def due(self, window: int) -> bool:
         """Is a round due after `window` (1-based) windows?"""
         return self.adapts and window % self.every == 0
@@ -55,8 +61,8 @@ class Swap:
 
 
 def layer_swaps(layer: int, counts: torch.Tensor, expert_at: list[int], min_gain: float,
-                empty_only: bool = False, min_count: float = 0.0) -> list[Swap]:
-    """One layer's candidate swaps (see the module docstring); `empty_only`: fill empty slots only."""
+                min_count: float = 0.0) -> list[Swap]:
+    """One layer's candidate swaps (see the module docstring)."""
     n = counts.tolist()
     cached = {e for e in expert_at if e >= 0}
     hot = sorted((e for e in range(len(n)) if e not in cached), key=lambda e: (-n[e], e))
@@ -65,20 +71,19 @@ def layer_swaps(layer: int, counts: torch.Tensor, expert_at: list[int], min_gain
     swaps = []
     for expert, slot in zip(hot, cold, strict=False):
         h, c = n[expert], held[slot]
-        if h <= 0 or (c is not None and (empty_only or h < max(min_count, min_gain * c))):
+        if h <= 0 or (c and h < max(min_count, min_gain * c)):  # c None or 0: nothing routed to displace
             break
         swaps.append(Swap(layer, slot, expert, h - (c or 0.0)))
     return swaps
 
 
-def plan_round(counts: list[torch.Tensor], expert_at: list[list[int]], policy: AdaptPolicy,
-               empty_only: bool = False) -> list[Swap]:
+def plan_round(counts: list[torch.Tensor], expert_at: list[list[int]], policy: AdaptPolicy) -> list[Swap]:
     """The swaps of one round over every layer, at most `policy.swaps` (empty slots are filled
     whatever the cap: a fill evicts nothing)."""
     fills: list[Swap] = []
     swaps: list[Swap] = []
     for layer, (c, at) in enumerate(zip(counts, expert_at, strict=True)):
-        for s in layer_swaps(layer, c, at, policy.min_gain, empty_only, policy.min_count):
+        for s in layer_swaps(layer, c, at, policy.min_gain, policy.min_count):
             (fills if at[s.slot] < 0 else swaps).append(s)
     swaps.sort(key=lambda s: -s.gain)  # stable: ties keep layer order
     return fills + swaps[: policy.swaps]

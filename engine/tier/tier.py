@@ -2,12 +2,15 @@
 and its figures; `install_tier` puts it in place of a model's resident experts.
 
 Slots: `--expert-cache N` is the total over all layers, spread evenly (N // layers each, one more
-for the first N % layers). Seeding: a routing profile's most routed experts per layer; without one
-the slots start empty (but where they hold every expert) and the first round fills them from the
-counts of the first windows (after `SEED_WINDOWS` windows when adaptation is off). Rounds run every `policy.every` decode windows
-(`window_done`, called by the loop after each window), never while only a prompt is being read;
-the adaptation counts are the decode windows' routing (`window_start` to `window_done`), so a long
-prompt read between windows does not re-rank the cache (the saved profile counts every call).
+for the first N % layers). Seeding fills every slot at load: a routing profile's most routed experts
+per layer; without one the experts in id order (nothing ranks them yet, and an expert in a slot can
+be hit where an empty slot cannot). A static cache (`--adapt-every 0`) seeded without a profile then
+takes one round after `SEED_WINDOWS` windows (`AdaptPolicy.seeding`: a round without the cap, in
+which any routed expert displaces one never routed) and never changes again; a fixed cache (exact
+runs) stays as seeded. Rounds run every `policy.every` decode windows (`window_done`, called by the
+loop after each window), never while only a prompt is being read; the adaptation counts are the
+decode windows' routing (`window_start` to `window_done`), so a long prompt read between windows
+does not re-rank the cache (the saved profile counts every call).
 A round is blocking by default: its copies finish before the next window. With `asynchronous`
 (`--adapt-async 1`) a `Copier` fills the evicted slots on a helper thread (on the GPU, on a copy
 stream) and the experts are published at the first window boundary after the copies are done; a
@@ -34,7 +37,7 @@ from engine.tier.slots import LayerSlots, SlotTable
 if TYPE_CHECKING:
     from engine.tier.gpu_experts import GpuTieredExperts, MissTimes
 
-SEED_WINDOWS = 4  # a cold cache without adaptation fills its slots after this many windows
+SEED_WINDOWS = 4  # a static cache seeded without a profile re-seeds from this many windows
 WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
 HOT_EXPERTS = 4  # the hottest experts `figures` names (the dashboard's line holds 4)
 
@@ -54,11 +57,12 @@ class Tier:
         self.miss_times: MissTimes | None = None  # the GPU tier's measured cost of a miss (`choose_pcie`)
         self.windows = 0
         self.rounds = 0
-        self.swaps = 0  # experts copied into slots (seeding from a profile not counted)
+        self.swaps = 0  # experts copied into slots by rounds (the seeding at load not counted)
         self.adapt_wait_s = 0.0  # time windows waited for rounds
         self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per decode window
         self.counts = [torch.zeros(layer.slots.experts, dtype=torch.float64) for layer in layers]  # decayed
         self._routed_at_start: list[torch.Tensor] | None = None
+        self._ranked = False  # seeded from a profile (a static cache then takes no seed round)
 
     @property
     def slots(self) -> int:
@@ -77,13 +81,12 @@ class Tier:
                    if device is None or getattr(layer.slots, "device", None) == device)
 
     def seed(self, profile: RoutingProfile | None) -> None:
-        """Each layer's slots hold its most routed experts by `profile`; without one only the layers
-        whose slots hold every expert are filled (nothing to rank), the others start empty."""
+        """Fill every layer's slots: its most routed experts by `profile`, or without one its first
+        experts by id (not counted as swaps)."""
         if profile is not None:
             profile.check_shape(len(self.layers), self.layers[0].slots.experts)
+        self._ranked = profile is not None
         for i, layer in enumerate(self.layers):
-            if profile is None and layer.slots.size < layer.slots.experts:
-                continue
             counts = profile.counts[i] if profile is not None else [0] * layer.slots.experts
             hot = sorted(range(layer.slots.experts), key=lambda e: (-counts[e], e))
             for slot, expert in enumerate(hot[: layer.slots.size]):
@@ -110,14 +113,13 @@ class Tier:
         if self.policy.due(self.windows) or self._deferred:
             self._deferred = self.copier is not None and self.copier.busy
             if not self._deferred:
-                self._round(empty_only=False)
-        elif self.windows == SEED_WINDOWS and not self.policy.adapts and self.cached() < self.slots:
-            self._round(empty_only=True)
+                self._round(self.policy)
+        elif self.windows == SEED_WINDOWS and self.policy.every == 0 and not self._ranked:
+            self._round(self.policy.seeding())
 
-    def _round(self, empty_only: bool) -> None:
+    def _round(self, policy: AdaptPolicy) -> None:
         t0 = time.perf_counter()
-        plan = plan_round(self.counts,
-                          [layer.slots.expert_at for layer in self.layers], self.policy, empty_only)
+        plan = plan_round(self.counts, [layer.slots.expert_at for layer in self.layers], policy)
         self._apply(plan)
         for counts in self.counts:
             counts.mul_(self.policy.decay)
