@@ -149,12 +149,13 @@ def choose_pcie(tier: Tier, asked: float, placement: Placement) -> float:
     misses over PCIe unless the GPU cannot read host memory here."""
     from engine.tier.gpu_experts import measure_pcie_frac  # imports Triton
 
-    empty = next((i for i, layer in enumerate(tier.layers) if layer.slots.cached() == 0), None)
-    if empty is None:  # every layer holds experts: nothing to time, and few misses to share
-        share, why = max(asked, 0.0), "every layer's slots are seeded; not measured"
+    uncached = [layer.slots.experts - layer.slots.cached() for layer in tier.layers]
+    most = max(range(len(uncached)), key=uncached.__getitem__)
+    if not uncached[most]:  # every expert cached: no misses to share
+        share, why = max(asked, 0.0), "every expert is cached; not measured"
     else:
-        with placement.stage_of(empty).active():  # Triton launches on the current device
-            tier.miss_times = measure_pcie_frac(tier.layers[empty])
+        with placement.stage_of(most).active():  # Triton launches on the current device
+            tier.miss_times = measure_pcie_frac(tier.layers[most])
         share, why = tier.miss_times.share, tier.miss_times.text
         if tier.miss_times.pcie_us is None:  # the GPU cannot read host memory: every miss on the CPU
             for layer in tier.layers:

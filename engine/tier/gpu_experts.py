@@ -195,15 +195,18 @@ class MissTimes:
 
 
 def measure_pcie_frac(layer: GpuTieredExperts, reps: int = 5) -> MissTimes:
-    """`--pcie-frac -1`: time one decode row whose experts all miss (on `layer`, whose slots must be
-    empty) with every miss over PCIe (no host sync), every miss on the CPU, and the share
+    """`--pcie-frac -1`: time one decode row whose experts all miss (up to 8 of `layer`'s uncached
+    experts) with every miss over PCIe (no host sync), every miss on the CPU, and the share
     that would make the two finish together; the fastest wins."""
     device = layer.slots.device
-    k = min(8, layer.slots.experts)
+    missing = (layer.slots.slot_of < 0).nonzero().flatten()[:8]
+    k = missing.numel()
+    if not k:
+        raise ValueError("measure_pcie_frac needs a layer with uncached experts")
     hidden = layer.slots.host[0].experts[0].in_features
     x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
     weights = torch.full((1, k), 1 / k, device=device)
-    ids = torch.arange(k, device=device).view(1, k)
+    ids = missing.to(device=device, dtype=torch.int64).view(1, k)
 
     def seconds(frac: float) -> float:
         layer.pcie_frac = frac
