@@ -64,6 +64,8 @@ def test_any_routed_expert_displaces_one_never_routed_and_a_seed_round_has_no_ca
     assert plan_round([t(4, 0.5, 2, 1)], at, AdaptPolicy()) == []  # expert 1 was routed: 2 is under 3
     assert plan_round(counts, at, AdaptPolicy(swaps=0)) == []
     assert plan_round(counts, at, AdaptPolicy(swaps=0).seeding()) == plan
+    seed = plan_round([t(4, 0.5, 2, 1)], at, AdaptPolicy(swaps=0, min_gain=5, min_count=9).seeding())
+    assert [(s.slot, s.expert) for s in seed] == [(1, 2)]  # 2 over 0.5: the counts alone rank a seed round
 
 
 @pytest.mark.parametrize(("kw", "message"), [

@@ -21,7 +21,7 @@ NO_CACHE = NO_EFFECT + "no expert cache (expert-cache empty: every expert stays 
 DENSE = NO_EFFECT + "a dense model has no routed experts"
 SIMULATED_PCIE = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
 NO_GRAPHS = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
-STATIC = NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
+STATIC = NO_EFFECT + "adapt-every is 0: the cache stays as seeded"
 TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async", "pcie_frac"}
 ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async"}
 

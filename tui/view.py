@@ -66,7 +66,7 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
             notes["pcie_frac"] = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
         every = data.get("adapt_every")
         if every == 0:
-            notes.update({option: NO_EFFECT + "adapt-every is 0: the cache keeps what the first windows put in it"
+            notes.update({option: NO_EFFECT + "adapt-every is 0: the cache stays as seeded"
                           for option in ADAPT_OPTIONS})
         elif isinstance(every, int) and every >= FIXED_CACHE_WINDOWS:
             notes.update({option: NO_EFFECT + f"adapt-every {every:,}: a fixed cache (no round comes), as 0 is"

@@ -44,8 +44,9 @@ class AdaptPolicy:
         return 0 < self.every < FIXED
 
     def seeding(self) -> AdaptPolicy:
-        """A static cache's one seed round: the same rule without the cap."""
-        return replace(self, swaps=SEED_SWAPS)
+        """A static cache's one seed round: the first windows' counts alone rank the experts (no cap, no
+        gain or count to clear), so the adaptation options have no effect on a static cache."""
+        return replace(self, swaps=SEED_SWAPS, min_gain=1.0, min_count=0.0)
 
     def due(self, window: int) -> bool:
         """Is a round due after `window` (1-based) windows?"""

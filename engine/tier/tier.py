@@ -5,9 +5,8 @@ Slots: `--expert-cache N` is the total over all layers, spread evenly (N // laye
 for the first N % layers). Seeding fills every slot at load: a routing profile's most routed experts
 per layer; without one the experts in id order (nothing ranks them yet, and an expert in a slot can
 be hit where an empty slot cannot). A static cache (`--adapt-every 0`) seeded without a profile then
-takes one round after `SEED_WINDOWS` windows (`AdaptPolicy.seeding`: a round without the cap, in
-which any routed expert displaces one never routed) and never changes again; a fixed cache (exact
-runs) stays as seeded. Rounds run every `policy.every` decode windows (`window_done`, called by the
+takes one round after `SEED_WINDOWS` windows (`AdaptPolicy.seeding`: the first windows' counts
+alone rank the experts) and never changes again; a fixed cache (exact runs) stays as seeded. Rounds run every `policy.every` decode windows (`window_done`, called by the
 loop after each window), never while only a prompt is being read; the adaptation counts are the
 decode windows' routing (`window_start` to `window_done`), so a long prompt read between windows
 does not re-rank the cache (the saved profile counts every call).
