@@ -48,6 +48,11 @@ class ExpertStats:
         return ExpertStats(self.lookups - other.lookups, self.vram - other.vram, self.pcie - other.pcie,
                            self.cpu - other.cpu, self.cpu_us - other.cpu_us)
 
+    def read_over_pcie(self, entries: int) -> ExpertStats:
+        """These figures with `entries` of the `vram` ones moved to `pcie` (the GPU tier's in-place calls
+        count their entries read over PCIe on the device, read back later)."""
+        return ExpertStats(self.lookups, self.vram - entries, self.pcie + entries, self.cpu, self.cpu_us)
+
     def share(self, rows: int) -> ExpertStats:
         """One row's part of a window's entries (every row routes the same number of entries)."""
         return ExpertStats(self.lookups // rows, self.vram // rows, self.pcie // rows, self.cpu // rows,

@@ -11,7 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytest.importorskip("triton")
 
-from engine.experts import ResidentExperts  # noqa: E402
+from engine.experts import ExpertStats, ResidentExperts  # noqa: E402
 from engine.experts_blocks import BlockExperts  # noqa: E402
 from engine.kernels import cpu as cpu_kernels  # noqa: E402
 from engine.kernels import triton_moe as tm  # noqa: E402
@@ -160,3 +160,33 @@ def test_slots_need_host_blocks(layer):
         pytest.skip("on the CPU the device's stacks are host stacks")
     with pytest.raises(ValueError, match="host memory"):
         GpuLayerSlots(*device, 2, torch.device(DEVICE), TILES)
+
+
+def test_the_tier_reads_every_layers_counts_at_once(layer):
+    """Layers sharing a device's `DeviceCounts` (as `install_tier` builds them): the tier's counts and
+    figures, read in one operation per device, are the layers' own, in place and synced calls alike;
+    layers that do not hold their device's rows in order are read one by one."""
+    from engine.tier import FIXED, AdaptPolicy
+    from engine.tier.gpu_experts import DeviceCounts
+    from engine.tier.tier import Tier
+
+    host, _ = layer
+    counts = DeviceCounts(2, E, torch.device(DEVICE))
+    layers = []
+    for index, (cached, pcie_frac) in enumerate([([3, 1], 1.0), ([0], 0.0)]):  # in place; read back
+        slots = GpuLayerSlots(*host, len(cached), torch.device(DEVICE), TILES)
+        for slot, expert in enumerate(cached):
+            slots.load(slot, expert)
+        layers.append(GpuTieredExperts(slots, pcie_frac, counts=counts, index=index))
+    for seed, layer_ in enumerate(layers):
+        layer_(*inputs(DECODE_IDS, seed))
+    tier = Tier(layers, AdaptPolicy(every=FIXED), "gpu")
+    assert tier._groups == [counts]
+    by_layer = sum((layer_.stats() for layer_ in layers), ExpertStats())
+    assert tier.stats() == by_layer and (by_layer.vram, by_layer.pcie, by_layer.cpu) == (5, 2, 5)
+    assert tier.profile("m").counts == [layer_.routed.tolist() for layer_ in layers]
+    tier.window_start()
+    layers[0](*inputs(DECODE_IDS, 5))
+    tier.window_done(tier.stats() - by_layer)
+    assert tier.counts[0].tolist() == [1, 2, 0, 2, 1, 0] and tier.counts[1].sum() == 0
+    assert Tier(layers[::-1], AdaptPolicy(every=FIXED), "gpu")._groups is None  # out of order: one by one

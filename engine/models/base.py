@@ -100,7 +100,10 @@ class Model:
             return self.output(hidden).float()
 
     def expert_stats(self) -> ExpertStats:
-        """Routed entries served so far, summed over the layers (counted by each layer's `Experts`)."""
+        """Routed entries served so far, summed over the layers (counted by each layer's `Experts`; an
+        expert tier sums its layers' in fewer operations: this runs twice a decode window)."""
+        if self.tier is not None:
+            return self.tier.stats()
         return sum((b.experts.stats() for b in self.blk if hasattr(b, "experts")), ExpertStats())
 
     def bytes_per_token(self) -> int:

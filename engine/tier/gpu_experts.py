@@ -32,22 +32,37 @@ from engine.tier.gpu_slots import GpuLayerSlots, Staging
 
 
 class DeviceCounts:
-    """The in-place calls' counts of every layer, on the device (counting them costs no host sync), read
-    back in one copy when the host asks after a call: per layer the entries per expert, then the entries
-    read over PCIe."""
+    """The routing counts of one device's tiered layers, all layers in one tensor each, so the tier reads
+    them in a few operations a window: the in-place calls count on the device (no host sync), per layer
+    the entries per expert then the entries read over PCIe, read back in one copy when the host asks
+    after a call; the calls that read the routing back count on the host (`on_host`)."""
 
     def __init__(self, layers: int, experts: int, device: torch.device):
-        self.device_counts = torch.zeros(layers, experts + 1, dtype=torch.int64, device=device)
-        self._host: torch.Tensor | None = None
+        self.on_device = torch.zeros(layers, experts + 1, dtype=torch.int64, device=device)
+        self.on_host = torch.zeros(layers, experts, dtype=torch.int64)
+        self._copied: torch.Tensor | None = None
+
+    @property
+    def layers(self) -> int:
+        return self.on_host.shape[0]
 
     def layer(self, index: int) -> torch.Tensor:
-        self._host = None  # a call will count: the host copy goes stale
-        return self.device_counts[index]
+        """Layer `index`'s device counts, for a call to count into."""
+        self._copied = None  # a call will count: the host copy goes stale
+        return self.on_device[index]
 
-    def host(self, index: int) -> torch.Tensor:
-        if self._host is None:
-            self._host = self.device_counts.cpu()
-        return self._host[index]
+    def _device(self) -> torch.Tensor:
+        if self._copied is None:
+            self._copied = self.on_device.cpu()
+        return self._copied
+
+    def routed(self) -> torch.Tensor:
+        """Entries per expert over every call, [layers, experts], on the host."""
+        return self.on_host + self._device()[:, :-1]
+
+    def far(self) -> torch.Tensor:
+        """Per layer, the in-place calls' entries read over PCIe."""
+        return self._device()[:, -1]
 
 
 class GpuTieredExperts(Experts):
@@ -64,9 +79,9 @@ class GpuTieredExperts(Experts):
         self.unsynced_table = torch.empty(experts, dtype=torch.int32, device=device)
         self._unsynced_version = -1
         self._stats = ExpertStats()
-        # counted on the host by the calls that read the routing back, on the device by those that do not
-        self._routed_host = torch.zeros(experts, dtype=torch.int64)
-        self._counts, self._index = counts or DeviceCounts(1, experts, device), index
+        # this layer's row of the counts (`DeviceCounts`: its device's layers together)
+        self.counts, self.index = counts or DeviceCounts(1, experts, device), index
+        self._routed_host = self.counts.on_host[index]  # a view: the calls that read the routing back count here
         self._c_stacks = c_stacks(*slots.host)  # what the CPU's pairs run over, in one C call
         if self._c_stacks is None:
             raise ValueError("the GPU tier's host stacks must be blocks or float32 in host memory")
@@ -74,19 +89,20 @@ class GpuTieredExperts(Experts):
     @property
     def routed(self) -> torch.Tensor:
         """Entries per expert over every call (the profile), on the host."""
-        return self._routed_host + self._counts.host(self._index)[:-1]
+        return self.counts.routed()[self.index]
 
     def stats(self) -> ExpertStats:
-        s = self._stats + ExpertStats()
-        far = int(self._counts.host(self._index)[-1])  # the in-place calls' PCIe entries
-        s.pcie += far
-        s.vram -= far
-        return s
+        return self.host_stats().read_over_pcie(int(self.counts.far()[self.index]))
+
+    def host_stats(self) -> ExpertStats:
+        """The entries as the host counted them, the in-place calls' far ones still as `vram` (`stats`
+        moves them; `Tier.stats` does it for every layer at once). Read only."""
+        return self._stats
 
     def reset_counts(self) -> None:
         self._stats = ExpertStats()
         self._routed_host.zero_()
-        self._counts.layer(self._index).zero_()
+        self.counts.layer(self.index).zero_()
 
     def split_misses(self, missing: list[int], counts: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
         """(read over PCIe, run on the CPU): a prompt chunk streams all its misses; a decode window sends
@@ -108,7 +124,7 @@ class GpuTieredExperts(Experts):
             cached = self.slots.slot_of
             self.unsynced_table.copy_(torch.where(cached >= 0, cached, triton_moe.far_slot(every)))
             self._unsynced_version = self.slots.version
-        self._counts.layer(self._index)
+        self.counts.layer(self.index)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,7 +171,7 @@ class GpuTieredExperts(Experts):
         n, k = ids.shape
         self.before_replay()
         flat = ids.reshape(-1)
-        counts = self._counts.layer(self._index)
+        counts = self.counts.layer(self.index)
         counts[:-1].scatter_add_(0, flat, torch.ones_like(flat))
         counts[-1] += (self.unsynced_table[flat] < 0).sum()
         routing = triton_moe.routing_of(ids, self.slots.experts, self.slots.stacks[0].gemm_m)

@@ -78,9 +78,10 @@ def layer_swaps(layer: int, counts: torch.Tensor, expert_at: list[int], min_gain
     return swaps
 
 
-def plan_round(counts: list[torch.Tensor], expert_at: list[list[int]], policy: AdaptPolicy) -> list[Swap]:
-    """The swaps of one round over every layer, at most `policy.swaps` (empty slots are filled
-    whatever the cap: a fill evicts nothing)."""
+def plan_round(counts: torch.Tensor | list[torch.Tensor], expert_at: list[list[int]], policy: AdaptPolicy
+               ) -> list[Swap]:
+    """The swaps of one round over every layer (`counts`: a row per layer), at most `policy.swaps` (empty
+    slots are filled whatever the cap: a fill evicts nothing)."""
     fills: list[Swap] = []
     swaps: list[Swap] = []
     for layer, (c, at) in enumerate(zip(counts, expert_at, strict=True)):

@@ -6,10 +6,11 @@ for the first N % layers). Seeding fills every slot at load: a routing profile's
 per layer; without one the experts in id order (nothing ranks them yet, and an expert in a slot can
 be hit where an empty slot cannot). A static cache (`--adapt-every 0`) seeded without a profile then
 takes one round after `SEED_WINDOWS` windows (`AdaptPolicy.seeding`: the first windows' counts
-alone rank the experts) and never changes again; a fixed cache (exact runs) stays as seeded. Rounds run every `policy.every` decode windows (`window_done`, called by the
-loop after each window), never while only a prompt is being read; the adaptation counts are the
-decode windows' routing (`window_start` to `window_done`), so a long prompt read between windows
-does not re-rank the cache (the saved profile counts every call).
+alone rank the experts) and never changes again; a fixed cache (exact runs) stays as seeded.
+Rounds run every `policy.every` decode windows (`window_done`, called by the loop after each
+window), never while only a prompt is being read; the adaptation counts are the decode windows'
+routing (`window_start` to `window_done`, every layer's at once: `_routed`), so a long prompt read
+between windows does not re-rank the cache (the saved profile counts every call).
 A round is blocking by default: its copies finish before the next window. With `asynchronous`
 (`--adapt-async 1`) a `Copier` fills the evicted slots on a helper thread (on the GPU, on a copy
 stream) and the experts are published at the first window boundary after the copies are done; a
@@ -34,7 +35,7 @@ from engine.tier.profile import RoutingProfile
 from engine.tier.slots import LayerSlots, SlotTable
 
 if TYPE_CHECKING:
-    from engine.tier.gpu_experts import GpuTieredExperts, MissTimes
+    from engine.tier.gpu_experts import DeviceCounts, GpuTieredExperts, MissTimes
 
 SEED_WINDOWS = 4  # a static cache seeded without a profile re-seeds from this many windows
 WINDOW_LOG = 4096  # per-window entries kept (`Tier.window_log`)
@@ -59,8 +60,10 @@ class Tier:
         self.swaps = 0  # experts copied into slots by rounds (the seeding at load not counted)
         self.adapt_wait_s = 0.0  # time windows waited for rounds
         self.window_log: deque[ExpertStats] = deque(maxlen=WINDOW_LOG)  # entries served per decode window
-        self.counts = [torch.zeros(layer.slots.experts, dtype=torch.float64) for layer in layers]  # decayed
-        self._routed_at_start: list[torch.Tensor] | None = None
+        # the decode windows' routing counts, decayed by the rounds, [layers, experts]
+        self.counts = torch.zeros(len(layers), layers[0].slots.experts if layers else 0, dtype=torch.float64)
+        self._groups = _count_groups(layers)
+        self._routed_at_start: torch.Tensor | None = None
         self._ranked = False  # seeded from a profile (a static cache then takes no seed round)
 
     @property
@@ -93,19 +96,32 @@ class Tier:
 
     def profile(self, model_name: str) -> RoutingProfile:
         """The routing counts so far (never decayed), to save."""
-        return RoutingProfile(model_name, [layer.routed.tolist() for layer in self.layers])
+        return RoutingProfile(model_name, self._routed().tolist())
+
+    def stats(self) -> ExpertStats:
+        """Every layer's entries served so far (`Model.expert_stats` with a tier): on the GPU the PCIe
+        entries counted on each device read at once."""
+        if self._groups is None:
+            return sum((layer.stats() for layer in self.layers), ExpertStats())
+        counted = sum((layer.host_stats() for layer in self.layers), ExpertStats())
+        return counted.read_over_pcie(sum(int(group.far().sum()) for group in self._groups))
+
+    def _routed(self) -> torch.Tensor:
+        """Every layer's routing counts over every call, [layers, experts]: on the GPU one read per device."""
+        if self._groups is None:
+            return torch.stack([layer.routed for layer in self.layers])
+        return torch.cat([group.routed() for group in self._groups])
 
     def window_start(self) -> None:
         if self.copier is not None:
             self.copier.publish_ready()
-        self._routed_at_start = [layer.routed.clone() for layer in self.layers]
+        self._routed_at_start = self._routed()
 
     def window_done(self, served: ExpertStats) -> None:
         """After a decode window that served `served`: count its routing, then run a round when one is due."""
         if self._routed_at_start is None:
             raise RuntimeError("Tier.window_done without window_start")
-        for counts, layer, before in zip(self.counts, self.layers, self._routed_at_start, strict=True):
-            counts += layer.routed - before
+        self.counts += self._routed() - self._routed_at_start
         self._routed_at_start = None
         self.windows += 1
         self.window_log.append(served)
@@ -120,8 +136,7 @@ class Tier:
         t0 = time.perf_counter()
         plan = plan_round(self.counts, [layer.slots.expert_at for layer in self.layers], policy)
         self._apply(plan)
-        for counts in self.counts:
-            counts.mul_(self.policy.decay)
+        self.counts.mul_(self.policy.decay)
         self.rounds += 1
         self.swaps += len(plan)
         self.adapt_wait_s += time.perf_counter() - t0
@@ -168,6 +183,16 @@ class Tier:
                 "adapt_wait_total_ms": round(self.adapt_wait_s * 1000, 3), "hot": self.hottest(),
                 "experts_cached": self.cached(), "experts_total": self.experts_total, "slots": self.slots,
                 "device_slots": self.slots_by_device(), "cache_mib": round(self.cache_bytes() / MIB, 1)}
+
+
+def _count_groups(layers: list[TieredExperts] | list[GpuTieredExperts]) -> list[DeviceCounts] | None:
+    """The GPU tier's `DeviceCounts`, when together they hold exactly its layers' rows in layer order
+    (`_gpu_layers` builds them so); None otherwise (the simulated tier: each layer counts on its own)."""
+    groups = list(dict.fromkeys(getattr(layer, "counts", None) for layer in layers))
+    if None in groups:
+        return None
+    rows = [(group, i) for group in groups for i in range(group.layers)]
+    return groups if rows == [(layer.counts, layer.index) for layer in layers] else None
 
 
 def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: float) -> list[GpuTieredExperts]:
