@@ -4,10 +4,9 @@ Per layer, the uncached experts by routing count (most first) are paired with th
 count (least first; an empty slot counts as nothing cached); a pair is a swap while the hot count is
 above zero and at least `min_gain` times the cold one and `min_count` (against an empty slot or a
 cached expert whose count is 0, never routed or not for ~2,000 rounds of decay, any routed expert
-will do). Over all layers at most `swaps` pairs are
-taken, those with the largest count difference first (within a layer the differences only shrink
-along the pairs, so each layer gives up a prefix of its pairs). Counts decay by `decay` after every
-round.
+will do). Over all layers at most `swaps` pairs are taken, those with the largest count difference
+first (within a layer the differences only shrink along the pairs, so each layer gives up a prefix
+of its pairs). Counts decay by `decay` after every round.
 """
 
 from __future__ import annotations
