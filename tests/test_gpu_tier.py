@@ -190,3 +190,18 @@ def test_the_tier_reads_every_layers_counts_at_once(layer):
     tier.window_done(tier.stats() - by_layer)
     assert tier.counts[0].tolist() == [1, 2, 0, 2, 1, 0] and tier.counts[1].sum() == 0
     assert Tier(layers[::-1], AdaptPolicy(every=FIXED), "gpu")._groups is None  # out of order: one by one
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="times CUDA launches")
+def test_the_miss_cost_is_timed_on_a_seeded_layer(layer):
+    """`--pcie-frac -1` on slots seeded full but for a few experts: the row it times routes only those
+    (8 at most), so the counts it leaves behind are none, and both costs are measured."""
+    from engine.tier.gpu_experts import measure_pcie_frac
+
+    host, _ = layer
+    tier = tiered(host, [0, 1, 2, 3], pcie_frac=0.0)
+    times = measure_pcie_frac(tier)
+    assert times.pcie_us is not None and times.pcie_us > 0 and times.cpu_us > 0
+    assert "2 missed experts" in times.text and tier.routed.sum() == 0 and tier.stats().lookups == 0
+    with pytest.raises(ValueError, match="uncached experts"):
+        measure_pcie_frac(tiered(host, list(range(E)), pcie_frac=0.0))
