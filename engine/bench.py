@@ -115,9 +115,12 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
     runner.solo.tokens = []
     prefill_s = timed(device, read)
     one_row(warmup)  # warm-up (and, with an expert tier, its first rounds)
-    before, swaps_before = model.expert_stats(), model.tier.swaps if model.tier else 0
+    def swaps_so_far() -> int:
+        return model.tier.swaps if model.tier is not None else 0
+
+    before, swaps_before = model.expert_stats(), swaps_so_far()
     decode_s = timed(device, lambda: one_row(decode))
-    served, swaps = model.expert_stats() - before, (model.tier.swaps if model.tier else 0) - swaps_before
+    served, swaps = model.expert_stats() - before, swaps_so_far() - swaps_before
     replay_ms = None
     if runner.graphs is not None and model.tier is None:  # the last window again (a tier would count it)
         last = len(runner.solo.tokens) - 1

@@ -89,8 +89,9 @@ class Tier:
             profile.check_shape(len(self.layers), self.layers[0].slots.experts)
         self._ranked = profile is not None
         for i, layer in enumerate(self.layers):
-            counts = profile.counts[i] if profile is not None else [0] * layer.slots.experts
-            hot = sorted(range(layer.slots.experts), key=lambda e: (-counts[e], e))
+            hot = list(range(layer.slots.experts))
+            if profile is not None:
+                hot.sort(key=lambda e, counts=profile.counts[i]: -counts[e])  # stable: ties by id
             for slot, expert in enumerate(hot[: layer.slots.size]):
                 layer.slots.load(slot, expert)
 
