@@ -89,6 +89,7 @@ def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
         if step + 1 < steps:
             ahead = runner.queue([Row(r.session, AHEAD, r.sampling, r.seed) for r in rows], after=window)
         tokens = window.tokens()
+        runner.finish(window)
         if ahead is not None:
             for r, t in zip(rows, tokens, strict=True):
                 r.session.tokens.append(t)  # the window queued ahead fed it

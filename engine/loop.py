@@ -275,8 +275,8 @@ class EngineLoop:
             tokens, window = self.runner.decode_window(rows)
         else:
             self._queue_ahead(*queued)
-            window, jobs = queued[0].experts, queued[1]
             tokens = queued[0].tokens()
+            window, jobs = self.runner.finish(queued[0]), queued[1]
         fed_ahead = {id(job) for job in self.ahead[1]} if self.ahead is not None else set()
         picked = [(job, token) for job, token in zip(jobs, tokens, strict=True)
                   if self._decodes(job)]  # not those stopped since it was queued

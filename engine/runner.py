@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from engine.parking import ParkingStore, common_prefix, continues
 from engine.protocol import Sampling
 from engine.sampling import Draw, choose, sample_rows
 from engine.weights import MATVEC_ROWS
+
+if TYPE_CHECKING:
+    from engine.tier.tier import Counted
 
 
 @dataclass
@@ -58,6 +62,8 @@ class Queued:
     experts: ExpertStats = field(default_factory=ExpertStats)
     _host: torch.Tensor | list[int] | None = None
     _copied: torch.cuda.Event | None = None
+    # with an expert tier: its counts before and after this window, until `Runner.finish` counts them
+    _counted: tuple[Counted, Counted] | None = None
 
     def tokens(self) -> list[int]:
         """The chosen tokens, once the device has them (the only wait for this window)."""
@@ -207,14 +213,13 @@ class Runner:
         """`decode` as a decode window of the engine: the routed entries it served, counted, and the expert
         tier (when there is one) told of the window, so that it adapts."""
         tier = self.model.tier
-        before = self.model.expert_stats()
         if tier is not None:
-            tier.window_start()
+            before = tier.window_start()
+            tokens = self.decode(rows)
+            return tokens, tier.window_done(before, tier.counted())
+        before_stats = self.model.expert_stats()
         tokens = self.decode(rows)
-        window = self.model.expert_stats() - before
-        if tier is not None:
-            tier.window_done(window)
-        return tokens, window
+        return tokens, self.model.expert_stats() - before_stats
 
     def decode(self, rows: list[Row]) -> list[int]:
         """One decode step: every row feeds its token, then samples its next one.
@@ -230,10 +235,12 @@ class Runner:
     def can_queue_ahead(self, rows: list[Row]) -> bool:
         """Whether the next window of `rows` can be queued on this one's tokens before the host reads
         them: one forward a window on one device (no exact rows apart, no groups, no layer split), nothing
-        in it that needs the tokens on the host (penalties, log-probabilities) or a window boundary (an
-        expert tier), and only full-attention caches (a row that stops has been fed one token past its
+        in it that needs the tokens on the host (penalties, log-probabilities), an expert tier only where no
+        layer syncs the host in a window (`Tier.can_queue_ahead`), and only full-attention caches (a row that stops has been fed one token past its
         end: a ring would lose a position it still holds)."""
-        return (self.ahead and self.model.tier is None and self.groups == 1 and not (self.exact and len(rows) > 1)
+        tier = self.model.tier
+        return (self.ahead and (tier is None or tier.can_queue_ahead(len(rows))) and self.groups == 1
+                and not (self.exact and len(rows) > 1)
                 and not self.model.kv.rings and not self.model.placement.split
                 and all(r.sampling.logprobs < 0 and not r.sampling.penalized for r in rows))
 
@@ -244,11 +251,25 @@ class Runner:
         its session once read (unless the row stopped there)."""
         if after is not None and not self.can_queue_ahead(rows):
             raise ValueError("these rows cannot be queued ahead (Runner.can_queue_ahead)")
-        before = self.model.expert_stats()
-        window = self._launch(rows, after)
-        window.experts = self.model.expert_stats() - before
+        tier = self.model.tier
+        if tier is not None:  # its counts are read back without waiting; `finish` counts the window
+            before = tier.window_start()
+            window = self._launch(rows, after)
+            window._counted = (before, tier.counted())
+        else:
+            before_stats = self.model.expert_stats()
+            window = self._launch(rows, after)
+            window.experts = self.model.expert_stats() - before_stats
         self.queued_ahead += after is not None
         return window
+
+    def finish(self, window: Queued) -> ExpertStats:
+        """After a queued window's tokens were read: the routed entries it served, and with an expert tier the
+        window counted there (`Tier.window_done`: its adaptation may run a round)."""
+        if window._counted is not None:
+            window.experts = self.model.tier.window_done(*window._counted)
+            window._counted = None
+        return window.experts
 
     def _launch(self, rows: list[Row], after: Queued | None = None) -> Queued:
         spans = [Span(r.session.index, len(r.session.tokens), 1) for r in rows]

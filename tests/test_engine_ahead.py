@@ -10,6 +10,7 @@ import torch
 from engine import bench
 from engine import protocol as P
 from engine.check import Driver, collect, compare, sample_prompts
+from engine.experts import ExpertStats
 from engine.kv import KVCache
 from engine.protocol import Sampling
 from engine.runner import AHEAD, Row, Runner
@@ -114,3 +115,24 @@ def test_a_row_fed_ahead_needs_the_window_before(driver):
     window = runner.queue(two)
     with pytest.raises(ValueError, match="cannot be queued ahead"):  # exact mode runs these rows apart
         runner.queue([Row(r.session, AHEAD, r.sampling, r.seed) for r in two], after=window)
+
+
+def test_an_adapting_expert_tier_with_windows_queued_ahead(tiny_model_q8):
+    """The simulated expert tier adapting (a round every 2 windows) while windows are queued ahead: the same
+    tokens as without; each queued window counted once, after its tokens are read (`Runner.finish`), so
+    the tier's windows and the loop's decode entries agree and the routing profile is the one without."""
+    from engine.tier import AdaptPolicy, install_tier
+
+    runs = []
+    for ahead in (False, True):
+        d = Driver.load(str(tiny_model_q8), slots=4, exact=False, prefill=16, ahead=ahead)
+        tier = install_tier(d.model, 8, AdaptPolicy(every=2, min_count=0))
+        prompts = sample_prompts(d.model.hyper.vocab, 4, seed=5)
+        streams = collect(d.run([f"BGEN {i} 10 {','.join(map(str, p))}" for i, p in enumerate(prompts)]))
+        served = sum(tier.window_log, ExpertStats())
+        assert served == d.server.stats.experts and served.lookups > 0
+        assert tier.windows == len(tier.window_log) and tier.rounds == tier.windows // 2 > 0
+        assert (d.server.runner.queued_ahead > 0) == ahead
+        runs.append((streams.slots, tier.profile("m").counts))
+    assert all(len(s) == 10 for s in runs[0][0].values())  # no row stopped early: no window ran past a stop
+    assert runs[1] == runs[0]

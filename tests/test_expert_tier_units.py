@@ -13,7 +13,6 @@ import torch
 from engine import protocol as P
 from engine.__main__ import build_parser
 from engine.check import main as check_main
-from engine.experts import ExpertStats
 from engine.loading import open_model
 from engine.tier import AdaptPolicy, ProfileError, RoutingProfile, TierError, parse_expert_cache, split_slots
 from engine.tier.flags import setup_tier
@@ -257,9 +256,9 @@ def test_async_rounds_copy_on_a_helper_thread_and_no_window_waits(model, monkeyp
     layer = tier.layers[0]
 
     def window(hot: int) -> None:
-        tier.window_start()
+        before = tier.window_start()
         layer.routed[hot] += 10  # what a window's routing adds to the counts
-        tier.window_done(ExpertStats())
+        tier.window_done(before, tier.counted())
 
     window(3)
     window(3)  # a round is due: it plans expert 3 in place of an unrouted one of layer 0 and returns at once

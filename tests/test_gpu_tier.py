@@ -185,10 +185,11 @@ def test_the_tier_reads_every_layers_counts_at_once(layer):
     by_layer = sum((layer_.stats() for layer_ in layers), ExpertStats())
     assert tier.stats() == by_layer and (by_layer.vram, by_layer.pcie, by_layer.cpu) == (5, 2, 5)
     assert tier.profile("m").counts == [layer_.routed.tolist() for layer_ in layers]
-    tier.window_start()
+    before = tier.window_start()
     layers[0](*inputs(DECODE_IDS, 5))
-    tier.window_done(tier.stats() - by_layer)
+    served = tier.window_done(before, tier.counted())
     assert tier.counts[0].tolist() == [1, 2, 0, 2, 1, 0] and tier.counts[1].sum() == 0
+    assert served == tier.stats() - by_layer and served.lookups == 6 and served.pcie == 2  # counted in place
     assert Tier(layers[::-1], AdaptPolicy(every=FIXED), "gpu")._groups is None  # out of order: one by one
 
 

@@ -60,6 +60,18 @@ class DeviceCounts:
         """Entries per expert over every call, [layers, experts], on the host."""
         return self.on_host + self._device()[:, :-1]
 
+    def copy_back(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The device counts as the work queued so far leaves them, on their way to the host (pinned memory,
+        an event to wait for), without waiting for that work: a window queued ahead takes its counts so."""
+        if self.on_device.device.type != "cuda":
+            return self.on_device.clone(), None
+        host = torch.empty(self.on_device.shape, dtype=self.on_device.dtype, pin_memory=True)
+        host.copy_(self.on_device, non_blocking=True)
+        with torch.cuda.device(self.on_device.device):
+            copied = torch.cuda.Event()
+            copied.record()
+        return host, copied
+
     def far(self) -> torch.Tensor:
         """Per layer, the in-place calls' entries read over PCIe."""
         return self._device()[:, -1]

@@ -9,8 +9,10 @@ takes one round after `SEED_WINDOWS` windows (`AdaptPolicy.seeding`: the first w
 alone rank the experts) and never changes again; a fixed cache (exact runs) stays as seeded.
 Rounds run every `policy.every` decode windows (`window_done`, called by the loop after each
 window), never while only a prompt is being read; the adaptation counts are the decode windows'
-routing (`window_start` to `window_done`, every layer's at once: `_routed`), so a long prompt read
-between windows does not re-rank the cache (the saved profile counts every call).
+routing (the `Counted` that `window_start` returns to the one after the window, every layer's at
+once, the device's counts copied back without waiting, so a window can be queued before the last
+one's tokens are read), so a long prompt read between windows does not re-rank the cache (the saved
+profile counts every call).
 A round is blocking by default: its copies finish before the next window. With `asynchronous`
 (`--adapt-async 1`) a `Copier` fills the evicted slots on a helper thread (on the GPU, on a copy
 stream) and the experts are published at the first window boundary after the copies are done; a
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +49,31 @@ class TierError(ValueError):
     pass
 
 
+@dataclass
+class Counted:
+    """A tier's counts at one point of the queued work: the entries the host counted, the routing per layer
+    counted on the host, and each device's counts on their way back (`DeviceCounts.copy_back`)."""
+
+    host: ExpertStats
+    routed: torch.Tensor
+    device: list[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+
+    def resolved(self) -> tuple[ExpertStats, torch.Tensor]:
+        """(entries served, routing per layer), once the device counts are back."""
+        for _, copied in self.device:
+            if copied is not None:
+                copied.synchronize()
+        if not self.device:
+            return self.host, self.routed
+        counts = torch.cat([c for c, _ in self.device])
+        return self.host.read_over_pcie(int(counts[:, -1].sum())), self.routed + counts[:, :-1]
+
+    def minus(self, before: Counted) -> tuple[ExpertStats, torch.Tensor]:
+        """What was counted between `before` and this point: entries served and routing per layer."""
+        (served, routed), (served0, routed0) = self.resolved(), before.resolved()
+        return served - served0, routed - routed0
+
+
 class Tier:
     def __init__(self, layers: list[TieredExperts] | list[GpuTieredExperts], policy: AdaptPolicy,
                  mode: str = "simulated", asynchronous: bool = False):
@@ -63,7 +91,6 @@ class Tier:
         # the decode windows' routing counts, decayed by the rounds, [layers, experts]
         self.counts = torch.zeros(len(layers), layers[0].slots.experts if layers else 0, dtype=torch.float64)
         self._groups = _count_groups(layers)
-        self._routed_at_start: torch.Tensor | None = None
         self._ranked = False  # seeded from a profile (a static cache then takes no seed round)
 
     @property
@@ -113,17 +140,30 @@ class Tier:
             return torch.stack([layer.routed for layer in self.layers])
         return torch.cat([group.routed() for group in self._groups])
 
-    def window_start(self) -> None:
+    def window_start(self) -> Counted:
+        """Before a decode window is queued: publish a round's finished copies; the counts as they stand."""
         if self.copier is not None:
             self.copier.publish_ready()
-        self._routed_at_start = self._routed()
+        return self.counted()
 
-    def window_done(self, served: ExpertStats) -> None:
-        """After a decode window that served `served`: count its routing, then run a round when one is due."""
-        if self._routed_at_start is None:
-            raise RuntimeError("Tier.window_done without window_start")
-        self.counts += self._routed() - self._routed_at_start
-        self._routed_at_start = None
+    def counted(self) -> Counted:
+        """The counts as the work queued so far leaves them, read back without waiting for it."""
+        if self._groups is None:
+            return Counted(self.stats(), self._routed())
+        host = sum((layer.host_stats() for layer in self.layers), ExpertStats())
+        return Counted(host, torch.cat([group.on_host for group in self._groups]),
+                       [group.copy_back() for group in self._groups])
+
+    def can_queue_ahead(self, rows: int) -> bool:
+        """Whether a window of `rows` can be queued before the last one's tokens are read: on the GPU when
+        no layer syncs the host in it (every miss over PCIe); the simulated tier runs each window as it comes."""
+        return self._groups is None or all(layer.replayable(rows) for layer in self.layers)
+
+    def window_done(self, before: Counted, after: Counted) -> ExpertStats:
+        """After a decode window (its tokens read): count its routing (the counts `window_start` took and
+        those after it), then run a round when one is due. Returns the entries it served."""
+        served, routed = after.minus(before)
+        self.counts += routed
         self.windows += 1
         self.window_log.append(served)
         if self.policy.due(self.windows) or self._deferred:
@@ -132,6 +172,7 @@ class Tier:
                 self._round(self.policy)
         elif self.windows == SEED_WINDOWS and self.policy.every == 0 and not self._ranked:
             self._round(self.policy.seeding())
+        return served
 
     def _round(self, policy: AdaptPolicy) -> None:
         t0 = time.perf_counter()
