@@ -82,6 +82,21 @@ def test_matvec_rows_with_the_tiles_of_their_shape(qtype, n, k):
     assert_close(part.matvec(x), x, reference(qtype, blocks[:12]), matvec_tolerance(x.dtype), rounding_error(x))
 
 
+def test_the_q8_0_head_tiles():
+    """The Q8_0 head (32,768 rows and more) has tiles of its own for one row (512 values a step, one warp) and
+    for 2-8 rows (the GEMM in two warps, two stages): run on its first 12 rows here."""
+    k = 1024  # two steps of 512
+    blocks = tb.random_blocks(Q.Q8_0, 32768, k, torch.Generator().manual_seed(6)).to(DEVICE)
+    mat, part = tb.Matrix(Q.Q8_0, blocks, k), tb.Matrix(Q.Q8_0, blocks[:12].clone(), k)
+    assert (mat._float_row, mat._small_gemm) != (part._float_row, part._small_gemm)
+    part._float_row, part._small_gemm = mat._float_row, mat._small_gemm
+    ref = reference(Q.Q8_0, blocks[:12])
+    for rows in (1, 3):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        tolerance = matvec_tolerance(x.dtype) if rows == 1 else gemm_tolerance(x.dtype)
+        assert_close(part.matvec(x), x, ref, tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_row_matches_reference(case, dtype):
     mat, ref = case

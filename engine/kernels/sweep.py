@@ -2,9 +2,9 @@
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16
 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head
-and dense shapes for 8 rows and for one, then the MoE kernel's one-row windows. Each figure is one call
-replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
-fastest first, the one the code uses marked."""
+and dense shapes for 8 rows and for one, the Q8_0 head's float-sum tiles, then the MoE kernel's one-row
+windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
+shape's configurations are printed fastest first, the one the code uses marked."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def _us(fn: Callable[[], object]) -> float:
     return do_bench_cudagraph(fn, rep=30) * 1e3
 
 
-def _report(name: str, times: dict[tuple[int, int, int], float], used: tuple[int, int, int]) -> None:
-    print(f"{name}  (rows a program, blocks a step, warps; * = the code's choice)")
+def _report(name: str, times: dict[tuple[int, ...], float], used: tuple[int, ...],
+            legend: str = "rows a program, blocks a step, warps") -> None:
+    print(f"{name}  ({legend}; * = the code's choice)")
     for config, us in sorted(times.items(), key=lambda item: item[1]):
         print(f"  {'*' if config == used else ' '} {config}  {us:8.1f} us")
 
@@ -70,6 +71,23 @@ def dense(m: int, deadline: float) -> None:
     gen = torch.Generator().manual_seed(0)
     for qtype, n, k in DENSE:
         _dense(qtype, n, k, m, deadline, gen)
+
+
+def q8_head(deadline: float) -> None:
+    """The Q8_0 head's float-sum tiles (`Matrix._float_row` for one row, `Matrix._small_gemm` for 8)."""
+    n, k = 151936, HIDDEN
+    mat = tb.Matrix(Q.Q8_0, tb.random_blocks(Q.Q8_0, n, k, torch.Generator().manual_seed(2)).cuda(), k)
+    for m, attr, choices in ((1, "_float_row", itertools.product((512, 1024, 2048), (1, 2, 4))),
+                             (tb.MATVEC_ROWS, "_small_gemm", itertools.product((1, 2, 4, 8), (2, 3, 4)))):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        used, times = getattr(mat, attr), {}
+        for config in [used] + [c for c in choices if c != used]:
+            if time.monotonic() > deadline:
+                break
+            setattr(mat, attr, config)
+            times[config] = _us(lambda x=x: mat.matvec(x))
+        setattr(mat, attr, used)
+        _report(f"Q8_0 {n}x{k}, {m} rows", times, used, "values a step, warps" if m == 1 else "warps, stages")
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -127,7 +145,8 @@ def main() -> None:
     start = time.monotonic()
     moe_window(tb.MATVEC_ROWS, start + seconds * 0.35)
     dense(tb.MATVEC_ROWS, start + seconds * 0.6)
-    dense(1, start + seconds * 0.8)
+    dense(1, start + seconds * 0.75)
+    q8_head(start + seconds * 0.85)
     moe_window(1, start + seconds)
 
 
