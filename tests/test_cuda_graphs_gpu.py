@@ -1,5 +1,6 @@
 """Decode windows replayed from CUDA graphs (marker `gpu`): the eager windows' logits bit for bit, the same
-expert counts, through both attention paths, with the GPU expert tier adapting between windows."""
+expert counts, through both attention paths, with the GPU expert tier adapting between windows; and that
+tier with windows queued ahead."""
 
 import pytest
 import torch
@@ -9,9 +10,11 @@ from engine.batch import Span
 from engine.kernels.triton_attention import CHUNK
 from engine.layers import attend_bucket
 from engine.loading import open_model
+from engine.models.base import Model
 from engine.protocol import Sampling
 from engine.runner import Row, Runner
 from engine.tier import AdaptPolicy, install_tier
+from engine.tier.tier import Tier
 from strata_desk.testmodel import write_test_model
 
 pytestmark = [
@@ -84,6 +87,15 @@ def test_replayed_windows_give_the_eager_bits(path, rows):
         assert torch.equal(a, b), f"window {w}: {(a - b).abs().max()}"
 
 
+def tiered(path: str, **runner_options: bool) -> tuple[Model, Tier, Runner]:
+    """The model on CUDA with half its experts in VRAM, every miss over PCIe, a round every 2 windows; a
+    runner of 8 slots."""
+    _, model = open_model(path, "cuda", None, 8, 2048, max_chunk=512, host_experts=True)
+    h = model.hyper
+    tier = install_tier(model, h.layers * h.experts // 2, AdaptPolicy(every=2, min_count=0), pcie_frac=1.0)
+    return model, tier, Runner(model, 8, exact=False, **runner_options)
+
+
 def test_the_expert_tier_adapts_between_replays(path):
     """Half the experts in VRAM, misses read in place over PCIe, a round every 2 windows: the slots change
     under the captured windows, whose logits and counts still match eager windows'."""
@@ -91,10 +103,7 @@ def test_the_expert_tier_adapts_between_replays(path):
         pytest.skip("the GPU tier's slots hold blocks the kernels read: the Q4_K_M mix")
     results = []
     for graphs in (False, True):
-        _, model = open_model(path, "cuda", None, 8, 2048, max_chunk=512, host_experts=True)
-        h = model.hyper
-        tier = install_tier(model, h.layers * h.experts // 2, AdaptPolicy(every=2, min_count=0), pcie_frac=1.0)
-        runner = Runner(model, 8, exact=False, graphs=graphs)
+        model, tier, runner = tiered(path, graphs=graphs)
         feed = None if not results else fed(results[0][0], 8)
         logits = windows(runner, 8, feed, tier)
         results.append((logits, model.expert_stats(), tier.swaps))
@@ -115,12 +124,9 @@ def test_windows_queued_ahead_with_the_expert_tier(path):
         pytest.skip("the GPU tier's slots hold blocks the kernels read: the Q4_K_M mix")
     results = []
     for ahead in (False, True):
-        _, model = open_model(path, "cuda", None, 8, 2048, max_chunk=512, host_experts=True)
-        h = model.hyper
-        tier = install_tier(model, h.layers * h.experts // 2, AdaptPolicy(every=2, min_count=0), pcie_frac=1.0)
-        runner = Runner(model, 8, exact=False, ahead=ahead)
+        model, tier, runner = tiered(path, ahead=ahead)
         rows = [Row(runner.slot(i), int(runner.read(runner.slot(i), p).argmax()), Sampling(), 0)
-                for i, p in enumerate(prompts(8, h.vocab))]
+                for i, p in enumerate(prompts(8, model.hyper.vocab))]
         rows = bench.decode_steps(runner, rows, WINDOWS)
         assert runner.queued_ahead == (WINDOWS - 1 if ahead else 0)
         assert tier.windows == WINDOWS and tier.rounds == WINDOWS // 2
