@@ -13,7 +13,8 @@ routing (the `Counted` that `window_start` returns to the one after the window, 
 once, the device's counts copied back without waiting, so a window can be queued before the last
 one's tokens are read), so a long prompt read between windows does not re-rank the cache (the saved
 profile counts every call).
-A round is blocking by default: its copies finish before the next window. With `asynchronous`
+A round is blocking by default: its copies finish before the next window launched (with windows
+queued ahead, the one already queued runs on the slots as they were). With `asynchronous`
 (`--adapt-async 1`) a `Copier` fills the evicted slots on a helper thread (on the GPU, on a copy
 stream) and the experts are published at the first window boundary after the copies are done; a
 round that comes due while one is in flight runs after the window that finds the copier free.
