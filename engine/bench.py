@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=tuple(DTYPES))
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill figure")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill figure (at most half "
+                   "the context)")
+    p.add_argument("--prefill", type=int, default=512, help="prompt chunk size in tokens, as the engine's")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode")
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.prefill < 1:
+        p.error("--prefill must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_kernels.set_activations(args.cpu_activations)
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     g = GGUFFile(args.model)
     plan = plan_tier(args, g, placement_of(g, args.device, args.layer_split))
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context, kv=args.kv,
-                          layer_split=args.layer_split, host_experts=plan.host_experts)
+                          layer_split=args.layer_split, host_experts=plan.host_experts, max_chunk=args.prefill)
     setup_tier(args, model)
     device, dtype = model.device, model.dtype
     sync(device)
@@ -247,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[Figures] = []
     peers: list[Peer] = []
     threads = torch.get_num_threads()
+    prompt = min(args.prompt, args.context // 2)
     for _ in range(args.rounds):
-        rounds.append(run(model, device, min(args.prompt, args.context // 2), args.decode, args.slots, args.warmup,
+        rounds.append(run(model, device, prompt, args.decode, args.slots, args.warmup,
                           graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False))
         if args.llama_bench:
             peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"layer split  {model.placement.describe()}; hand-off {handoff_us(model, 1):.1f} us for one row, "
               f"{handoff_us(model, rows):.1f} us for {rows} rows ({model.hyper.hidden * dtype.itemsize} bytes a row), "
               f"{len(stages) - 1} per token")
-    print(f"prefill      {spread([f.prefill_tok_s for f in rounds])} ({args.prompt} tokens, one chunk)")
+    chunks = "one chunk" if prompt <= args.prefill else f"chunks of {args.prefill}"
+    print(f"prefill      {spread([f.prefill_tok_s for f in rounds])} ({prompt} tokens, {chunks})")
     print(f"decode       {spread([f.decode_tok_s for f in rounds])} (one row)")
     print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")
@@ -315,10 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\none row (3 windows):\n" + profile(windows([r.solo_row]), device))
         if r.batch_rows:
             print(f"\n{args.slots} rows (3 windows):\n" + profile(windows(r.batch_rows), device))
-        prompt = runner.solo.tokens[:min(args.prompt, args.context // 2)]  # the bench's prompt, read again
+        tokens = runner.solo.tokens[:prompt]  # the bench's prompt, read again
         runner.solo.tokens = []
-        read = profile(lambda: runner.read(runner.solo, prompt), device)
-        print(f"\nprompt ({len(prompt)} tokens):\n" + read)
+        read = profile(lambda: runner.read(runner.solo, tokens), device)
+        print(f"\nprompt ({len(tokens)} tokens):\n" + read)
     finish_tier(args, model, r.served)  # --expert-profile-save
     return 0
 

@@ -44,11 +44,28 @@ def test_rounds_print_medians_beside_the_peer(tiny_model_q8: Path, tmp_path: Pat
     assert re.search(r"^batch +[\d.]+ tok/s \(median of 3 rounds", out, re.M)
 
 
-def test_rounds_below_one_are_refused(tiny_model_q8: Path, capsys) -> None:
+@pytest.mark.parametrize(("flag", "error"), [("--rounds", "--rounds must be at least 1"),
+                                             ("--prefill", "--prefill must be at least 1")])
+def test_counts_below_one_are_refused(tiny_model_q8: Path, capsys, flag: str, error: str) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--model", str(tiny_model_q8), "--rounds", "0"])
+        bench.main(["--model", str(tiny_model_q8), flag, "0"])
     assert exc.value.code == 2
-    assert "--rounds must be at least 1" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
+
+
+def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, monkeypatch) -> None:
+    """`--prefill` as the engine's: the prompt (at most half the context) read in forwards of that many rows."""
+    from engine.runner import Runner
+
+    rows = []
+    forward = Runner.forward
+    monkeypatch.setattr(Runner, "forward", lambda self, spans, *a, **k: rows.append(sum(s.length for s in spans))
+                        or forward(self, spans, *a, **k))
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "100", "--prefill", "8", "--decode", "2",
+            "--slots", "0", "--context", "40"]
+    assert bench.main(args) == 0
+    assert re.search(r"^prefill +[\d.]+ tok/s \(20 tokens, chunks of 8\)", capsys.readouterr().out, re.M)
+    assert rows[:3] == [8, 8, 4]
 
 
 def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:
