@@ -212,14 +212,9 @@ class Runner:
     def decode_window(self, rows: list[Row]) -> tuple[list[int], ExpertStats]:
         """`decode` as a decode window of the engine: the routed entries it served, counted, and the expert
         tier (when there is one) told of the window, so that it adapts."""
-        tier = self.model.tier
-        if tier is not None:
-            before = tier.window_start()
-            tokens = self.decode(rows)
-            return tokens, tier.window_done(before, tier.counted())
-        before_stats = self.model.expert_stats()
-        tokens = self.decode(rows)
-        return tokens, self.model.expert_stats() - before_stats
+        window = self.queue(rows)
+        tokens = window.tokens()
+        return tokens, self.finish(window)
 
     def decode(self, rows: list[Row]) -> list[int]:
         """One decode step: every row feeds its token, then samples its next one.
@@ -236,8 +231,8 @@ class Runner:
         """Whether the next window of `rows` can be queued on this one's tokens before the host reads
         them: one forward a window on one device (no exact rows apart, no groups, no layer split), nothing
         in it that needs the tokens on the host (penalties, log-probabilities), an expert tier only where no
-        layer syncs the host in a window (`Tier.can_queue_ahead`), and only full-attention caches (a row that stops has been fed one token past its
-        end: a ring would lose a position it still holds)."""
+        layer syncs the host in a window (`Tier.can_queue_ahead`), and only full-attention caches (a row that
+        stops has been fed one token past its end: a ring would lose a position it still holds)."""
         tier = self.model.tier
         return (self.ahead and (tier is None or tier.can_queue_ahead(len(rows))) and self.groups == 1
                 and not (self.exact and len(rows) > 1)

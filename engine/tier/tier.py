@@ -132,8 +132,11 @@ class Tier:
         entries counted on each device read at once."""
         if self._groups is None:
             return sum((layer.stats() for layer in self.layers), ExpertStats())
-        counted = sum((layer.host_stats() for layer in self.layers), ExpertStats())
-        return counted.read_over_pcie(sum(int(group.far().sum()) for group in self._groups))
+        return self._host_stats().read_over_pcie(sum(int(group.far().sum()) for group in self._groups))
+
+    def _host_stats(self) -> ExpertStats:
+        """On the GPU: the entries as the host counted them (`GpuTieredExperts.host_stats`), over every layer."""
+        return sum((layer.host_stats() for layer in self.layers), ExpertStats())
 
     def _routed(self) -> torch.Tensor:
         """Every layer's routing counts over every call, [layers, experts]: on the GPU one read per device."""
@@ -151,13 +154,13 @@ class Tier:
         """The counts as the work queued so far leaves them, read back without waiting for it."""
         if self._groups is None:
             return Counted(self.stats(), self._routed())
-        host = sum((layer.host_stats() for layer in self.layers), ExpertStats())
-        return Counted(host, torch.cat([group.on_host for group in self._groups]),
+        return Counted(self._host_stats(), torch.cat([group.on_host for group in self._groups]),
                        [group.copy_back() for group in self._groups])
 
     def can_queue_ahead(self, rows: int) -> bool:
         """Whether a window of `rows` can be queued before the last one's tokens are read: on the GPU when
-        no layer syncs the host in it (every miss over PCIe); the simulated tier runs each window as it comes."""
+        no layer syncs the host in it (every miss over PCIe); always on the simulated tier, whose windows
+        compute on the CPU as they are launched."""
         return self._groups is None or all(layer.replayable(rows) for layer in self.layers)
 
     def window_done(self, before: Counted, after: Counted) -> ExpertStats:
