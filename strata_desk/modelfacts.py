@@ -19,7 +19,7 @@ class ModelFacts:
     n_experts: int = 0  # 0 = dense model
     n_experts_used: int = 0
     expert_bytes: int = 0  # all routed experts of all layers, as stored in the file
-    layer_expert_bytes: int = 0  # the routed experts of the largest layer (what a prompt chunk may stage)
+    layer_expert_bytes: int = 0  # the routed experts of the largest layer (the most the GPU tier stages)
     dense_bytes: int = 0  # every other tensor, as stored in the file
     total_bytes: int = 0  # the file(s) on disk
     context_length: int = 0  # the model's trained context (0 = unknown)

@@ -85,7 +85,7 @@ def expert_tier(gpus_vram_gib: list[float], facts: ModelFacts, parallel: int, co
     room = card - facts.dense_bytes / GIB - sessions - CUDA_CONTEXT_GIB - VRAM_RESERVE_MIB / 1024
     if room >= facts.expert_gib:
         return None, f"every routed expert fits in VRAM ({facts.expert_gib:.1f} GiB): no expert tier needed"
-    cache = max(0.0, room - facts.layer_expert_bytes / GIB)  # less the prompt chunks' staging buffer
+    cache = max(0.0, room - facts.layer_expert_bytes / GIB)  # less the misses' staging (at most a layer's experts)
     return "auto", (f"expert tier (expert_cache auto): about {cache:.1f} of the model's {facts.expert_gib:.1f} GiB "
                     f"of routed experts ({cache / facts.expert_gib:.0%}) cached in VRAM on GPU 0, the hottest "
                     "ones, learned while it serves; every expert stays in RAM")

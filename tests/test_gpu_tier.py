@@ -61,19 +61,23 @@ def inputs(rows: list[list[int]], seed: int) -> tuple[torch.Tensor, torch.Tensor
     return x, weights, torch.tensor(rows, device=DEVICE)
 
 
-def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float, staged: bool = False) -> GpuTieredExperts:
+def tiered(host: list[LinearStack], cached: list[int], pcie_frac: float, staged: int = 0) -> GpuTieredExperts:
+    """`staged`: the staging's entries (0: none, the kernel reads misses in place)."""
     slots = GpuLayerSlots(*host, len(cached), torch.device(DEVICE), TILES)
     for slot, expert in enumerate(cached):
         slots.load(slot, expert)
-    return GpuTieredExperts(slots, pcie_frac, staging=Staging([slots]) if staged else None)
+    return GpuTieredExperts(slots, pcie_frac, staging=Staging([slots], staged) if staged else None)
 
 
 @pytest.mark.parametrize(("rows", "staged", "pcie_frac"), [
-    (DECODE_IDS, False, 1.0),  # every miss over PCIe, no host sync: read in place
-    (DECODE_IDS, True, 1.0),  # the same, staged by the GPU (`triton_moe.stage_far`)
-    (DECODE_IDS, True, 0.99),  # a share: the routing read back, the far misses staged by DMA
-    (PROMPT_IDS, False, 1.0), (PROMPT_IDS, True, 1.0)], ids=["decode-in-place", "decode-gpu-staged", "decode-staged",
-                                                              "prompt-in-place", "prompt-staged"])
+    (DECODE_IDS, 0, 1.0),  # every miss over PCIe, no host sync: read in place
+    (DECODE_IDS, E, 1.0),  # the same, staged by the GPU (`triton_moe.stage_far`) in the order of their ids
+    ([[0, 4], [5, 1]], 4, 1.0),  # as many entries as the window's pairs: three misses, entries 0-2
+    (DECODE_IDS, 2, 0.99),  # a share: the routing read back, the far misses staged by DMA
+    (PROMPT_IDS, 0, 1.0),
+    (PROMPT_IDS, 2, 1.0)],  # four misses through two entries: two passes
+    ids=["decode-in-place", "decode-gpu-staged", "decode-gpu-staged-compact", "decode-staged", "prompt-in-place",
+         "prompt-staged-in-passes"])
 def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, staged, pcie_frac):
     host, resident = layer
     x, weights, ids = inputs(rows, 1)
@@ -85,7 +89,14 @@ def test_cached_and_far_experts_give_the_resident_kernels_bits(layer, rows, stag
     assert (s.lookups, s.vram, s.pcie, s.cpu) == (len(rows) * 2, cached, len(rows) * 2 - cached, 0)
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "gpu-staged"])
+def test_a_window_staged_by_the_gpu_needs_an_entry_for_each_pair(layer):
+    host, _ = layer
+    x, weights, ids = inputs(DECODE_IDS, 1)  # 6 pairs
+    with pytest.raises(ValueError, match="an entry for each of the window's pairs"):
+        tiered(host, [3, 1], pcie_frac=1.0, staged=2)(x, weights, ids)
+
+
+@pytest.mark.parametrize("staged", [0, E], ids=["in-place", "gpu-staged"])
 def test_float16_stacks_are_tiered_too(staged):
     """An F16 file's experts (kept as 16-bit values in host memory): cached and far pairs give the resident
     kernel's bits."""

@@ -13,6 +13,7 @@ SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # fused MoE kernel; dense F16/BF16 matrices become torch's (cuBLAS), so these are not in SUPPORTED
 FLOAT_BLOCKS = (Q.F16, Q.BF16)
 FLOAT_DTYPE = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # the torch dtype of their values
+MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
 
 
 @functools.cache

@@ -43,10 +43,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
-from engine.kernels.gpu import FLOAT_BLOCKS, FLOAT_DTYPE, SUPPORTED
+from engine.kernels.gpu import FLOAT_BLOCKS, FLOAT_DTYPE, MATVEC_ROWS, SUPPORTED
 from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
 
-MATVEC_ROWS = 8  # rows of x one matvec call takes (a decode window); more rows: the GEMM
 SMALL_M = 16  # rows of x a GEMM tile holds for a window of 2-8 rows (tl.dot's smallest)
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED + FLOAT_BLOCKS}  # values per scale
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -510,41 +510,58 @@ STAGE_CHUNK = 4096  # bytes a program copies of each projection: ~46 GB/s from p
 
 
 @triton.jit
-def _copy_chunk(src, dst, entry, size, at):
+def _copy_chunk(src, dst, src_entry, dst_entry, size, at):
     live = at < size
-    tl.store(dst + entry * size + at, tl.load(src + entry * size + at, mask=live), mask=live)
+    tl.store(dst + dst_entry * size + at, tl.load(src + src_entry * size + at, mask=live), mask=live)
 
 
 @triton.jit
-def _stage_kernel(src0, src1, src2, dst0, dst1, dst2, slot_of, experts, size0, size1, size2, CHUNK: tl.constexpr,
-                  PDL: tl.constexpr):
-    """Chunk program_id(1) of the three projections' blocks of sorted pair p's expert, copied from its far
-    entry to the same entry of the staging tensors when p is the first pair of its expert's run and the
-    slot table sends the expert far."""
+def _stage_kernel(src0, src1, src2, dst0, dst1, dst2, slot_of, staged_of, experts, pairs, size0, size1, size2,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """For sorted pair p, the first of its expert's run: `staged_of[e]` its slot when cached, else the
+    next free staging entry (its rank among the window's far experts in sorted order), into which chunk
+    program_id(1) of its three projections' blocks is copied from its far entry."""
     pdl.wait(PDL)
-    _, slot, first = _run_start(experts, slot_of, tl.program_id(0))
-    if first & (slot < -1):
-        entry = (-2 - slot).to(tl.int64)
+    p = tl.program_id(0)
+    e, slot, first = _run_start(experts, slot_of, p)
+    if first & (slot >= -1):
+        if tl.program_id(1) == 0:
+            tl.store(staged_of + e, slot)
+    elif first:
+        q = tl.arange(0, BLOCK)
+        live = q < pairs
+        eq = tl.load(experts + q, mask=live, other=-1)
+        runs = live & (eq != tl.load(experts + q - 1, mask=live & (q > 0), other=-1))
+        rank = tl.sum((runs & (q < p) & (tl.load(slot_of + eq, mask=runs, other=0) < -1)).to(tl.int32))
+        if tl.program_id(1) == 0:
+            tl.store(staged_of + e, -2 - rank)
+        src, dst = (-2 - slot).to(tl.int64), rank.to(tl.int64)
         at = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-        _copy_chunk(src0, dst0, entry, size0, at)
-        _copy_chunk(src1, dst1, entry, size1, at)
-        _copy_chunk(src2, dst2, entry, size2, at)
+        _copy_chunk(src0, dst0, src, dst, size0, at)
+        _copy_chunk(src1, dst1, src, dst, size1, at)
+        _copy_chunk(src2, dst2, src, dst, size2, at)
 
 
 def stage_far(stacks: tuple[Stack, Stack, Stack], staged: tuple[Stack, Stack, Stack], slot_of: torch.Tensor,
-              routing: Routing) -> None:
-    """Copy the far experts of a window (`slot_of[e]` a `far_slot`) from each of `stacks`' far tensors into
-    the same entries of `staged`'s (VRAM), on the device: whole experts at the link's speed, with no host
-    sync, so the kernels then read them from VRAM. `staged` are `stacks` with other far tensors."""
-    if any(t.far.shape[1:] != s.far.shape[1:] or t.far.shape[0] < s.far.shape[0]
-           for s, t in zip(stacks, staged, strict=True)):
-        raise ValueError("the staging tensors must hold every far entry of the stacks, in their shapes")
+              routing: Routing, staged_of: torch.Tensor) -> None:
+    """Copy the far experts of a decode window (`slot_of[e]` a `far_slot`) from each of `stacks`' far tensors
+    into `staged`'s (VRAM), one entry after another in the order of their expert ids, on the device: whole
+    experts at the link's speed, with no host sync, so the kernels then read them from VRAM. `staged_of`
+    (int32 [experts] on the device) becomes the table those kernels take: each routed expert's slot, or its
+    staging entry. `staged` are `stacks` with other far tensors, of at least as many entries as the window
+    has pairs (or experts)."""
     pairs = routing.experts.numel()
+    if pairs > SORT_PAIRS_MAX:
+        raise ValueError(f"stage_far stages a decode window's pairs (at most {SORT_PAIRS_MAX}), got {pairs}")
+    if any(t.far.shape[1:] != s.far.shape[1:] or t.far.shape[0] < min(pairs, s.far.shape[0])
+           for s, t in zip(stacks, staged, strict=True)):
+        raise ValueError("the staging tensors must hold an entry for each of the window's pairs (or experts), "
+                         "in the stacks' shapes")
     if pairs:
         chunks = triton.cdiv(max(s.expert_bytes for s in stacks), STAGE_CHUNK)
-        _stage_kernel[(pairs, chunks)](*(s.far for s in stacks), *(t.far for t in staged), slot_of, routing.experts,
-                                       *(s.expert_bytes for s in stacks), CHUNK=STAGE_CHUNK, num_warps=4,
-                                       **pdl.launch(slot_of.device))
+        _stage_kernel[(pairs, chunks)](*(s.far for s in stacks), *(t.far for t in staged), slot_of, staged_of,
+                                       routing.experts, pairs, *(s.expert_bytes for s in stacks), CHUNK=STAGE_CHUNK,
+                                       BLOCK=triton.next_power_of_2(pairs), num_warps=4, **pdl.launch(slot_of.device))
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from engine.tier import (
     parse_expert_cache,
     split_slots,
 )
-from engine.tier.sizing import auto_slots, slot_bytes, staging_bytes
+from engine.tier.sizing import auto_slots, slot_bytes, staging_bytes, staging_entries
 from engine.tier.tier import SEED_WINDOWS
 
 
@@ -70,10 +70,10 @@ def plan_tier(args: argparse.Namespace, g: GGUFFile, placement: Placement) -> Ti
     cache = parse_expert_cache(args.expert_cache)
     per_layer = slot_bytes(g, h.layers, h.experts)
     counts = None if cache == "auto" else split_slots(min(cache, h.layers * h.experts), h.layers, h.experts)
-    taken = {}
+    taken, entries = {}, staging_entries(h.experts, h.experts_used)
     for device in placement.devices():
         layers = placement.layers_on(device)
-        taken[str(device)] = staging_bytes([per_layer[i] for i in layers], h.experts) + (
+        taken[str(device)] = staging_bytes([per_layer[i] for i in layers], entries) + (
             sum(counts[i] * per_layer[i] for i in layers) if counts else 0)
     return TierPlan(host_experts=True, taken=taken)
 
@@ -134,12 +134,12 @@ def auto_cache(model: Model, reserve_mib: int) -> list[int]:
     for device in model.placement.devices():
         layers = model.placement.layers_on(device)
         free, _ = free_bytes(device)
-        staging = staging_bytes([per_layer[i] for i in layers], h.experts)
+        staging = staging_bytes([per_layer[i] for i in layers], staging_entries(h.experts, h.experts_used))
         each = auto_slots(free - staging, reserve_mib, [per_layer[i] for i in layers], h.experts)
         for i in layers:
             counts[i] = each
         log(f"--expert-cache auto: {each} slots in each of layers {layers[0]}-{layers[-1]} on {device}: "
-            f"{free / MIB:.0f} MiB free less the prompt chunks' staging ({staging / MIB:.0f} MiB) and the "
+            f"{free / MIB:.0f} MiB free less the misses' staging ({staging / MIB:.0f} MiB) and the "
             f"{reserve_mib} MiB reserve")
     return counts
 

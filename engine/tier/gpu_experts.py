@@ -7,11 +7,11 @@ misses on the CPU, a prompt chunk) reads the routing back to the host once: that
 computes each routed expert.
 - cached experts: the fused MoE kernel over the layer's VRAM slots (`GpuLayerSlots`);
 - misses: a `pcie_frac` share of them (the most routed first; every miss of a prompt chunk, which
-  streams experts) cross PCIe: copied whole into VRAM (`Staging`) and read there by the same kernel,
-  or without staging read by the kernel in place in pinned host memory (small scattered reads: less
-  than half the link's speed); the rest run on the CPU
-  with the CPU kernels over the same host blocks, while the GPU works on the others (its kernels are
-  queued before the CPU starts). Their outputs are copied up and patched in before the rows combine.
+  streams experts) cross PCIe: copied whole into VRAM (`Staging`, as many a pass as it holds) and read
+  there by the same kernel, or without staging read by the kernel in place in pinned host memory
+  (small scattered reads: less than half the link's speed); the rest run on the CPU with the CPU
+  kernels over the same host blocks, while the GPU works on the others (its kernels are queued before
+  the CPU starts). Their outputs are copied up and patched in before the rows combine.
 
 A pair computed by the kernel gives the same bits from a slot or over PCIe; the CPU rounds differently.
 So with `pcie_frac` 0 or 1 and a fixed cache a row's result depends on its own routing only.
@@ -86,7 +86,8 @@ class GpuTieredExperts(Experts):
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
         self.streams = streams  # prompt chunks read their misses over PCIe (else on the CPU)
         experts, device = slots.experts, slots.device
-        self.table = torch.empty(experts, dtype=torch.int32, device=device)  # this call's slot table
+        # this call's slot table (with staging: what `triton_moe.stage_far` made of `unsynced_table`)
+        self.table = torch.empty(experts, dtype=torch.int32, device=device)
         # the table of the calls that never sync: every uncached expert read over PCIe (staged or in place)
         self.unsynced_table = torch.empty(experts, dtype=torch.int32, device=device)
         self._unsynced_version = -1
@@ -149,13 +150,15 @@ class GpuTieredExperts(Experts):
         table = self.slots.slot_of.clone()
         routed = counts.nonzero().flatten().tolist()
         far, on_cpu = self.split_misses([e for e in routed if table[e] < 0], counts, n)
-        for e in far:
-            table[e] = triton_moe.far_slot(e)
         # read before the GPU work is queued: a read after it would wait for it
         x_host = x.float().cpu() if on_cpu else None
-        self.table.copy_(table)
-        stacks = self._stage(far) if far and self._staged is not None else self.slots.stacks
-        y, routing = triton_moe.swiglu_experts(*stacks, x, ids, self.table)
+        if self._staged is None:  # the kernel reads the far experts in place
+            for e in far:
+                table[e] = triton_moe.far_slot(e)
+            self.table.copy_(table)
+            y, _ = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.table)
+        else:
+            y = self._staged_passes(x, ids, ids_host, table, far)
         patch, cpu_us = (self._on_cpu(x_host, ids_host, on_cpu) if x_host is not None else (None, 0))
         far_n, cpu_n = (int(counts[part].sum()) if part else 0 for part in (far, on_cpu))
         s = self._stats
@@ -166,13 +169,28 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch, residual=residual)
 
-    def _stage(self, far: list[int]) -> tuple[triton_moe.Stack, ...]:
-        """The stacks reading the `far` experts from the staging buffers, copied there whole by DMA (the
-        host knows which)."""
-        for host, stack in zip(self.slots.host, self._staged, strict=True):
-            for e in far:
-                stack.far[e].copy_(host.blocks[e], non_blocking=True)
-        return self._staged
+    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, ids_host: torch.Tensor, table: torch.Tensor,
+                       far: list[int]) -> torch.Tensor:
+        """The kernel's outputs for the cached experts (`table`) and the `far` ones, these copied whole by DMA
+        into the staging entries: as many a pass as the staging holds (a prompt chunk's misses may need
+        several), each pass's pairs written into the first's outputs."""
+        entries = self._staged[0].far.shape[0]
+        y = None
+        for start in range(0, max(len(far), 1), entries):
+            part = far[start:start + entries]
+            for i, e in enumerate(part):
+                table[e] = triton_moe.far_slot(i)
+                for host, stack in zip(self.slots.host, self._staged, strict=True):
+                    stack.far[i].copy_(host.blocks[e], non_blocking=True)
+            self.table.copy_(table)
+            out, _ = triton_moe.swiglu_experts(*self._staged, x, ids, self.table)
+            if y is None:
+                y = out
+            else:
+                pairs = torch.isin(ids_host.reshape(-1), torch.tensor(part)).nonzero().flatten().to(y.device)
+                y[pairs] = out[pairs]
+            table.fill_(triton_moe.SKIP)  # the next pass: its far experts only
+        return y
 
     def _unsynced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   residual: torch.Tensor | None) -> torch.Tensor:
@@ -187,11 +205,11 @@ class GpuTieredExperts(Experts):
         counts[:-1].scatter_add_(0, flat, torch.ones_like(flat))
         counts[-1] += (self.unsynced_table[flat] < 0).sum()
         routing = triton_moe.routing_of(ids, self.slots.experts, self.slots.stacks[0].gemm_m)
-        stacks = self.slots.stacks
+        stacks, table = self.slots.stacks, self.unsynced_table
         if self._staged is not None:
-            triton_moe.stage_far(stacks, self._staged, self.unsynced_table, routing)
-            stacks = self._staged
-        y, _ = triton_moe.swiglu_experts(*stacks, x, ids, self.unsynced_table, routing)
+            triton_moe.stage_far(stacks, self._staged, table, routing, self.table)
+            stacks, table = self._staged, self.table
+        y, _ = triton_moe.swiglu_experts(*stacks, x, ids, table, routing)
         self._stats.lookups += n * k
         self._stats.vram += n * k  # less the far entries, read from the device in `stats`
         return combine(y, weights, residual=residual)

@@ -45,22 +45,26 @@ class GpuLayerSlots(SlotTable):
 
 
 class Staging:
-    """VRAM a window or prompt chunk copies its missed experts into before the kernel reads them: whole
-    experts, by DMA or by the GPU's own copy kernel (`triton_moe.stage_far`), at the link's speed, where
-    the matvec's own reads of host memory reach less than half of it (they are small and scattered). One
-    buffer per projection, big enough for every expert of any layer; the layers use it in turn, their
-    copies and kernels ordered on one stream."""
+    """VRAM the misses that cross PCIe are copied into before the kernel reads them: whole experts, by DMA
+    or by the GPU's own copy kernel (`triton_moe.stage_far`), at the link's speed, where the matvec's own
+    reads of host memory reach less than half of it (they are small and scattered). `entries` experts a
+    projection, one after another (`staging_entries`: a decode window's pairs at most; a prompt chunk with
+    more misses takes several passes), each as large as the largest layer's; the layers use it in turn,
+    their copies and kernels ordered on one stream."""
 
-    def __init__(self, layers: list[GpuLayerSlots]):
+    def __init__(self, layers: list[GpuLayerSlots], entries: int):
         device = layers[0].device
-        self.buffers = [torch.empty(max(layer.host[p].blocks.numel() for layer in layers), dtype=torch.uint8,
-                                    device=device) for p in range(3)]
+        self.entries = entries
+        self.buffers = [torch.empty(entries * max(layer.host[p].blocks[0].numel() for layer in layers),
+                                    dtype=torch.uint8, device=device) for p in range(3)]
 
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
     def stacks(self, slots: GpuLayerSlots) -> tuple[triton_moe.Stack, ...]:
-        """The layer's stacks reading their far entries in the buffers (as many entries as the layer has
-        experts, each where `GpuTieredExperts` or `triton_moe.stage_far` copies it)."""
-        return tuple(stack.with_far(buf[: host.blocks.numel()].view(host.blocks.shape))
-                     for buf, host, stack in zip(self.buffers, slots.host, slots.stacks, strict=True))
+        """The layer's stacks reading their far entries in the buffers (`entries` of them, in its shapes)."""
+        out = []
+        for buf, host, stack in zip(self.buffers, slots.host, slots.stacks, strict=True):
+            shape = (self.entries, *host.blocks.shape[1:])
+            out.append(stack.with_far(buf[: shape[0] * host.blocks[0].numel()].view(shape)))
+        return tuple(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.gguf_file import GGUFFile
+from engine.kernels.gpu import MATVEC_ROWS
 from engine.memory import MIB
 
 PROJECTIONS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -22,10 +23,15 @@ def slot_bytes(g: GGUFFile, layers: int, experts: int) -> list[int]:
     return out
 
 
-def staging_bytes(per_layer: list[int], experts: int) -> int:
-    """VRAM prompt chunks copy their missed experts into (`engine.tier.gpu_slots.Staging`): every expert
-    of the largest layer."""
-    return experts * max(per_layer)
+def staging_entries(experts: int, top_k: int) -> int:
+    """Experts the staging buffer holds (`engine.tier.gpu_slots.Staging`): as many as a decode window's
+    pairs, so a window never waits for its misses in passes."""
+    return min(experts, MATVEC_ROWS * top_k)
+
+
+def staging_bytes(per_layer: list[int], entries: int) -> int:
+    """VRAM the misses that cross PCIe are copied into: `entries` experts of the largest layer."""
+    return entries * max(per_layer)
 
 
 def auto_slots(free: int, reserve_mib: int, per_layer: list[int], experts: int) -> int:

@@ -36,6 +36,7 @@ from engine.tier.copier import Copier
 from engine.tier.experts import TieredExperts
 from engine.tier.policy import AdaptPolicy, Swap, plan_round
 from engine.tier.profile import RoutingProfile
+from engine.tier.sizing import staging_entries
 from engine.tier.slots import LayerSlots, SlotTable
 
 if TYPE_CHECKING:
@@ -254,7 +255,9 @@ def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: flo
     layers = []
     for device in dict.fromkeys(devices):
         mine = [s for s, d in zip(slot_sets, devices, strict=True) if d == device]
-        staging, counts = Staging(mine), DeviceCounts(len(mine), model.hyper.experts, device)
+        h = model.hyper
+        staging = Staging(mine, staging_entries(h.experts, h.experts_used))
+        counts = DeviceCounts(len(mine), h.experts, device)
         layers += [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i) for i, s in enumerate(mine)]
     return layers
 
