@@ -23,6 +23,7 @@ from engine.models import architecture_of, load_model
 from engine.models.base import Model
 from engine.parking import ParkingStore
 from engine.placement import plan_groups, plan_stages
+from engine.prefill import PrefillAsk, choose_prefill, prefill_flag
 from engine.runner import Runner
 from engine.stop_tokens import stop_token_ids
 from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
@@ -50,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on CPU, bf16 on CUDA)")
     p.add_argument("--max-context", type=int, default=4096, help="context in tokens (at most the model's)")
-    p.add_argument("--prefill", type=int, default=512, help="prompt chunk size in tokens")
+    p.add_argument("--prefill", type=prefill_flag, default=PrefillAsk(512),
+                   help="prompt chunk size in tokens, or auto[:MAX]: the largest up to MAX (8192) whose "
+                        "buffers fit in the VRAM left (measured at start; 512 on the CPU)")
     p.add_argument("--kv", choices=tuple(KV_DTYPES), help="KV storage (default: f16 on CPU, the weights dtype on CUDA)")
     p.add_argument("--batch", "--slots", dest="batch", type=int, default=0, help="batch slots (2..8)")
     p.add_argument("--exact", action="store_true", help="row-invariant windows: batch tokens equal solo tokens")
@@ -106,10 +109,10 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
         kv_dtype = pick_kv_dtype(args.kv, device, dtype)
         placement = plan_stages(args.layer_split, Hyper.from_gguf(g).layers, device)
         plan = plan_tier(args, g, placement)
-        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill, kv_dtype, placement,
+        slots = fit_slots(args.batch, g, context, dtype, device, args.prefill.most(device), kv_dtype, placement,
                           plan.host_experts, plan.taken)
         groups, groups_note = plan_groups(args.batch_groups, slots, len(placement.stages))
-        model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill,
+        model = load_model(g, device, dtype, sessions=slots + 1, context=context, max_chunk=args.prefill.most(device),
                            kv_dtype=kv_dtype, placement=placement, host_experts=plan.host_experts)
         tier_info = setup_tier(args, model)
     except (GGUFError, ValueError, RuntimeError, OSError) as exc:
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
         "kv": kv_name(kv_dtype), "cpu_activations": args.cpu_activations,
         "layers": h.layers, "experts": h.experts, "experts_used": h.experts_used,
         "weights_mib": round(sum(model.w.split().get(str(d), 0) for d in placement.devices()) / MIB), "kv_mib": round(kv_mib), "load_s": round(load_s, 2),
-        "prefill": args.prefill, "exact": int(args.exact),
+        "exact": int(args.exact),
         "tier": (model.tier.mode if model.tier else "resident") if h.experts else "dense",
         "unsupported": ",".join(UNSUPPORTED + unsupported_by_tier(model)), **tier_info,
         "generated": int(GENERATED_KEY in g.metadata),
@@ -156,7 +159,16 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
     parking = ParkingStore(args.conversation_cache_mib * MIB, args.conversation_cache_slots, pin=device.type == "cuda")
     runner = make_runner(model, slots, args.exact, groups, graphs=args.cuda_graphs == "on")
     info["cuda_graphs"] = "on" if runner.graphs is not None else "off"
-    loop = make_loop(runner, stop_token_ids(g.metadata), args.prefill, share,
+    try:
+        runner.chunk, why = choose_prefill(runner, args.prefill)
+    except RuntimeError as exc:  # the measuring chunk ran out of memory
+        log(f"cannot read a prompt chunk: {exc}")
+        print(P.format_reply(P.Err(f"cannot read a prompt chunk: {exc}")), flush=True)
+        return 1
+    if args.prefill.auto:
+        log(why)
+    info["prefill"] = runner.chunk
+    loop = make_loop(runner, stop_token_ids(g.metadata), runner.chunk, share,
                      parking=parking if parking.enabled else None)
     loop.emit(P.Info(info))
     loop.emit(P.Ready(context, stop=True))

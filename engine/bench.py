@@ -24,7 +24,9 @@ from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
 from engine.kv import KV_DTYPES
 from engine.loading import DTYPES, open_model, placement_of
+from engine.memory import MIB
 from engine.models.base import Model
+from engine.prefill import PrefillAsk, choose_prefill, prefill_flag
 from engine.protocol import Sampling
 from engine.runner import AHEAD, Row, Runner
 from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
@@ -72,6 +74,7 @@ class Figures:
     served: ExpertStats  # routed entries of the timed one-row decode, by where they were served
     swaps: int  # experts the tier copied into its slots during the timed one-row decode
     replay_ms: float | None  # a one-row window's CUDA graph replayed alone (None: no graph)
+    prefill_peak: int | None  # VRAM bytes the timed prompt read took at its peak, over what it found (CUDA)
 
 
 def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
@@ -99,8 +102,9 @@ def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
 
 
 def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3,
-        graphs: bool = True, ahead: bool | None = None) -> Figures:
+        graphs: bool = True, ahead: bool | None = None, chunk: int | None = None) -> Figures:
     runner = Runner(model, slots, exact=False, graphs=graphs, ahead=ahead)
+    runner.chunk = chunk or runner.chunk
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
     greedy = Sampling()
@@ -114,7 +118,12 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
 
     read()  # warm-up, as llama-bench does: the first read also pays one-off costs (page faults, plans)
     runner.solo.tokens = []
+    peak_from = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        peak_from = torch.cuda.memory_allocated(device)
     prefill_s = timed(device, read)
+    prefill_peak = None if peak_from is None else torch.cuda.max_memory_allocated(device) - peak_from
     one_row(warmup)  # warm-up (and, with an expert tier, its first rounds)
     def swaps_so_far() -> int:
         return model.tier.swaps if model.tier is not None else 0
@@ -141,7 +150,8 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         steps(warmup)
         batch_tok_s = slots * decode / timed(device, lambda: steps(decode))
     solo = Row(runner.solo, state["token"], greedy, 0)
-    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served, swaps, replay_ms)
+    return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served, swaps, replay_ms,
+                   prefill_peak)
 
 
 def handoff_us(model: Model, rows: int, reps: int = 100) -> float:
@@ -204,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=tuple(DTYPES))
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill figure (at most half "
                    "the context)")
-    p.add_argument("--prefill", type=int, default=512, help="prompt chunk size in tokens, as the engine's")
+    p.add_argument("--prefill", type=prefill_flag, default=PrefillAsk(512),
+                   help="prompt chunk size in tokens or auto[:MAX], as the engine's")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode")
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
     p.add_argument("--context", type=int, default=2048)
@@ -231,17 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.prefill < 1:
-        p.error("--prefill must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_kernels.set_activations(args.cpu_activations)
 
     t0 = time.perf_counter()
     g = GGUFFile(args.model)
-    plan = plan_tier(args, g, placement_of(g, args.device, args.layer_split))
+    placement = placement_of(g, args.device, args.layer_split)
+    plan = plan_tier(args, g, placement)
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context, kv=args.kv,
-                          layer_split=args.layer_split, host_experts=plan.host_experts, max_chunk=args.prefill)
+                          layer_split=args.layer_split, host_experts=plan.host_experts,
+                          max_chunk=args.prefill.most(placement.first.device))
     setup_tier(args, model)
     device, dtype = model.device, model.dtype
     sync(device)
@@ -252,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     peers: list[Peer] = []
     threads = torch.get_num_threads()
     prompt = min(args.prompt, args.context // 2)
+    chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
     for _ in range(args.rounds):
         rounds.append(run(model, device, prompt, args.decode, args.slots, args.warmup,
-                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False))
+                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False, chunk=chunk))
         if args.llama_bench:
             peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
                                      reps=1 if args.rounds > 1 else 5))
@@ -271,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"layer split  {model.placement.describe()}; hand-off {handoff_us(model, 1):.1f} us for one row, "
               f"{handoff_us(model, rows):.1f} us for {rows} rows ({model.hyper.hidden * dtype.itemsize} bytes a row), "
               f"{len(stages) - 1} per token")
-    chunks = "one chunk" if prompt <= args.prefill else f"chunks of {args.prefill}"
-    print(f"prefill      {spread([f.prefill_tok_s for f in rounds])} ({prompt} tokens, {chunks})")
+    chunks = "one chunk" if prompt <= chunk else f"chunks of {chunk}"
+    peak = "" if r.prefill_peak is None else f", {r.prefill_peak / MIB:.0f} MiB of VRAM at its peak"
+    print(f"prefill      {spread([f.prefill_tok_s for f in rounds])} ({prompt} tokens, {chunks}{peak})")
+    if args.prefill.auto:
+        print(f"chunk        {why}")
     print(f"decode       {spread([f.decode_tok_s for f in rounds])} (one row)")
     print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")

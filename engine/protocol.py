@@ -21,6 +21,7 @@ TOP_LOGPROBS_MAX = 20  # alternatives a token's log-probabilities name at most (
 # parked conversations by default (--conversation-cache-mib/-slots; docs/config.md says why)
 CONVERSATION_CACHE_MIB = 2048
 CONVERSATION_CACHE_SLOTS = 8
+PREFILL_AUTO_MAX = 8192  # --prefill auto: the largest chunk it picks (upstream's)
 VRAM_RESERVE_MIB = 700  # --vram-reserve-mib: VRAM left free beside an automatic expert cache (upstream's default)
 
 

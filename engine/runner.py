@@ -87,6 +87,7 @@ class Runner:
         self.group_size = max(1, n_slots // groups)
         self.sessions = [Session(i) for i in range(n_slots + 1)]
         self.batches = BatchBuilder(model.device, max(model.kv.max_chunk, n_slots + 1), n_slots + 1)
+        self.chunk = model.kv.max_chunk  # the rows a prompt forward takes at most (`read`): --prefill
         cpu_kernels.set_threads(torch.get_num_threads())
         self.graphs = DecodeGraphs(model) if graphs and DecodeGraphs.usable(model) else None
         # windows queued on the last one's tokens before the host reads them (`queue`): where the device
@@ -193,9 +194,9 @@ class Runner:
             torch.set_num_threads(n)
 
     def read(self, session: Session, ids: list[int]) -> torch.Tensor:
-        """Feed prompt tokens into `session` (in forwards of at most the KV's `max_chunk` rows);
-        returns the logits after the last one, [vocab]."""
-        step = self.model.kv.max_chunk
+        """Feed prompt tokens into `session` (in forwards of at most `chunk` rows); returns the logits
+        after the last one, [vocab]."""
+        step = self.chunk
         for lo in range(0, len(ids), step):
             chunk = ids[lo : lo + step]
             logits = self.forward([Span(session.index, len(session.tokens), len(chunk))], chunk)

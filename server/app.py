@@ -49,7 +49,7 @@ class ServerState:
         self.metrics = Metrics(config, config_path)
         launch = EngineLaunch(config.engine_command_line(), config.engine_env(),
                               log_path or default_log_path(config.log, config.served_name),
-                              config.engine_silence_s, config.prefill)
+                              config.engine_silence_s, config.prefill_most)
         self.scheduler = Scheduler(launch, config.queue_limit, on_finish=self._finished,
                                    on_tokens=self.metrics.on_tokens, on_stats=self.metrics.on_stats)
         self.supervisor = self.scheduler.sup

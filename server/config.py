@@ -12,11 +12,17 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.protocol import CONVERSATION_CACHE_MIB, CONVERSATION_CACHE_SLOTS, MAX_SLOTS, VRAM_RESERVE_MIB
+from engine.protocol import (
+    CONVERSATION_CACHE_MIB,
+    CONVERSATION_CACHE_SLOTS,
+    MAX_SLOTS,
+    PREFILL_AUTO_MAX,
+    VRAM_RESERVE_MIB,
+)
 from engine.split_spec import parse_split
 
 
@@ -63,7 +69,8 @@ class RunConfig(BaseModel):
         None, description="layer split across GPUs: the first layer of each later GPU, e.g. '24' or '12,24,36', or 'auto'"
     )
     context: int = Field(4096, ge=256, le=1 << 20, description="context length in tokens")
-    prefill: int = Field(512, ge=16, le=32768, description="prompt chunk size in tokens")
+    prefill: Annotated[int, Field(ge=16, le=32768)] | Literal["auto"] = Field(
+        512, description="prompt chunk size in tokens, or 'auto' (on a GPU the largest up to 8192 whose buffers fit)")
     kv: Literal["auto", "f32", "f16", "bf16", "q8_0"] = Field(
         "auto", description="KV cache storage (auto: f16 on CPU, bf16 on GPU; q8_0: 8-bit blocks, CPU only)")
     parallel: int = Field(1, ge=1, le=MAX_SLOTS, description="batch slots; 1 = one request at a time")
@@ -193,6 +200,11 @@ class RunConfig(BaseModel):
     @property
     def served_name(self) -> str:
         return self.model_name or Path(self.model).stem
+
+    @property
+    def prefill_most(self) -> int:
+        """The largest prompt chunk the engine may read (`auto`: up to PREFILL_AUTO_MAX), for the watchdog."""
+        return PREFILL_AUTO_MAX if self.prefill == "auto" else self.prefill
 
 
 def _describe(err: ValidationError) -> str:

@@ -44,11 +44,15 @@ def test_rounds_print_medians_beside_the_peer(tiny_model_q8: Path, tmp_path: Pat
     assert re.search(r"^batch +[\d.]+ tok/s \(median of 3 rounds", out, re.M)
 
 
-@pytest.mark.parametrize(("flag", "error"), [("--rounds", "--rounds must be at least 1"),
-                                             ("--prefill", "--prefill must be at least 1")])
-def test_counts_below_one_are_refused(tiny_model_q8: Path, capsys, flag: str, error: str) -> None:
+@pytest.mark.parametrize(("flag", "value", "error"), [
+    ("--rounds", "0", "--rounds must be at least 1"),
+    ("--prefill", "0", "--prefill: must be at least 1 token, got '0'"),
+    ("--prefill", "auto:x", "--prefill: must be a number of tokens, auto or auto:MAX, got 'auto:x'"),
+    ("--prefill", "512:auto", "--prefill: must be a number of tokens, auto or auto:MAX, got '512:auto'"),
+])
+def test_bad_counts_are_refused(tiny_model_q8: Path, capsys, flag: str, value: str, error: str) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--model", str(tiny_model_q8), flag, "0"])
+        bench.main(["--model", str(tiny_model_q8), flag, value])
     assert exc.value.code == 2
     assert error in capsys.readouterr().err
 
@@ -66,6 +70,23 @@ def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, mo
     assert bench.main(args) == 0
     assert re.search(r"^prefill +[\d.]+ tok/s \(20 tokens, chunks of 8\)", capsys.readouterr().out, re.M)
     assert rows[:3] == [8, 8, 4]
+
+
+def test_prefill_auto_reads_chunks_of_512_on_the_cpu(tiny_model_q8: Path, capsys, monkeypatch) -> None:
+    """`--prefill auto` on the CPU: chunks of 512 (no probe read there), said on its own line."""
+    from engine.runner import Runner
+
+    rows = []
+    forward = Runner.forward
+    monkeypatch.setattr(Runner, "forward", lambda self, spans, *a, **k: rows.append(sum(s.length for s in spans))
+                        or forward(self, spans, *a, **k))
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "600", "--prefill", "auto", "--decode", "2",
+            "--slots", "0", "--context", "2048"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^prefill +[\d.]+ tok/s \(600 tokens, chunks of 512\)", out, re.M), out
+    assert "chunk        --prefill auto:8192: chunks of 512 tokens (the CPU's choice)" in out
+    assert rows[:4] == [512, 88, 512, 88]  # the warm-up read, then the timed one
 
 
 def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:

@@ -128,6 +128,7 @@ def test_build_config_cpu(tmp_path):
     assert config.model == str(model.resolve())
     assert any("CPU" in m for m in messages)
     assert any("no NVIDIA GPU" in m for m in messages)
+    assert config.prefill == 512  # the CPU's chunk
 
 
 def test_build_config_keeps_asked_parallel_with_note(tmp_path):
@@ -151,6 +152,8 @@ def test_build_config_gpu_recommends(tmp_path):
     config, messages = build_config(model, probe=_probe(24.0))
     assert config.parallel == 4  # a tiny model: everything fits
     assert any(m.startswith("parallel 4 recommended") for m in messages)
+    assert config.prefill == "auto" and any("(prefill auto, up to 8192 tokens)" in m for m in messages)
+    assert config.engine_command_line()[config.engine_command_line().index("--prefill") + 1] == "auto"
 
 
 # Qwen3-30B-A3B Q4_K_M-like with its file's split: 16.5 GiB of routed experts over 48 layers, 0.8 GiB else

@@ -29,7 +29,7 @@ SETTINGS: list[tuple[str, Kind, str]] = [
     ("parallel", "int", "batch slots: up to N conversations decode together (1 = one at a time; 1-8)"),
     ("layer_split", "text", "layers across GPUs: the first layer of each later GPU (24 or 12,24,36), auto, "
                             "or empty (one device)"),
-    ("batch_groups", "groups", "pipeline groups on a layer split: auto, or a number that divides parallel"),
+    ("batch_groups", "auto_int", "pipeline groups on a layer split: auto, or a number that divides parallel"),
     ("batch_mtp", "bool", "each batch slot verifies one MTP draft per window (needs --mtp)"),
     ("expert_cache", "cache", "expert tier: cache slots over all layers, or auto (what fits the free VRAM); "
                               "empty = every expert in memory"),
@@ -47,7 +47,8 @@ SETTINGS: list[tuple[str, Kind, str]] = [
                                   "rounding, fastest) or float"),
     ("cuda_graphs", "bool", "replay each decode window from a CUDA graph: one launch instead of hundreds "
                             "(GPU; turn off to rule it out when something looks wrong)"),
-    ("prefill", "int", "prompt chunk in tokens; the slots decode between a long prompt's chunks"),
+    ("prefill", "auto_int", "prompt chunk in tokens, or auto (on a GPU the largest up to 8192 that fits the "
+                            "VRAM left); the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
 ]
 UNSUPPORTED = "not supported by this engine yet"

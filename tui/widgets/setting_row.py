@@ -8,8 +8,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Input, Label, Static, Switch
 
-# cache: empty (None), auto or a whole number; text: as typed, for RunConfig to check (a word, a split)
-Kind = Literal["int", "float", "bool", "groups", "cache", "text"]
+# auto_int: auto or a whole number; cache: that or empty (None); text: as typed, for RunConfig to check
+Kind = Literal["int", "float", "bool", "auto_int", "cache", "text"]
 
 
 class SettingRow(Vertical):
@@ -77,7 +77,7 @@ class SettingRow(Vertical):
             return text.lower()
         if self.kind == "cache" and not text:
             return None
-        if self.kind in ("groups", "cache"):
+        if self.kind in ("auto_int", "cache"):
             if text.lower() == "auto":
                 return "auto"
             try:
