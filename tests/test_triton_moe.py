@@ -187,6 +187,28 @@ def test_slot_table_reads_far_entries_and_skips(prompt):
     assert_same_bits(per_pair(again, y_tier)[done], per_pair(routing, y)[done])
 
 
+@pytest.mark.parametrize("prompt", [False, True], ids=["decode", "prompt"])
+def test_given_outputs_keep_the_skipped_pairs(prompt):
+    """`swiglu_experts(out=...)`: the pairs computed land in `out` bit for bit as in new buffers, the pairs
+    the table skips keep what `out` held (so passes over one window's pairs can share their outputs)."""
+    stacks, _ = stacks_of(Q.Q4_K, 12)
+    rows = PROMPT_IDS if prompt else DECODE_IDS
+    x, ids = random_x(len(rows), torch.float16, seed=8), ids_of(rows)
+    skipped = sorted({e for row in rows for e in row})[-1]
+    slot_of = SLOTS.clone()
+    slot_of[skipped] = tm.SKIP
+    y, _ = tm.swiglu_experts(*stacks, x, ids, slot_of)
+    out = tm.Outputs(torch.full((ids.numel(), FF), 7.0, dtype=x.dtype, device=DEVICE),
+                     torch.full((ids.numel(), H), 7.0, dtype=x.dtype, device=DEVICE))
+    again, _ = tm.swiglu_experts(*stacks, x, ids, slot_of, out=out)
+    assert again is out.y
+    left = (ids == skipped).flatten().cpu()
+    assert (out.y.cpu()[left] == 7).all() and (out.h.cpu()[left] == 7).all()
+    assert_same_bits(out.y.cpu()[~left], y.cpu()[~left])
+    with pytest.raises(ValueError, match="out must be"):
+        tm.swiglu_experts(*stacks, x, ids, slot_of, out=tm.Outputs(out.h, out.y[:-1]))
+
+
 def block_stack(qtype: Q, seed: int, n: int, k: int) -> tuple[LinearStack, LinearStack]:
     """A stack kept in its blocks (as the store keeps it on CUDA) and the same stack dense on the CPU."""
     blocks = random_blocks(qtype, E * n, k, torch.Generator().manual_seed(seed)).to(DEVICE)

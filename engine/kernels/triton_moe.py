@@ -435,10 +435,10 @@ def _check(x: torch.Tensor, k: int, device: torch.device, slot_of: torch.Tensor,
 
 
 def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor,
-         src: torch.Tensor) -> torch.Tensor:
+         src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     x = _check(x, w.k, w.blocks.device, slot_of, routing)
     pairs = routing.experts.numel()
-    y = torch.empty(pairs, w.n, dtype=x.dtype, device=x.device)
+    y = _output(out, (pairs, w.n), x)
     if not pairs:
         return y
     gated = w2 is not None
@@ -474,29 +474,53 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
     return y
 
 
-def swiglu(gate: Stack, up: Stack, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for every routed pair, in flat (row, choice) order: [pairs, n] in x's dtype."""
+def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+    """`out` when given (checked: the kernels write its rows in place), else a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor {list(shape)} on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def swiglu(gate: Stack, up: Stack, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for every routed pair, in flat (row, choice) order: [pairs, n] in x's dtype
+    (into `out` when given: the pairs the table skips keep what it held)."""
     if (gate.n, gate.k, gate.slots) != (up.n, up.k, up.slots):
         raise ValueError(f"gate {gate.slots}x{gate.n}x{gate.k} and up {up.slots}x{up.n}x{up.k} differ in shape")
-    return _run(gate, up, x, routing, slot_of, routing.src)
+    return _run(gate, up, x, routing, slot_of, routing.src, out)
 
 
-def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor) -> torch.Tensor:
+def project(w: Stack, h: torch.Tensor, routing: Routing, slot_of: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """h [pairs, k] (one row per routed pair, in flat (row, choice) order) @ its expert's W.T: [pairs, n] in
-    h's dtype, in the same order."""
+    h's dtype, in the same order (into `out` when given, as `swiglu`)."""
     if h.shape[0] != routing.experts.numel():
         raise ValueError(f"h must have one row per routed pair ({routing.experts.numel()}), got {h.shape[0]}")
-    return _run(w, None, h, routing, slot_of, routing.order)
+    return _run(w, None, h, routing, slot_of, routing.order, out)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where `swiglu_experts` writes: the SwiGLU rows `h` [pairs, ffn] and the outputs `y` [pairs, hidden].
+    Passes over the same pairs share them: each pass writes only the pairs its table does not skip."""
+
+    h: torch.Tensor
+    y: torch.Tensor
 
 
 def swiglu_experts(gate: Stack, up: Stack, down: Stack, x: torch.Tensor, ids: torch.Tensor,
-                   slot_of: torch.Tensor, routing: Routing | None = None) -> tuple[torch.Tensor, Routing]:
+                   slot_of: torch.Tensor, routing: Routing | None = None,
+                   out: Outputs | None = None) -> tuple[torch.Tensor, Routing]:
     """A layer's SwiGLU experts over a window's routed pairs (`ids` [rows, top_k]): a decode window takes the
     matvec, a prompt chunk the GEMM (each expert's pairs padded to its tiles). Returns the outputs in flat
-    (row, choice) order, [rows * top_k, hidden], and the routing (`routing`: made already, by `routing_of`)."""
+    (row, choice) order, [rows * top_k, hidden] (`out.y` when given), and the routing (`routing`: made
+    already, by `routing_of`)."""
     routing = routing or routing_of(ids, slot_of.numel(), gate.gemm_m)
-    h = swiglu(gate, up, x.contiguous(), routing, slot_of)
-    return project(down, h, routing, slot_of), routing
+    h = swiglu(gate, up, x.contiguous(), routing, slot_of, out.h if out else None)
+    return project(down, h, routing, slot_of, out.y if out else None), routing
 
 
 def routing_of(ids: torch.Tensor, experts: int, gemm_m: int) -> Routing:

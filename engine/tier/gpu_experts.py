@@ -158,7 +158,7 @@ class GpuTieredExperts(Experts):
             self.table.copy_(table)
             y, _ = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.table)
         else:
-            y = self._staged_passes(x, ids, ids_host, table, far)
+            y = self._staged_passes(x, ids, table, far)
         patch, cpu_us = (self._on_cpu(x_host, ids_host, on_cpu) if x_host is not None else (None, 0))
         far_n, cpu_n = (int(counts[part].sum()) if part else 0 for part in (far, on_cpu))
         s = self._stats
@@ -169,13 +169,19 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch, residual=residual)
 
-    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, ids_host: torch.Tensor, table: torch.Tensor,
-                       far: list[int]) -> torch.Tensor:
+    def outputs(self, pairs: int, x: torch.Tensor) -> triton_moe.Outputs:
+        """New buffers for the kernel's outputs over `pairs` pairs of rows like `x`."""
+        gate, _, down = self.slots.stacks
+        return triton_moe.Outputs(torch.empty(pairs, gate.n, dtype=x.dtype, device=x.device),
+                                  torch.empty(pairs, down.n, dtype=x.dtype, device=x.device))
+
+    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, far: list[int],
+                       out: triton_moe.Outputs | None = None) -> torch.Tensor:
         """The kernel's outputs for the cached experts (`table`) and the `far` ones, these copied whole by DMA
         into the staging entries: as many a pass as the staging holds (a prompt chunk's misses may need
-        several), each pass's pairs written into the first's outputs."""
+        several), every pass writing its pairs into the same outputs (`out`, or the first pass's)."""
         entries = self._staged[0].far.shape[0]
-        y = None
+        out = out or self.outputs(ids.numel(), x)
         for start in range(0, max(len(far), 1), entries):
             part = far[start:start + entries]
             for i, e in enumerate(part):
@@ -183,14 +189,9 @@ class GpuTieredExperts(Experts):
                 for host, stack in zip(self.slots.host, self._staged, strict=True):
                     stack.far[i].copy_(host.blocks[e], non_blocking=True)
             self.table.copy_(table)
-            out, _ = triton_moe.swiglu_experts(*self._staged, x, ids, self.table)
-            if y is None:
-                y = out
-            else:
-                pairs = torch.isin(ids_host.reshape(-1), torch.tensor(part)).nonzero().flatten().to(y.device)
-                y[pairs] = out[pairs]
+            triton_moe.swiglu_experts(*self._staged, x, ids, self.table, out=out)
             table.fill_(triton_moe.SKIP)  # the next pass: its far experts only
-        return y
+        return out.y
 
     def _unsynced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   residual: torch.Tensor | None) -> torch.Tensor:
