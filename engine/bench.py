@@ -253,11 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     g, model = open_model(args.model, args.device, args.dtype, args.slots, args.context, kv=args.kv,
                           layer_split=args.layer_split, host_experts=plan.host_experts,
                           max_chunk=args.prefill.most(placement.first.device))
-    setup_tier(args, model)
     device, dtype = model.device, model.dtype
     sync(device)
-    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    # before the tier's cache takes its VRAM (`--expert-cache auto`: all but the reserve)
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 256 << 20)
+    t2 = time.perf_counter()
+    setup_tier(args, model)
+    sync(device)
+    load_s = time.perf_counter() - t0 - (t2 - t1)
     per_token = model.bytes_per_token()
     rounds: list[Figures] = []
     peers: list[Peer] = []

@@ -3,11 +3,12 @@
 A bigger chunk reads a prompt faster on a GPU: each pass over the weights serves more tokens, and with
 an expert tier each layer streams its missed experts once a chunk instead of once every 512 tokens
 (on an H200, 4,096 tokens at half the experts cached: 5,719 tok/s in chunks of 512, 19,053 in one).
-It also takes more VRAM at its peak. So `auto` reads one chunk of `PROBE` tokens at start, measures the
-VRAM it took at its peak, and takes the largest power of two up to MAX (`PREFILL_AUTO_MAX`, as upstream's) and
-the context whose peak, in proportion, fits in the VRAM free beside the weights, the KV, the slots and
-the expert cache. The cache is not shrunk for it (upstream's prompt chunks borrow cache slots instead;
-see docs/protocol.md). On the CPU `auto` keeps `PROBE`: there a chunk's speed hardly moves with its size.
+It also takes more VRAM at its peak. So `auto` reads chunks at start, largest first, each where a chunk
+costs most (at the end of the context: its attention then sees every key), and takes the first whose
+measured peak fits in nine tenths of the VRAM free beside the weights, the KV, the slots and the expert
+cache: the powers of two from `PROBE` up to MAX (`PREFILL_AUTO_MAX`, as upstream's) and the context.
+The cache is not shrunk for it (upstream's chunks borrow cache slots; docs/protocol.md says why not
+here). On the CPU `auto` keeps `PROBE`: there a chunk's speed hardly moves with its size.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.memory import MIB, free_bytes
 from engine.protocol import PREFILL_AUTO_MAX
 from engine.runner import Runner
 
-PROBE = 512  # the chunk `auto` measures, and its smallest choice
+PROBE = 512  # the smallest chunk `auto` picks
 HEADROOM = 0.9  # of the free VRAM a chunk's peak may take: the allocator's blocks round up
 
 
@@ -63,45 +64,62 @@ def prefill_flag(text: str) -> PrefillAsk:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--prefill ")) from exc
 
 
-def largest_chunk(per_token: float, free: int, most: int) -> int:
-    """The largest power of two from `PROBE` up to `most` whose `per_token` peak fits in `free` bytes
-    (`PROBE` itself when none does, `most` when it is smaller)."""
-    chunk = min(PROBE, most)
-    while chunk * 2 <= most and chunk * 2 * per_token <= free * HEADROOM:
-        chunk *= 2
-    return chunk
+def candidates(most: int) -> list[int]:
+    """The chunks `auto` tries, largest first: the powers of two from `PROBE` up to `most` (`most` alone
+    when it is smaller)."""
+    if most <= PROBE:
+        return [most]
+    sizes = [PROBE]
+    while sizes[-1] * 2 <= most:
+        sizes.append(sizes[-1] * 2)
+    return sizes[::-1]
 
 
-def read_peak(runner: Runner, tokens: int = PROBE) -> float:
-    """VRAM bytes a prompt token took at the peak of a `tokens`-token read into the solo session (the
-    device that peaked most, over what was allocated before). The session is emptied after it, and an
-    expert tier forgets the read's routing."""
+def read_peak(runner: Runner, tokens: int) -> int:
+    """VRAM bytes a `tokens`-token chunk takes at its peak where a chunk costs most: read into the solo
+    session at the end of the context (its attention over every key before it; those keys were never
+    written, only their memory counts). The device that peaked most, over what was allocated before it.
+    The session is emptied after it, and an expert tier forgets the read's routing."""
     model = runner.model
     devices = model.placement.devices()
     before = {d: torch.cuda.memory_allocated(d) for d in devices}
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
-    runner.read(runner.solo, [1 + i % (model.hyper.vocab - 1) for i in range(tokens)])
-    for d in devices:
-        torch.cuda.synchronize(d)
-    runner.solo.tokens = []
-    if model.tier is not None:
-        for layer in model.tier.layers:
-            layer.reset_counts()
-    return max(torch.cuda.max_memory_allocated(d) - before[d] for d in devices) / tokens
+    runner.solo.tokens = [0] * (model.context - tokens)
+    try:
+        runner.read(runner.solo, [1 + i % (model.hyper.vocab - 1) for i in range(tokens)])
+        for d in devices:
+            torch.cuda.synchronize(d)
+    finally:
+        runner.solo.tokens = []
+        if model.tier is not None:
+            for layer in model.tier.layers:
+                layer.reset_counts()
+    return max(torch.cuda.max_memory_allocated(d) - before[d] for d in devices)
 
 
 def choose_prefill(runner: Runner, ask: PrefillAsk) -> tuple[int, str]:
     """The chunk the engine reads prompts in, and the start's line saying why. Call it with nothing else
-    on the device: `auto` reads a chunk to measure it, on a GPU."""
+    on the device: `auto` reads chunks to measure them, on a GPU (largest first, until one fits)."""
     devices = runner.model.placement.devices()
     most = min(ask.most(devices[0]), runner.model.context)
     if not ask.auto:
         return most, f"prompt chunks of {most} tokens"
     if devices[0].type != "cuda":
         return most, f"--prefill {ask}: chunks of {most} tokens (the CPU's choice)"
-    per_token = read_peak(runner, min(PROBE, most))
     free = min(free_bytes(d)[0] + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d) for d in devices)
-    chunk = largest_chunk(per_token, free, most)
-    return chunk, (f"--prefill {ask}: chunks of {chunk} tokens ({per_token * chunk / MIB:.0f} MiB at the peak, "
-                   f"measured on {PROBE}; {free / MIB:.0f} MiB free)")
+    tried = []
+    for chunk in candidates(most):
+        try:
+            peak = read_peak(runner, chunk)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            tried.append(f"{chunk}: out of memory")
+            continue
+        if peak <= free * HEADROOM:
+            return chunk, (f"--prefill {ask}: chunks of {chunk} tokens ({peak / MIB:.0f} MiB at the peak of one at "
+                           f"the end of the context, of {free / MIB:.0f} MiB free)")
+        tried.append(f"{chunk}: {peak / MIB:.0f} MiB")
+    chunk = candidates(most)[-1]
+    return chunk, (f"--prefill {ask}: chunks of {chunk} tokens, though none leaves a tenth of the {free / MIB:.0f} "
+                   f"MiB free at the end of the context ({'; '.join(tried)}): a long prompt may run out of memory")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import protocol as P
-from engine.prefill import PROBE, PrefillAsk, choose_prefill, largest_chunk, parse_prefill
+from engine.prefill import PROBE, PrefillAsk, candidates, choose_prefill, parse_prefill
 
 MIB = 1 << 20
 
@@ -26,13 +26,10 @@ def test_bad_prefill_is_refused(text: str) -> None:
         parse_prefill(text)
 
 
-def test_the_largest_power_of_two_that_fits() -> None:
-    per_token = 0.1 * MIB
-    assert largest_chunk(per_token, 10_000 * MIB, 8192) == 8192
-    assert largest_chunk(per_token, 300 * MIB, 8192) == 2048  # 2048 x 0.1 MiB fits 0.9 of 300 MiB, 4096 not
-    assert largest_chunk(per_token, 10_000 * MIB, 3000) == 2048  # powers of two up to the most asked
-    assert largest_chunk(per_token, 1 * MIB, 8192) == PROBE  # the measured chunk at the least
-    assert largest_chunk(per_token, 10_000 * MIB, 100) == 100  # a context below PROBE
+def test_auto_tries_powers_of_two_largest_first() -> None:
+    assert candidates(8192) == [8192, 4096, 2048, 1024, 512]
+    assert candidates(3000) == [2048, 1024, 512]  # up to the most asked (or the context)
+    assert candidates(512) == [512] and candidates(100) == [100]  # a context below PROBE
 
 
 def test_auto_is_512_on_the_cpu_and_sizes_for_it() -> None:
@@ -56,9 +53,9 @@ def test_the_engine_says_the_chunk_it_reads(tiny_model) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_measures_a_chunk_on_the_gpu(tiny_model, monkeypatch) -> None:
-    """On CUDA `auto` reads one chunk of 512 to measure its peak, then leaves the solo session empty and the
-    tier's counts as they were; with little VRAM free it stays at 512."""
+def test_auto_measures_chunks_on_the_gpu(tiny_model, monkeypatch) -> None:
+    """On CUDA `auto` reads the largest chunk at the end of the context to measure its peak, then leaves
+    the solo session empty; with no VRAM free it tries every size and settles on 512, saying so."""
     from engine import prefill
     from engine.loading import open_model
     from engine.runner import Runner
@@ -66,13 +63,15 @@ def test_auto_measures_a_chunk_on_the_gpu(tiny_model, monkeypatch) -> None:
     _, model = open_model(str(tiny_model), "cuda", None, 0, 8192, max_chunk=P.PREFILL_AUTO_MAX)
     runner = Runner(model, 0, exact=False, graphs=False)
     chunk, why = choose_prefill(runner, parse_prefill("auto"))
-    assert chunk == largest_chunk(1, 1 << 40, min(P.PREFILL_AUTO_MAX, model.context)) > PROBE
-    assert "MiB at the peak, measured on 512" in why, why
+    assert chunk == candidates(min(P.PREFILL_AUTO_MAX, model.context))[0] > PROBE
+    assert "MiB at the peak of one at the end of the context" in why, why
     assert runner.solo.tokens == []
-    assert 0 < prefill.read_peak(runner) < 64 * MIB  # a tiny model's chunk
+    small, large = prefill.read_peak(runner, 512), prefill.read_peak(runner, 2048)
+    assert 0 < small < large < 256 * MIB  # a tiny model's chunks
     monkeypatch.setattr(prefill, "free_bytes", lambda device: (0, 0))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    assert choose_prefill(runner, parse_prefill("auto:4096"))[0] == PROBE
+    chunk, why = choose_prefill(runner, parse_prefill("auto:4096"))
+    assert chunk == PROBE and "a long prompt may run out of memory" in why and why.count(" MiB") >= 3
 
 
 def test_the_server_config_takes_auto_or_a_chunk() -> None:
