@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
     info["cuda_graphs"] = "on" if runner.graphs is not None else "off"
     try:
         runner.chunk, why = choose_prefill(runner, args.prefill)
-    except RuntimeError as exc:  # the measuring chunk ran out of memory
+    except RuntimeError as exc:  # `auto`'s measuring reads failed (running out of memory is handled there)
         log(f"cannot read a prompt chunk: {exc}")
         print(P.format_reply(P.Err(f"cannot read a prompt chunk: {exc}")), flush=True)
         return 1

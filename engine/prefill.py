@@ -2,7 +2,7 @@
 
 A bigger chunk reads a prompt faster on a GPU: each pass over the weights serves more tokens, and with
 an expert tier each layer streams its missed experts once a chunk instead of once every 512 tokens
-(on an H200, 4,096 tokens at half the experts cached: 5,719 tok/s in chunks of 512, 19,053 in one).
+(on an H200, 4,096 tokens at half the experts cached: 6,317 tok/s in chunks of 512, 19,293 in one).
 It also takes more VRAM at its peak. So `auto` reads chunks at start, largest first, each where a chunk
 costs most (at the end of the context: its attention then sees every key), and takes the first whose
 measured peak fits in nine tenths of the VRAM free beside the weights, the KV, the slots and the expert

@@ -169,7 +169,7 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch, residual=residual)
 
-    def outputs(self, pairs: int, x: torch.Tensor) -> triton_moe.Outputs:
+    def _new_outputs(self, pairs: int, x: torch.Tensor) -> triton_moe.Outputs:
         """New buffers for the kernel's outputs over `pairs` pairs of rows like `x`."""
         gate, _, down = self.slots.stacks
         return triton_moe.Outputs(torch.empty(pairs, gate.n, dtype=x.dtype, device=x.device),
@@ -179,9 +179,9 @@ class GpuTieredExperts(Experts):
                        out: triton_moe.Outputs | None = None) -> torch.Tensor:
         """The kernel's outputs for the cached experts (`table`) and the `far` ones, these copied whole by DMA
         into the staging entries: as many a pass as the staging holds (a prompt chunk's misses may need
-        several), every pass writing its pairs into the same outputs (`out`, or the first pass's)."""
+        several), every pass writing its pairs into the same outputs (`out`, or new ones)."""
         entries = self._staged[0].far.shape[0]
-        out = out or self.outputs(ids.numel(), x)
+        out = out or self._new_outputs(ids.numel(), x)
         for start in range(0, max(len(far), 1), entries):
             part = far[start:start + entries]
             for i, e in enumerate(part):
