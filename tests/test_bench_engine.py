@@ -57,36 +57,27 @@ def test_bad_counts_are_refused(tiny_model_q8: Path, capsys, flag: str, value: s
     assert error in capsys.readouterr().err
 
 
-def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, monkeypatch) -> None:
-    """`--prefill` as the engine's: the prompt (at most half the context) read in forwards of that many rows."""
+@pytest.mark.parametrize(("prefill", "prompt", "context", "said", "rows"), [
+    ("8", 100, 40, "20 tokens, chunks of 8", [8, 8, 4]),  # the prompt at most half the context
+    ("auto", 600, 2048, "600 tokens, chunks of 512", [512, 88, 512, 88]),  # on the CPU auto is 512, no probe
+])
+def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, monkeypatch, prefill: str, prompt: int,
+                                                 context: int, said: str, rows: list[int]) -> None:
+    """`--prefill` as the engine's: the prompt read in forwards of that many rows (the warm-up read, then
+    the timed one); `auto` says what it chose on its own line."""
     from engine.runner import Runner
 
-    rows = []
+    seen = []
     forward = Runner.forward
-    monkeypatch.setattr(Runner, "forward", lambda self, spans, *a, **k: rows.append(sum(s.length for s in spans))
+    monkeypatch.setattr(Runner, "forward", lambda self, spans, *a, **k: seen.append(sum(s.length for s in spans))
                         or forward(self, spans, *a, **k))
-    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "100", "--prefill", "8", "--decode", "2",
-            "--slots", "0", "--context", "40"]
-    assert bench.main(args) == 0
-    assert re.search(r"^prefill +[\d.]+ tok/s \(20 tokens, chunks of 8\)", capsys.readouterr().out, re.M)
-    assert rows[:3] == [8, 8, 4]
-
-
-def test_prefill_auto_reads_chunks_of_512_on_the_cpu(tiny_model_q8: Path, capsys, monkeypatch) -> None:
-    """`--prefill auto` on the CPU: chunks of 512 (no probe read there), said on its own line."""
-    from engine.runner import Runner
-
-    rows = []
-    forward = Runner.forward
-    monkeypatch.setattr(Runner, "forward", lambda self, spans, *a, **k: rows.append(sum(s.length for s in spans))
-                        or forward(self, spans, *a, **k))
-    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "600", "--prefill", "auto", "--decode", "2",
-            "--slots", "0", "--context", "2048"]
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", str(prompt), "--prefill", prefill,
+            "--decode", "2", "--slots", "0", "--context", str(context)]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^prefill +[\d.]+ tok/s \(600 tokens, chunks of 512\)", out, re.M), out
-    assert "chunk        --prefill auto:8192: chunks of 512 tokens (the CPU's choice)" in out
-    assert rows[:4] == [512, 88, 512, 88]  # the warm-up read, then the timed one
+    assert re.search(rf"^prefill +[\d.]+ tok/s \({said}\)", out, re.M), out
+    assert ("chunk        --prefill auto:8192: chunks of 512 tokens (the CPU's choice)" in out) == (prefill == "auto")
+    assert seen[:len(rows)] == rows
 
 
 def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:
