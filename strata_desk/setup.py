@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.protocol import PREFILL_AUTO_MAX, VRAM_RESERVE_MIB
+from engine.protocol import VRAM_RESERVE_MIB
 from server.config import MAX_SLOTS, ConfigError, RunConfig, load_config, save_config, validate_config
 from strata_desk import paths
 from strata_desk.modelfacts import GIB, ModelFacts
@@ -50,8 +50,7 @@ def _allowed(n: int, cache: float, slot: float, experts: float) -> bool:
 
 def recommend(gpus_vram_gib: list[float], facts: ModelFacts, context: int) -> Recommendation:
     """The seed's rule, pure: VRAM of each card in GiB, the model's facts, the context in tokens."""
-    # on a GPU setup writes `prefill: auto`: sliding-window rings sized for its largest chunk
-    slot = facts.slot_bytes(context, max_chunk=PREFILL_AUTO_MAX if gpus_vram_gib else 512) / GIB
+    slot = facts.slot_bytes(context) / GIB
     experts = facts.expert_gib
     if not gpus_vram_gib:
         return Recommendation(1, "cpu", 0.0, slot, experts, [
@@ -82,7 +81,7 @@ def expert_tier(gpus_vram_gib: list[float], facts: ModelFacts, parallel: int, co
     routed experts that do not fit beside the dense weights, the sessions, the CUDA context and the
     engine's reserve stay in RAM and the hottest of them are cached in VRAM."""
     card = gpus_vram_gib[0]
-    sessions = (parallel + 1) * facts.slot_bytes(context, max_chunk=PREFILL_AUTO_MAX) / GIB  # slots and solo
+    sessions = (parallel + 1) * facts.slot_bytes(context) / GIB  # the slots and the solo session
     room = card - facts.dense_bytes / GIB - sessions - CUDA_CONTEXT_GIB - VRAM_RESERVE_MIB / 1024
     if room >= facts.expert_gib:
         return None, f"every routed expert fits in VRAM ({facts.expert_gib:.1f} GiB): no expert tier needed"
@@ -173,7 +172,8 @@ def build_config(
         messages.append(why)
         if cache is not None:
             data["expert_cache"] = cache
-    if rec.device == "cuda" and "prefill" not in data:
+    if rec.device == "cuda" and "prefill" not in data and not any(facts.windows):
+        # not with sliding-window layers: their rings hold window + the largest chunk in every session
         data["prefill"] = "auto"
         messages.append("prompts read in the largest chunks that fit the VRAM left (prefill auto, up to 8192 tokens)")
     groups = data.get("batch_groups")

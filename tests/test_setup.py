@@ -187,6 +187,24 @@ def test_build_config_sets_the_tier_only_on_a_gpu_and_keeps_a_chosen_one(tmp_pat
     assert build_config(model, context=8192, probe=_probe(12.0))[0].expert_cache == 200
 
 
+def test_prefill_auto_only_without_sliding_window_layers(tmp_path, monkeypatch):
+    """On a GPU setup writes prefill auto, except for a model with sliding-window layers (their rings would
+    hold window + 8192 positions in every session) and where the config sets a chunk."""
+    import dataclasses
+
+    from strata_desk import setup
+
+    model = write_tiny_gguf(tmp_path / "Tiny.gguf")
+    monkeypatch.setattr(ModelFacts, "from_gguf", classmethod(lambda cls, path: QWEN3_FILE))
+    config, _ = build_config(model, context=8192, probe=_probe(24.0))
+    assert config.prefill == "auto"
+    setup.write_config(config.model_copy(update={"prefill": 2048}))
+    assert build_config(model, context=8192, probe=_probe(24.0))[0].prefill == 2048
+    sliding = dataclasses.replace(QWEN3_FILE, windows=(1024, None) * 24)
+    monkeypatch.setattr(ModelFacts, "from_gguf", classmethod(lambda cls, path: sliding))
+    assert build_config(write_tiny_gguf(tmp_path / "Other.gguf"), context=8192, probe=_probe(24.0))[0].prefill == 512
+
+
 def test_build_config_errors(tmp_path):
     with pytest.raises(SetupError, match="model file not found"):
         build_config(tmp_path / "missing.gguf", probe=_probe())
