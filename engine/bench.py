@@ -101,10 +101,10 @@ def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
     return rows
 
 
-def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, warmup: int = 3,
-        graphs: bool = True, ahead: bool | None = None, chunk: int | None = None) -> Figures:
+def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, chunk: int, warmup: int = 3,
+        graphs: bool = True, ahead: bool | None = None) -> Figures:
     runner = Runner(model, slots, exact=False, graphs=graphs, ahead=ahead)
-    runner.chunk = chunk or runner.chunk
+    runner.chunk = chunk
     vocab = model.hyper.vocab
     prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
     greedy = Sampling()
@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = min(args.prompt, args.context // 2)
     chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
     for _ in range(args.rounds):
-        rounds.append(run(model, device, prompt, args.decode, args.slots, args.warmup,
-                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False, chunk=chunk))
+        rounds.append(run(model, device, prompt, args.decode, args.slots, chunk, args.warmup,
+                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False))
         if args.llama_bench:
             peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
                                      reps=1 if args.rounds > 1 else 5))

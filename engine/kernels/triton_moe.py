@@ -510,6 +510,12 @@ class Outputs:
     h: torch.Tensor
     y: torch.Tensor
 
+    @classmethod
+    def new(cls, pairs: int, gate: Stack, down: Stack, x: torch.Tensor) -> Outputs:
+        """Empty buffers for `pairs` pairs of a layer whose gate and down stacks these are, rows like `x`."""
+        return cls(torch.empty(pairs, gate.n, dtype=x.dtype, device=x.device),
+                   torch.empty(pairs, down.n, dtype=x.dtype, device=x.device))
+
 
 def swiglu_experts(gate: Stack, up: Stack, down: Stack, x: torch.Tensor, ids: torch.Tensor,
                    slot_of: torch.Tensor, routing: Routing | None = None,

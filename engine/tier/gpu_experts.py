@@ -169,19 +169,12 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch, residual=residual)
 
-    def _new_outputs(self, pairs: int, x: torch.Tensor) -> triton_moe.Outputs:
-        """New buffers for the kernel's outputs over `pairs` pairs of rows like `x`."""
-        gate, _, down = self.slots.stacks
-        return triton_moe.Outputs(torch.empty(pairs, gate.n, dtype=x.dtype, device=x.device),
-                                  torch.empty(pairs, down.n, dtype=x.dtype, device=x.device))
-
-    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, far: list[int],
-                       out: triton_moe.Outputs | None = None) -> torch.Tensor:
+    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, far: list[int]) -> torch.Tensor:
         """The kernel's outputs for the cached experts (`table`) and the `far` ones, these copied whole by DMA
         into the staging entries: as many a pass as the staging holds (a prompt chunk's misses may need
-        several), every pass writing its pairs into the same outputs (`out`, or new ones)."""
+        several), every pass writing its pairs into the same outputs."""
         entries = self._staged[0].far.shape[0]
-        out = out or self._new_outputs(ids.numel(), x)
+        out = triton_moe.Outputs.new(ids.numel(), self._staged[0], self._staged[2], x)
         for start in range(0, max(len(far), 1), entries):
             part = far[start:start + entries]
             for i, e in enumerate(part):

@@ -252,10 +252,9 @@ def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: flo
         slot_sets = [GpuLayerSlots(*s, n, d) for s, n, d in zip(stacks, per_layer, devices, strict=True)]
     except ValueError as exc:
         raise TierError(f"--expert-cache: {exc}") from None
-    layers = []
+    layers, h = [], model.hyper
     for device in dict.fromkeys(devices):
         mine = [s for s, d in zip(slot_sets, devices, strict=True) if d == device]
-        h = model.hyper
         staging = Staging(mine, staging_entries(h.experts, h.experts_used))
         counts = DeviceCounts(len(mine), h.experts, device)
         layers += [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i) for i, s in enumerate(mine)]
