@@ -103,3 +103,22 @@ def test_prompt_attention_in_row_blocks_matches_one_masked_call(start, lo, rows,
     whole = layers._sdpa(q, k, v, mask[None, None], 0.2)
     blocked = layers._blocked_sdpa(q, k, v, mask, 0.2, start - lo, window)
     assert torch.allclose(blocked, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize(("rows", "keys"), [(64, 64), (48, 300)])
+def test_causal_prompt_attention_matches_the_masked_call(device, rows, keys):
+    """A CUDA prompt chunk without a window attends through `_causal_sdpa` (the mask aligned to the last
+    key, KV heads shared by their query heads: neither in memory): the values of the masked call over
+    repeated keys, for a chunk from its session's start and one continuing it."""
+    from engine import layers
+
+    gen = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen).to(device, torch.bfloat16)
+               for h, n in ((8, rows), (2, keys), (2, keys)))
+    q_pos, k_pos = torch.arange(keys - rows, keys)[:, None], torch.arange(keys)[None, :]
+    masked = layers._sdpa(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1),
+                          (k_pos <= q_pos).to(device)[None, None], 0.125)
+    causal = layers._causal_sdpa(q, k, v, 0.125)
+    assert torch.allclose(causal.float(), masked.float(), atol=2e-2, rtol=0)
