@@ -321,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"start ({costs.pcie_us:.0f} us an entry over PCIe, {costs.cpu_us:.0f} us on the CPU), "
                   f"{swap_ms:.2f} ms for the blocking rounds' copies (an entry over PCIe each): with an "
                   f"all-resident step of T ms, 1000 / (T + {miss_ms + swap_ms:.2f}) tok/s")
+        if tier.mode == "gpu":
+            loans = [(lender.loans, lender.largest, lender.refilled) for lender in tier.lenders]
+            print("borrow       " + (f"{sum(n for n, _, _ in loans)} loans of cache slots to prompt chunks, at most "
+                                     f"{max(b for _, b, _ in loans) / MIB:.0f} MiB, {sum(c for _, _, c in loans) / MIB:.0f} "
+                                     f"MiB of experts copied back" if loans else "off (--no-prefill-borrow)"))
     if r.batch_tok_s is not None:
         batch = [f.batch_tok_s for f in rounds if f.batch_tok_s is not None]
         print(f"batch        {spread(batch)} aggregate over {args.slots} rows "

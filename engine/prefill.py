@@ -7,8 +7,8 @@ It also takes more VRAM at its peak. So `auto` reads chunks at start, largest fi
 costs most (at the end of the context: its attention then sees every key), and takes the first whose
 measured peak fits in nine tenths of the VRAM free beside the weights, the KV, the slots and the expert
 cache: the powers of two from `PROBE` up to MAX (`PREFILL_AUTO_MAX`, as upstream's) and the context.
-The cache is not shrunk for it (upstream's chunks borrow cache slots; docs/protocol.md says why not
-here). On the CPU `auto` keeps `PROBE`: there a chunk's speed hardly moves with its size.
+With the GPU expert tier a chunk's MoE buffers borrow cache slots (`engine.tier.loan`), so its peak
+counts the rest. On the CPU `auto` keeps `PROBE`: there a chunk's speed hardly moves with its size.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def read_peak(runner: Runner, tokens: int) -> int:
     """VRAM bytes a `tokens`-token chunk takes at its peak where a chunk costs most: read into the solo
     session at the end of the context (its attention over every key before it; those keys were never
     written, only their memory counts). The device that peaked most, over what was allocated before it.
-    The session is emptied after it, and an expert tier forgets the read's routing."""
+    The session is emptied after it, and an expert tier forgets the read's routing and gets its borrowed
+    slots back."""
     model = runner.model
     devices = model.placement.devices()
     before = {d: torch.cuda.memory_allocated(d) for d in devices}
@@ -93,6 +94,7 @@ def read_peak(runner: Runner, tokens: int) -> int:
     finally:
         runner.solo.tokens = []
         if model.tier is not None:
+            model.tier.repay()
             for layer in model.tier.layers:
                 layer.reset_counts()
     return max(torch.cuda.max_memory_allocated(d) - before[d] for d in devices)

@@ -90,6 +90,8 @@ class RunConfig(BaseModel):
     pcie_frac: float = Field(-1.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
     vram_reserve_mib: int = Field(VRAM_RESERVE_MIB, ge=0, le=1 << 20,
                                   description="VRAM left free beside the expert cache by expert_cache auto, MiB")
+    prefill_borrow: bool = Field(True, description="GPU expert tier: prompt chunks borrow cache slots for their "
+                                                   "MoE buffers (false: expert_cache auto leaves room for them)")
     conversation_cache_mib: int = Field(
         CONVERSATION_CACHE_MIB, ge=0, le=1 << 20, description="host RAM for conversations parked when their slot is taken, MiB (0 = off)"
     )
@@ -173,6 +175,8 @@ class RunConfig(BaseModel):
         out += ["--pcie-frac", f"{self.pcie_frac:g}"]
         if self.expert_cache is not None:
             out += ["--expert-cache", str(self.expert_cache), "--vram-reserve-mib", str(self.vram_reserve_mib)]
+            if not self.prefill_borrow:
+                out.append("--no-prefill-borrow")
         for flag, path in (("--expert-profile", self.expert_profile), ("--expert-profile-save", self.expert_profile_save)):
             if path:
                 out += [flag, path]

@@ -130,7 +130,7 @@ def test_setup_tier_from_flags(model, tmp_path):
     info = _setup(model, "--expert-cache", "12", "--adapt-every", "1000000", "--pcie-frac", "0.3", "--adapt-async", "1")
     assert model.tier is not None and model.tier.slots == 12 and model.tier.policy.every == 1_000_000
     assert info == {"expert_slots": 12, "experts_cached": 12, "pcie_frac": 0, "adapt_every": 1_000_000,
-                    "adapt_async": 1, "expert_profile": "-"}
+                    "adapt_async": 1, "expert_profile": "-", "prefill_borrow": 0}  # the simulated tier lends no VRAM
     assert model.tier.copier is not None
     path = tmp_path / "p.json"
     RoutingProfile("tiny", [[8, 7, 6, 5, 4, 3, 2, 1]] * 4).save(path)
@@ -189,7 +189,9 @@ def test_run_config_tier_options():
     assert auto[auto.index("--expert-cache") + 1] == "auto"
     # what the config writes, the engine's parser takes
     parsed = build_parser().parse_args(args)
-    assert parsed.expert_cache == "64" and parsed.pcie_frac == -1
+    assert parsed.expert_cache == "64" and parsed.pcie_frac == -1 and parsed.prefill_borrow
+    reserved = RunConfig(model="m.gguf", expert_cache="auto", prefill_borrow=False).engine_args()
+    assert "--no-prefill-borrow" in reserved and not build_parser().parse_args(reserved).prefill_borrow
     for bad in ({"expert_cache": -1}, {"expert_cache": "lots"}, {"expert_cache": True}, {"pcie_frac": -0.5}):
         with pytest.raises(ValidationError):
             RunConfig(model="m.gguf", **bad)

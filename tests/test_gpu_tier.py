@@ -217,3 +217,55 @@ def test_the_miss_cost_is_timed_on_a_seeded_layer(layer):
     assert "2 missed experts" in times.text and tier.routed.sum() == 0 and tier.stats().lookups == 0
     with pytest.raises(ValueError, match="uncached experts"):
         measure_pcie_frac(tiered(host, list(range(E)), pcie_frac=0.0))
+
+
+def borrowing(host: list[LinearStack], cached_sets: list[list[int]]) -> list[GpuTieredExperts]:
+    """Layers whose slots share one `SlotArena` and its `Lender`, as `install_tier` builds them."""
+    from engine.tier.loan import Lender, SlotArena
+
+    shapes = [shape for cached in cached_sets for shape in GpuLayerSlots.buffer_shapes(host, len(cached))]
+    arena = SlotArena(shapes, torch.device(DEVICE))
+    slot_sets = [GpuLayerSlots(*host, len(cached), torch.device(DEVICE), TILES, buffers=tuple(arena.buffers[3 * i:3 * i + 3]))
+                 for i, cached in enumerate(cached_sets)]
+    for slots, cached in zip(slot_sets, cached_sets, strict=True):
+        for slot, expert in enumerate(cached):
+            slots.load(slot, expert)
+    lender = Lender(arena, slot_sets)
+    return [GpuTieredExperts(s, 1.0, staging=Staging(slot_sets, E), lender=lender) for s in slot_sets]
+
+
+def test_prompt_chunks_borrow_cache_slots_and_give_them_back(layer):
+    """A prompt chunk's MoE buffers in the arena's tail (the last layer's down slots): those slots are evicted
+    first (a round's copies in flight land before), the chunk's pairs through every layer give the resident
+    kernel's bits, and before the next decode window the evicted experts are copied back and served from
+    their slots again."""
+    from engine.tier import FIXED, AdaptPolicy
+    from engine.tier.policy import Swap
+    from engine.tier.sizing import outputs_bytes
+    from engine.tier.tier import Tier
+
+    host, resident = layer
+    layers = borrowing(host, [[3, 1], [0, 2]])
+    tier = Tier(layers, AdaptPolicy(every=FIXED), "gpu", asynchronous=True)
+    lender = layers[0].lender
+    assert tier.lenders == [lender]
+    tier.copier.start([Swap(1, 0, 4, 1.0)])  # expert 0 out of the last layer's slot 0, expert 4 in
+    x, weights, ids = inputs(PROMPT_IDS, 4)
+    want = resident(x, weights, ids)
+    for layer_ in layers:  # one chunk through both layers: the first takes the loan, the second reuses it
+        assert torch.equal(layer_(x, weights, ids), want)
+    assert not tier.copier.busy and lender.loans == 1
+    assert lender.lent >= outputs_bytes(len(PROMPT_IDS) * 2, FF, H, x.dtype)
+    assert layers[0].slots.slot_of.tolist() == [-1, 1, -1, 0, -1, -1]
+    assert layers[1].slots.slot_of.tolist() == [-1] * E  # both slots overlap the loan: their experts streamed
+    assert lender.outputs(10**6, FF, H, x) is None  # more than the arena: the caller allocates
+    tier.window_start()
+    assert layers[1].slots.slot_of.tolist() == [-1, -1, 1, -1, 0, -1] and lender.lent == 0
+    for layer_, cached in zip(layers, ([3, 1], [4, 2]), strict=True):
+        for slot, expert in enumerate(cached):
+            for p in range(3):
+                assert torch.equal(layer_.slots.buffers[p][slot].cpu(), host[p].blocks[expert].cpu())
+    x, weights, ids = inputs(DECODE_IDS, 5)
+    before = layers[1].stats().vram
+    assert torch.equal(layers[1](x, weights, ids), resident(x, weights, ids))
+    assert layers[1].stats().vram - before == 1  # expert 4, from its slot again

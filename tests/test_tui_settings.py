@@ -22,7 +22,8 @@ DENSE = NO_EFFECT + "a dense model has no routed experts"
 SIMULATED_PCIE = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
 NO_GRAPHS = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
 STATIC = NO_EFFECT + "adapt-every is 0: the cache stays as seeded"
-TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async", "pcie_frac"}
+TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async", "pcie_frac",
+        "prefill_borrow"}
 ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async"}
 
 
@@ -37,7 +38,8 @@ def test_option_notes() -> None:
     assert option_notes({**data, "expert_cache": 24, "adapt_every": 999_999}, gpu) == {}
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
-    assert set(notes) == {"expert_cache", "pcie_frac", "cuda_graphs"} and notes["pcie_frac"] == SIMULATED_PCIE
+    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "cuda_graphs"}
+    assert notes["pcie_frac"] == SIMULATED_PCIE and "no VRAM to lend" in notes["prefill_borrow"]
     assert notes["cuda_graphs"] == NO_GRAPHS
     assert "does not make the CPU faster" in notes["expert_cache"]
     # before an engine has said anything, the config's device stands for it

@@ -25,7 +25,14 @@ from engine.tier import (
     parse_expert_cache,
     split_slots,
 )
-from engine.tier.sizing import auto_slots, slot_bytes, staging_bytes, staging_entries
+from engine.tier.sizing import (
+    auto_slots,
+    expert_shape,
+    outputs_bytes,
+    slot_bytes,
+    staging_bytes,
+    staging_entries,
+)
 from engine.tier.tier import SEED_WINDOWS
 
 
@@ -51,6 +58,9 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pcie-frac", type=float, default=-1.0, help="share of misses read over PCIe (-1: engine's choice)")
     p.add_argument("--vram-reserve-mib", type=int, default=VRAM_RESERVE_MIB,
                    help="VRAM left free beside the expert cache by --expert-cache auto")
+    p.add_argument("--no-prefill-borrow", dest="prefill_borrow", action="store_false",
+                   help="GPU tier: prompt chunks take their MoE buffers beside the cache (--expert-cache auto "
+                        "leaves room for them) instead of borrowing cache slots")
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,7 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
             log("--expert-cache auto: every expert stays resident: no VRAM to size a cache from on the CPU "
                 "(--expert-cache N runs the simulated tier)")
             return {}
-        cache = auto_cache(model, args.vram_reserve_mib)
+        cache = auto_cache(model, args.vram_reserve_mib, borrow=args.prefill_borrow)
     save_dir = os.path.dirname(args.expert_profile_save or "") or "."
     if args.expert_profile_save and not os.path.isdir(save_dir):
         raise TierError(f"--expert-profile-save {args.expert_profile_save}: no directory {save_dir}")
@@ -107,7 +117,8 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
         cache = h.layers * h.experts
     profile = RoutingProfile.load(args.expert_profile) if args.expert_profile else None
     pcie = max(args.pcie_frac, 0.0) if gpu else 0.0
-    tier = install_tier(model, cache, policy, profile, pcie_frac=pcie, asynchronous=bool(args.adapt_async))
+    tier = install_tier(model, cache, policy, profile, pcie_frac=pcie, asynchronous=bool(args.adapt_async),
+                        borrow=args.prefill_borrow)
     if gpu:
         pcie = choose_pcie(tier, args.pcie_frac, model.placement)
     elif args.pcie_frac > 0:
@@ -121,25 +132,33 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
     log(f"expert tier ({where}): {tier.slots} slots for {tier.experts_total} experts "
         f"({tier.slots / tier.experts_total:.0%}, {tier.cache_bytes() / MIB:.1f} MiB), "
         f"seeded {'from ' + args.expert_profile if profile else seed_without_profile(policy)}, adaptation {mode}")
+    if gpu:
+        log("prompt chunks " + ("borrow cache slots for their MoE buffers" if tier.lenders else
+                                "take their MoE buffers beside the cache (--no-prefill-borrow)"))
     return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": pcie, "adapt_every": policy.every,
-            "adapt_async": int(tier.copier is not None), "expert_profile": os.path.basename(args.expert_profile or "") or "-"}
+            "adapt_async": int(tier.copier is not None), "expert_profile": os.path.basename(args.expert_profile or "") or "-",
+            "prefill_borrow": int(bool(tier.lenders))}
 
 
-def auto_cache(model: Model, reserve_mib: int) -> list[int]:
+def auto_cache(model: Model, reserve_mib: int, borrow: bool = True) -> list[int]:
     """`--expert-cache auto` on a GPU: each layer's slots, from what VRAM is free on its stage's device less
-    the staging of that device's layers and the reserve."""
+    the staging of that device's layers, the reserve and, without `borrow`, the MoE buffers of the
+    largest prompt chunk (which borrow cache slots otherwise)."""
     h = model.hyper
     per_layer = slot_bytes(model.w.g, h.layers, h.experts)
     counts = [0] * h.layers
+    buffers = 0 if borrow else outputs_bytes(model.kv.max_chunk * h.experts_used, *expert_shape(model.w.g),
+                                             model.dtype)
     for device in model.placement.devices():
         layers = model.placement.layers_on(device)
         free, _ = free_bytes(device)
         staging = staging_bytes([per_layer[i] for i in layers], staging_entries(h.experts, h.experts_used))
-        each = auto_slots(free - staging, reserve_mib, [per_layer[i] for i in layers], h.experts)
+        each = auto_slots(free - staging - buffers, reserve_mib, [per_layer[i] for i in layers], h.experts)
         for i in layers:
             counts[i] = each
+        kept = f", a prompt chunk's MoE buffers ({buffers / MIB:.0f} MiB)" if buffers else ""
         log(f"--expert-cache auto: {each} slots in each of layers {layers[0]}-{layers[-1]} on {device}: "
-            f"{free / MIB:.0f} MiB free less the misses' staging ({staging / MIB:.0f} MiB) and the "
+            f"{free / MIB:.0f} MiB free less the misses' staging ({staging / MIB:.0f} MiB){kept} and the "
             f"{reserve_mib} MiB reserve")
     return counts
 

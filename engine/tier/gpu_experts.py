@@ -29,6 +29,7 @@ from engine.kernels import ops as cpu_ops
 from engine.kernels import triton_moe
 from engine.kernels.triton_blocks import MATVEC_ROWS
 from engine.tier.gpu_slots import GpuLayerSlots, Staging
+from engine.tier.loan import Lender
 
 
 class DeviceCounts:
@@ -79,8 +80,10 @@ class DeviceCounts:
 
 class GpuTieredExperts(Experts):
     def __init__(self, slots: GpuLayerSlots, pcie_frac: float = 0.0, streams: bool = True,
-                 staging: Staging | None = None, counts: DeviceCounts | None = None, index: int = 0):
+                 staging: Staging | None = None, counts: DeviceCounts | None = None, index: int = 0,
+                 lender: Lender | None = None):
         self.slots = slots
+        self.lender = lender  # lends prompt chunks their outputs in cache slots (None: `--no-prefill-borrow`)
         # the stacks reading misses that cross PCIe from the staging buffers (None: the kernel reads host memory)
         self._staged = staging.stacks(slots) if staging is not None else None
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
@@ -144,6 +147,10 @@ class GpuTieredExperts(Experts):
         n, k = ids.shape
         if self.replayable(n):
             return self._unsynced(x, weights, ids, residual)
+        out = None
+        if self.lender is not None and n > MATVEC_ROWS:  # before the table is read: the loan evicts slots
+            gate, _, down = self.slots.stacks
+            out = self.lender.outputs(n * k, gate.n, down.n, x)
         ids_host = ids.cpu()  # the layer's one host sync: it decides who computes each expert
         counts = torch.bincount(ids_host.reshape(-1), minlength=self.slots.experts)
         self._routed_host += counts
@@ -156,9 +163,9 @@ class GpuTieredExperts(Experts):
             for e in far:
                 table[e] = triton_moe.far_slot(e)
             self.table.copy_(table)
-            y, _ = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.table)
+            y, _ = triton_moe.swiglu_experts(*self.slots.stacks, x, ids, self.table, out=out)
         else:
-            y = self._staged_passes(x, ids, table, far)
+            y = self._staged_passes(x, ids, table, far, out)
         patch, cpu_us = (self._on_cpu(x_host, ids_host, on_cpu) if x_host is not None else (None, 0))
         far_n, cpu_n = (int(counts[part].sum()) if part else 0 for part in (far, on_cpu))
         s = self._stats
@@ -169,12 +176,13 @@ class GpuTieredExperts(Experts):
         s.cpu_us += cpu_us
         return combine(y, weights, patch=patch, residual=residual)
 
-    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, far: list[int]) -> torch.Tensor:
+    def _staged_passes(self, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, far: list[int],
+                       out: triton_moe.Outputs | None) -> torch.Tensor:
         """The kernel's outputs for the cached experts (`table`) and the `far` ones, these copied whole by DMA
         into the staging entries: as many a pass as the staging holds (a prompt chunk's misses may need
-        several), every pass writing its pairs into the same outputs."""
+        several), every pass writing its pairs into the same outputs (`out`, or new ones)."""
         entries = self._staged[0].far.shape[0]
-        out = triton_moe.Outputs.new(ids.numel(), self._staged[0], self._staged[2], x)
+        out = out or triton_moe.Outputs.new(ids.numel(), self._staged[0], self._staged[2], x)
         for start in range(0, max(len(far), 1), entries):
             part = far[start:start + entries]
             for i, e in enumerate(part):

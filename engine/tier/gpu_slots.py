@@ -26,22 +26,28 @@ def host_blocks(stack: LinearStack) -> torch.Tensor:
 
 class GpuLayerSlots(SlotTable):
     def __init__(self, gate: LinearStack, up: LinearStack, down: LinearStack, slots: int, device: torch.device,
-                 tiles: triton_moe.Tiles | None = None):
+                 tiles: triton_moe.Tiles | None = None, buffers: tuple[torch.Tensor, ...] | None = None):
         super().__init__(host_blocks(gate).shape[0], slots)
         self.host = (gate, up, down)
         self.device = device
-        # at least one slot's buffer: the kernel takes a stack's pointer even when the table never points at it
-        self.buffers = tuple(torch.empty((max(slots, 1), *host_blocks(s).shape[1:]), dtype=torch.uint8, device=device)
-                             for s in self.host)
+        # `buffers`: views of `buffer_shapes` (a device's `loan.SlotArena`), else allocated here
+        self.buffers = buffers or tuple(torch.empty(shape, dtype=torch.uint8, device=device)
+                                        for shape in self.buffer_shapes(self.host, slots))
         self.stacks = tuple(triton_moe.Stack(s.qtype, buf, s.experts[0].in_features, tiles, far=host_blocks(s))
                             for s, buf in zip(self.host, self.buffers, strict=True))
+
+    @staticmethod
+    def buffer_shapes(host: tuple[LinearStack, ...], slots: int) -> list[tuple[int, ...]]:
+        """Each projection's slots, uint8 `[slots, n, row_bytes]`: at least one (the kernel takes a stack's
+        pointer even when the table never points at it)."""
+        return [(max(slots, 1), *host_blocks(s).shape[1:]) for s in host]
 
     def nbytes(self) -> int:
         return self.size * sum(b[0].numel() for b in self.buffers)
 
-    def fill(self, slot: int, expert: int) -> None:
-        for buf, stack in zip(self.buffers, self.host, strict=True):
-            buf[slot].copy_(stack.blocks[expert], non_blocking=True)
+    def fill(self, slot: int, expert: int, projections: tuple[int, ...] = (0, 1, 2)) -> None:
+        for p in projections:
+            self.buffers[p][slot].copy_(self.host[p].blocks[expert], non_blocking=True)
 
 
 class Staging:

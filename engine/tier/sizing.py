@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
 from engine.gguf_file import GGUFFile
 from engine.kernels.gpu import MATVEC_ROWS
 from engine.memory import MIB
 
 PROJECTIONS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+ALIGN = 256  # bytes: where the slot arena's buffers and loans start (`engine.tier.loan`; the kernels want 16)
 
 
 def slot_bytes(g: GGUFFile, layers: int, experts: int) -> list[int]:
@@ -39,3 +42,21 @@ def auto_slots(free: int, reserve_mib: int, per_layer: list[int], experts: int) 
     gets in `free` bytes less the reserve, at most every expert; the same for every layer."""
     usable = max(0, free - reserve_mib * MIB)
     return min(experts, usable // sum(per_layer))  # whole rounds of one slot in every layer
+
+
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def outputs_bytes(pairs: int, ffn: int, hidden: int, dtype: torch.dtype) -> int:
+    """VRAM a prompt chunk's MoE buffers take (`triton_moe.Outputs`): `pairs` SwiGLU rows of `ffn` values
+    and as many outputs of `hidden`."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return aligned(pairs * ffn * size) + pairs * hidden * size
+
+
+def expert_shape(g: GGUFFile) -> tuple[int, int]:
+    """(expert FFN, hidden): the first routed gate stack's rows and columns."""
+    info = next(t for name, t in g.tensors.items() if name.endswith(f"{PROJECTIONS[0]}.weight"))
+    return info.shape[1], info.shape[2]

@@ -94,6 +94,10 @@ class Tier:
         self.counts = torch.zeros(len(layers), layers[0].slots.experts if layers else 0, dtype=torch.float64)
         self._groups = _count_groups(layers)
         self._ranked = False  # seeded from a profile (a static cache then takes no seed round)
+        # the GPU tier's lenders (one a device: `engine.tier.loan`), none with `--no-prefill-borrow`
+        self.lenders = list(dict.fromkeys(lender for layer in layers if (lender := getattr(layer, "lender", None))))
+        for lender in self.lenders:
+            lender.settle = self._finish_round
 
     @property
     def slots(self) -> int:
@@ -146,10 +150,17 @@ class Tier:
         return torch.cat([group.routed() for group in self._groups])
 
     def window_start(self) -> Counted:
-        """Before a decode window is queued: publish a round's finished copies; the counts as they stand."""
+        """Before a decode window is queued: the slots prompt chunks borrowed given back, a round's finished
+        copies published; the counts as they stand."""
+        self.repay()
         if self.copier is not None:
             self.copier.publish_ready()
         return self.counted()
+
+    def repay(self) -> None:
+        """Copy back the experts whose slots prompt chunks borrowed, and serve them from their slots again."""
+        for lender in self.lenders:
+            lender.repay()
 
     def counted(self) -> Counted:
         """The counts as the work queued so far leaves them, read back without waiting for it."""
@@ -196,7 +207,12 @@ class Tier:
             self.layers[swap.layer].slots.load(swap.slot, swap.expert)
 
     def settle(self) -> None:
-        """Wait for a round's copies in flight and publish them (at quit, or where a settled cache is needed)."""
+        """Give borrowed slots back, wait for a round's copies in flight and publish them (at quit, or where a
+        settled cache is needed)."""
+        self.repay()
+        self._finish_round()
+
+    def _finish_round(self) -> None:
         if self.copier is not None:
             self.copier.finish()
 
@@ -242,22 +258,32 @@ def _count_groups(layers: list[TieredExperts] | list[GpuTieredExperts]) -> list[
     return groups if rows == [(layer.counts, layer.index) for layer in layers] else None
 
 
-def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: float) -> list[GpuTieredExperts]:
-    """Each layer's VRAM slots on its stage's device; the staging buffer and the counts per device."""
+def _gpu_layers(model: Model, stacks: list, per_layer: list[int], pcie_frac: float,
+                borrow: bool) -> list[GpuTieredExperts]:
+    """Each layer's VRAM slots on its stage's device (with `borrow` in one `SlotArena` a device, whose
+    `Lender` its layers share); the staging buffer and the counts per device."""
     from engine.tier.gpu_experts import DeviceCounts, GpuTieredExperts  # imports Triton: only when used
     from engine.tier.gpu_slots import GpuLayerSlots, Staging
+    from engine.tier.loan import Lender, SlotArena
 
     devices = [model.placement.device_of(i) for i in range(len(stacks))]
-    try:
-        slot_sets = [GpuLayerSlots(*s, n, d) for s, n, d in zip(stacks, per_layer, devices, strict=True)]
-    except ValueError as exc:
-        raise TierError(f"--expert-cache: {exc}") from None
     layers, h = [], model.hyper
     for device in dict.fromkeys(devices):
-        mine = [s for s, d in zip(slot_sets, devices, strict=True) if d == device]
-        staging = Staging(mine, staging_entries(h.experts, h.experts_used))
-        counts = DeviceCounts(len(mine), h.experts, device)
-        layers += [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i) for i, s in enumerate(mine)]
+        mine = [(s, n) for s, n, d in zip(stacks, per_layer, devices, strict=True) if d == device]
+        try:
+            if borrow:
+                arena = SlotArena([shape for s, n in mine for shape in GpuLayerSlots.buffer_shapes(s, n)], device)
+                slot_sets = [GpuLayerSlots(*s, n, device, buffers=tuple(arena.buffers[3 * i : 3 * i + 3]))
+                             for i, (s, n) in enumerate(mine)]
+                lender = Lender(arena, slot_sets)
+            else:
+                slot_sets, lender = [GpuLayerSlots(*s, n, device) for s, n in mine], None
+        except ValueError as exc:
+            raise TierError(f"--expert-cache: {exc}") from None
+        staging = Staging(slot_sets, staging_entries(h.experts, h.experts_used))
+        counts = DeviceCounts(len(slot_sets), h.experts, device)
+        layers += [GpuTieredExperts(s, pcie_frac, staging=staging, counts=counts, index=i, lender=lender)
+                   for i, s in enumerate(slot_sets)]
     return layers
 
 
@@ -270,13 +296,14 @@ def split_slots(total: int, layers: int, experts: int) -> list[int]:
 
 
 def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, profile: RoutingProfile | None = None,
-                 pcie_frac: float = 0.0, asynchronous: bool = False) -> Tier:
+                 pcie_frac: float = 0.0, asynchronous: bool = False, borrow: bool = True) -> Tier:
     """Replace the model's per-layer experts by tiered ones over a cache of `slots` slots in all (see
     `split_slots`; or a list: each layer's), seeded from `profile` when given; sets and returns
     `model.tier`. On CUDA the slots are in VRAM on each layer's stage device (`GpuTieredExperts`: the
     model must have kept its experts in host memory, `load_model(host_experts=True)`), on the CPU they
     are simulated (`TieredExperts`). `asynchronous`: rounds copy on a helper thread (and on the GPU on a copy
-    stream of their own: `Copier`)."""
+    stream of their own: `Copier`). `borrow`: the GPU tier's prompt chunks borrow cache slots for their
+    MoE buffers (`engine.tier.loan`)."""
     h = model.hyper
     if not h.experts:
         raise TierError("--expert-cache: this model is dense; there are no routed experts to cache")
@@ -292,7 +319,7 @@ def install_tier(model: Model, slots: int | list[int], policy: AdaptPolicy, prof
                             "the tier can cache")
     per_layer = split_slots(slots, len(stacks), h.experts) if isinstance(slots, int) else slots
     if model.device.type == "cuda":
-        layers = _gpu_layers(model, stacks, per_layer, pcie_frac)
+        layers = _gpu_layers(model, stacks, per_layer, pcie_frac, borrow)
         mode = "gpu"
     else:
         layers = [TieredExperts(LayerSlots(*s, n)) for s, n in zip(stacks, per_layer, strict=True)]

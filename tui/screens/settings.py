@@ -41,6 +41,8 @@ SETTINGS: list[tuple[str, Kind, str]] = [
     ("adapt_min_count", "float", "routing count an uncached expert needs before it displaces a cached one"),
     ("pcie_frac", "float", "share of missed experts read over PCIe to the GPU instead of run on the CPU "
                            "(0-1; -1 = the engine measures and chooses)"),
+    ("prefill_borrow", "bool", "prompt chunks borrow expert-cache slots for their buffers (off: the cache "
+                               "leaves room for them)"),
     ("conversation_cache_mib", "int", "host RAM for conversations parked when their slot is taken, MiB (0 = off)"),
     ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
     ("cpu_activations", "text", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
