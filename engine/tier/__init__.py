@@ -7,6 +7,8 @@ holding copies of the hottest ones, re-ranked while the engine serves.
 - `policy.py`: `AdaptPolicy` and the swaps of a round (`plan_round`)
 - `profile.py`: `RoutingProfile`, the routing counts file (`--expert-profile`, `--expert-profile-save`)
 - `tier.py`: `Tier` (seeding, rounds, figures) and `install_tier`
+- `gpu_slots.py`, `gpu_experts.py`, `loan.py`: the GPU tier (VRAM slots, misses over PCIe or on the CPU,
+  prompt chunks borrowing slots for their buffers)
 - `flags.py`: the engine flags, `setup_tier` (flags -> tier, INFO keys) and `finish_tier` (at quit)
 
 Without a GPU this is the simulated tier: the slots are host buffers and both cached experts and
