@@ -31,10 +31,10 @@ from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 # Metadata key of the generated test models (strata_desk/testmodel.py): random weights, meaningless text.
 GENERATED_KEY = "strata.test_model.seed"
 # Accepted for upstream compatibility, not run (INFO `unsupported`); the adapt options only tune a tier
-# (--expert-cache), pcie_frac and prefill_borrow only the GPU tier.
+# (--expert-cache), pcie_frac, prefill_borrow and mmap_experts only the GPU tier.
 UNSUPPORTED = ("batch_mtp",)
 TIER_ONLY = ("adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async")
-GPU_TIER_ONLY = ("pcie_frac", "prefill_borrow")
+GPU_TIER_ONLY = ("pcie_frac", "prefill_borrow", "mmap_experts")
 
 
 def _non_negative(text: str) -> int:

@@ -42,7 +42,7 @@ class Driver:
 
     @classmethod
     def load(cls, path: str, slots: int, device: str = "cpu", context: int = 1024, dtype: str | None = None,
-             kv: str | None = None, layer_split: str = "", host_experts: bool = False, **kw) -> Driver:
+             kv: str | None = None, layer_split: str = "", host_experts: bool | str = False, **kw) -> Driver:
         g, model = open_model(path, device, dtype, slots, context, max_chunk=kw.get("prefill", 16), kv=kv,
                               layer_split=layer_split, host_experts=host_experts)
         return cls(model, stop_token_ids(g.metadata), slots, **kw)

@@ -62,7 +62,7 @@ def session_bytes(g: GGUFFile, context: int, max_chunk: int, kv_dtype: torch.dty
 
 
 def planned_on(g: GGUFFile, placement: Placement, device: torch.device, dtype: torch.dtype,
-               host_experts: bool = False) -> int:
+               host_experts: bool | str = False) -> int:
     """The weights' bytes `device` will hold under `placement`, before loading them (without the routed
     expert stacks with `host_experts`: they stay in host memory)."""
     infos = [info for info in g.tensors.values() if placement.tensor_stage(info.name).device == device
@@ -74,7 +74,7 @@ def planned_on(g: GGUFFile, placement: Placement, device: torch.device, dtype: t
 
 def fit_slots(asked: int, g: GGUFFile, context: int, dtype: torch.dtype, device: torch.device,
               max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
-              host_experts: bool = False, taken: Mapping[str, int] | None = None) -> int:
+              host_experts: bool | str = False, taken: Mapping[str, int] | None = None) -> int:
     """As many slots as asked that fit in memory beside the weights (the routed experts elsewhere with
     `host_experts`) and `taken` bytes per device (`str(device)`: an expert cache), on every device of the
     placement (the weights and KV layers each holds); 0 when not two fit."""
@@ -104,7 +104,7 @@ def placement_of(g: GGUFFile, device: str, layer_split: str = "") -> Placement:
 
 def open_model(path: str, device: str = "auto", dtype: str | None = None, slots: int = 0,
                context: int = 4096, max_chunk: int = 512, kv: str | None = None,
-               layer_split: str = "", host_experts: bool = False) -> tuple[GGUFFile, Model]:
+               layer_split: str = "", host_experts: bool | str = False) -> tuple[GGUFFile, Model]:
     """Load `path` with room for `slots` batch sessions beside the solo session, its layers split as
     `--layer-split layer_split` says (routed experts in host memory with `host_experts`, for the GPU
     expert tier)."""

@@ -21,6 +21,7 @@ Models never call `F.linear` on raw tensors and never see a weight's device or f
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ HEADS = ("output", "token_embd")
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`
+MAPPED = "mapped"  # `host_experts`: the routed experts left in the file's memory map, not pinned copies
 
 
 def is_vector(info: TensorInfo) -> bool:
@@ -66,7 +68,7 @@ def resident_bytes(info: TensorInfo, device: torch.device, dtype: torch.dtype) -
     return elements * (4 if is_vector(info) else torch.empty(0, dtype=dtype).element_size())
 
 
-def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False) -> int:
+def planned_bytes(g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool | str = False) -> int:
     """All weights' bytes on `device` before loading them (slot fitting, setup); with `host_experts` the
     routed expert stacks are in host memory, not on `device`."""
     return sum(resident_bytes(info, device, dtype) for info in g.tensors.values()
@@ -217,9 +219,10 @@ class WeightStore:
     """The model's weights, placed by the format policy on `device` (or the device a call names: a
     layer split puts each layer on its stage's), with their bytes counted per device as they are placed
     (`bytes`, `expert_bytes`, `split`). With `host_experts` (the expert tier on a GPU) the routed
-    expert stacks stay in host memory in their blocks, pinned for copies to the GPU."""
+    expert stacks stay in host memory in their blocks, pinned for copies to the GPU; `MAPPED`: left in
+    the file's memory map instead (RAM short of them: pages read from the file as they are used)."""
 
-    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool = False):
+    def __init__(self, g: GGUFFile, device: torch.device, dtype: torch.dtype, host_experts: bool | str = False):
         self.g = g
         self.device = device
         self.dtype = dtype
@@ -247,6 +250,12 @@ class WeightStore:
     def _blocks(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
         return torch.from_numpy(self.g.tensor_bytes(info.name).copy())
+
+    def _mapped(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes in the file map, not copied (read only: nothing writes weights)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return torch.from_numpy(self.g.tensor_bytes(info.name))
 
     def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
         return load_tensor(self.g, info.name, dtype, device or self.device)
@@ -292,9 +301,13 @@ class WeightStore:
                            for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
-            blocks = self._blocks(info)
-            if self.device.type == "cuda":  # host copies the expert tier copies into VRAM slots
-                blocks = blocks.pin_memory()
+            if self.device.type != "cuda":
+                blocks = self._blocks(info)
+            elif self.host_experts == MAPPED:
+                blocks = self._mapped(info)
+            else:  # host copies the expert tier copies into VRAM slots: pinned, copied from the map once
+                blocks = torch.empty(self._mapped(info).shape, dtype=torch.uint8, pin_memory=True)
+                blocks.copy_(self._mapped(info))
             experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         else:

@@ -90,6 +90,8 @@ class RunConfig(BaseModel):
     pcie_frac: float = Field(-1.0, ge=-1, le=1, description="-1 = the engine chooses, else a share in [0, 1]")
     vram_reserve_mib: int = Field(VRAM_RESERVE_MIB, ge=0, le=1 << 20,
                                   description="VRAM left free beside the expert cache by expert_cache auto, MiB")
+    mmap_experts: bool = Field(False, description="GPU expert tier: routed experts left in the file's memory map "
+                                                 "instead of pinned RAM (the engine does so itself when RAM is short)")
     prefill_borrow: bool = Field(True, description="GPU expert tier: prompt chunks borrow cache slots for their "
                                                    "MoE buffers (false: expert_cache auto leaves room for them)")
     conversation_cache_mib: int = Field(
@@ -177,6 +179,8 @@ class RunConfig(BaseModel):
             out += ["--expert-cache", str(self.expert_cache), "--vram-reserve-mib", str(self.vram_reserve_mib)]
             if not self.prefill_borrow:
                 out.append("--no-prefill-borrow")
+            if self.mmap_experts:
+                out.append("--mmap-experts")
         for flag, path in (("--expert-profile", self.expert_profile), ("--expert-profile-save", self.expert_profile_save)):
             if path:
                 out += [flag, path]

@@ -130,7 +130,8 @@ def test_setup_tier_from_flags(model, tmp_path):
     info = _setup(model, "--expert-cache", "12", "--adapt-every", "1000000", "--pcie-frac", "0.3", "--adapt-async", "1")
     assert model.tier is not None and model.tier.slots == 12 and model.tier.policy.every == 1_000_000
     assert info == {"expert_slots": 12, "experts_cached": 12, "pcie_frac": 0, "adapt_every": 1_000_000,
-                    "adapt_async": 1, "expert_profile": "-", "prefill_borrow": 0}  # the simulated tier lends no VRAM
+                    "adapt_async": 1, "expert_profile": "-", "prefill_borrow": 0,
+                    "experts_mapped": 0}  # the simulated tier lends no VRAM and maps nothing
     assert model.tier.copier is not None
     path = tmp_path / "p.json"
     RoutingProfile("tiny", [[8, 7, 6, 5, 4, 3, 2, 1]] * 4).save(path)
@@ -190,8 +191,9 @@ def test_run_config_tier_options():
     # what the config writes, the engine's parser takes
     parsed = build_parser().parse_args(args)
     assert parsed.expert_cache == "64" and parsed.pcie_frac == -1 and parsed.prefill_borrow
-    reserved = RunConfig(model="m.gguf", expert_cache="auto", prefill_borrow=False).engine_args()
+    reserved = RunConfig(model="m.gguf", expert_cache="auto", prefill_borrow=False, mmap_experts=True).engine_args()
     assert "--no-prefill-borrow" in reserved and not build_parser().parse_args(reserved).prefill_borrow
+    assert build_parser().parse_args(reserved).mmap_experts and not parsed.mmap_experts
     for bad in ({"expert_cache": -1}, {"expert_cache": "lots"}, {"expert_cache": True}, {"pcie_frac": -0.5}):
         with pytest.raises(ValidationError):
             RunConfig(model="m.gguf", **bad)
@@ -276,3 +278,16 @@ def test_async_rounds_copy_on_a_helper_thread_and_no_window_waits(model, monkeyp
     assert layer.slots.slot_of[5] >= 0 and not tier.copier.busy
     blocking = _setup(model, "--expert-cache", "8", "--adapt-every", "2", "--adapt-min-count", "0")
     assert blocking["adapt_async"] == 0 and model.tier.copier is None
+
+
+def test_experts_stay_mapped_when_ram_is_short_or_asked(monkeypatch):
+    """The GPU tier's routed experts: pinned copies while RAM holds them and 2 GiB beside, else (or with
+    --mmap-experts) left in the file's memory map."""
+    from engine.tier import flags
+    from engine.weights import MAPPED
+
+    gib = 1 << 30
+    monkeypatch.setattr(flags, "free_bytes", lambda device: (10 * gib, 32 * gib))
+    assert flags.host_memory(False, 8 * gib) is True
+    assert flags.host_memory(False, 9 * gib) == MAPPED
+    assert flags.host_memory(True, gib) == MAPPED

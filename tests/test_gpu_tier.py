@@ -269,3 +269,23 @@ def test_prompt_chunks_borrow_cache_slots_and_give_them_back(layer):
     before = layers[1].stats().vram
     assert torch.equal(layers[1](x, weights, ids), resident(x, weights, ids))
     assert layers[1].stats().vram - before == 1  # expert 4, from its slot again
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="pinned memory is a CUDA matter")
+def test_experts_left_in_pageable_memory_are_copied_by_the_host(layer):
+    """Experts left in the file's memory map (`--mmap-experts`: pageable host memory) are never read by the GPU
+    in place: no window replays without the host, the misses are staged by host copies, with the resident
+    kernel's bits."""
+    host, resident = layer
+    pageable = [LinearStack(s.experts, None, s.nbytes, s.blocks.clone(), s.qtype) for s in host]
+    assert not pageable[0].blocks.is_pinned()
+    slots = GpuLayerSlots(*pageable, 2, torch.device(DEVICE), TILES)
+    for slot, expert in enumerate([3, 1]):
+        slots.load(slot, expert)
+    with pytest.raises(ValueError, match="need staging"):
+        GpuTieredExperts(slots, 1.0)
+    tier = GpuTieredExperts(slots, 1.0, staging=Staging([slots], E))
+    assert not tier.pinned and not tier.replayable(3)
+    for rows in (DECODE_IDS, PROMPT_IDS):
+        x, weights, ids = inputs(rows, 6)
+        assert torch.equal(tier(x, weights, ids), resident(x, weights, ids))

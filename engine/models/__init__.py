@@ -30,12 +30,12 @@ def architecture_of(g: GGUFFile) -> type[Model]:
 
 def load_model(g: GGUFFile, device: torch.device, dtype: torch.dtype, sessions: int, context: int,
                max_chunk: int = 512, kv_dtype: torch.dtype | None = None, placement: Placement | None = None,
-               host_experts: bool = False) -> Model:
+               host_experts: bool | str = False) -> Model:
     """The model with KV for `sessions` sessions; reads feed at most `max_chunk` rows per forward; its
     layers placed as `placement` says (default: all on `device`); `host_experts`: a MoE model's routed
-    experts stay in host memory (the expert tier on a GPU)."""
+    experts stay in host memory (the expert tier on a GPU: pinned, or `weights.MAPPED`)."""
     cls = architecture_of(g)
     if host_experts and cls is not Qwen3Moe:
         raise GGUFError(f"{g.path}: the expert tier needs a MoE model with SwiGLU expert stacks (qwen3moe)")
-    extra = {"host_experts": True} if host_experts else {}
+    extra = {"host_experts": host_experts} if host_experts else {}
     return cls(g, device, dtype, sessions, context, max_chunk, kv_dtype or dtype, placement, **extra)

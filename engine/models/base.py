@@ -34,7 +34,7 @@ class Model:
 
     def __init__(self, g: GGUFFile, hyper: Hyper, device: torch.device, dtype: torch.dtype, sessions: int,
                  context: int, max_chunk: int, kv_dtype: torch.dtype, placement: Placement | None = None,
-                 host_experts: bool = False):
+                 host_experts: bool | str = False):
         self.hyper = hyper
         self.placement = placement or Placement.single(device, hyper.layers)
         self.handoff: Handoff = LocalHandoff()

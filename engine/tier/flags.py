@@ -7,6 +7,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
@@ -34,6 +36,10 @@ from engine.tier.sizing import (
     staging_entries,
 )
 from engine.tier.tier import SEED_WINDOWS
+from engine.weights import MAPPED
+
+GIB = 1 << 30
+RAM_SPARE = 2 * GIB  # RAM left beside pinned experts: the engine, the page cache, the rest of the machine
 
 
 def seed_without_profile(policy: AdaptPolicy) -> str:
@@ -58,6 +64,9 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pcie-frac", type=float, default=-1.0, help="share of misses read over PCIe (-1: engine's choice)")
     p.add_argument("--vram-reserve-mib", type=int, default=VRAM_RESERVE_MIB,
                    help="VRAM left free beside the expert cache by --expert-cache auto")
+    p.add_argument("--mmap-experts", action="store_true",
+                   help="GPU tier: leave the routed experts in the file's memory map instead of pinned RAM (the "
+                        "engine does so by itself when RAM is short of them)")
     p.add_argument("--no-prefill-borrow", dest="prefill_borrow", action="store_false",
                    help="GPU tier: prompt chunks take their MoE buffers beside the cache (--expert-cache auto "
                         "leaves room for them) instead of borrowing cache slots")
@@ -65,11 +74,11 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class TierPlan:
-    """What the tier asks of loading: routed experts kept in host memory (the GPU tier), and the VRAM bytes
-    it takes on each device (`str(device)`: its layers' staging, and their slots when the size is given)
-    before the batch slots are fitted."""
+    """What the tier asks of loading: routed experts kept in host memory (the GPU tier: pinned, or
+    `weights.MAPPED`), and the VRAM bytes it takes on each device (`str(device)`: its layers' staging, and
+    their slots when the size is given) before the batch slots are fitted."""
 
-    host_experts: bool = False
+    host_experts: bool | str = False
     taken: dict[str, int] = field(default_factory=dict)
 
 
@@ -85,7 +94,19 @@ def plan_tier(args: argparse.Namespace, g: GGUFFile, placement: Placement) -> Ti
         layers = placement.layers_on(device)
         taken[str(device)] = staging_bytes([per_layer[i] for i in layers], entries) + (
             sum(counts[i] * per_layer[i] for i in layers) if counts else 0)
-    return TierPlan(host_experts=True, taken=taken)
+    return TierPlan(host_experts=host_memory(args.mmap_experts, sum(per_layer) * h.experts), taken=taken)
+
+
+def host_memory(asked_mapped: bool, nbytes: int) -> bool | str:
+    """Where the GPU tier's `nbytes` of routed experts live in host memory: pinned copies (True), or, asked
+    or with less RAM available than they take and `RAM_SPARE` beside, left in the file's memory map."""
+    available, _ = free_bytes(torch.device("cpu"))
+    if asked_mapped or nbytes + RAM_SPARE > available:
+        why = "--mmap-experts" if asked_mapped else f"{available / GIB:.1f} GiB of RAM available"
+        log(f"routed experts ({nbytes / GIB:.1f} GiB) left in the file's memory map ({why}): pages are read from "
+            "the file as they are used, and every miss waits for the host (no decode window replayed without it)")
+        return MAPPED
+    return True
 
 
 def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float | str]:
@@ -137,7 +158,8 @@ def setup_tier(args: argparse.Namespace, model: Model) -> dict[str, int | float 
                                 "take their MoE buffers beside the cache (--no-prefill-borrow)"))
     return {"expert_slots": tier.slots, "experts_cached": tier.cached(), "pcie_frac": pcie, "adapt_every": policy.every,
             "adapt_async": int(tier.copier is not None), "expert_profile": os.path.basename(args.expert_profile or "") or "-",
-            "prefill_borrow": int(bool(tier.lenders))}
+            "prefill_borrow": int(bool(tier.lenders)), "experts_mapped": int(not all(getattr(layer, "pinned", True)
+                                                                                    for layer in tier.layers))}
 
 
 def auto_cache(model: Model, reserve_mib: int, borrow: bool = True) -> list[int]:

@@ -87,6 +87,11 @@ class GpuTieredExperts(Experts):
         # the stacks reading misses that cross PCIe from the staging buffers (None: the kernel reads host memory)
         self._staged = staging.stacks(slots) if staging is not None else None
         self.pcie_frac = pcie_frac  # share of a decode window's missed experts read over PCIe
+        # the GPU reads host memory itself (in place, or staging a window's misses) only where it is pinned;
+        # experts left in the file's memory map are copied by the host
+        self.pinned = slots.device.type != "cuda" or all(s.blocks.is_pinned() for s in slots.host)
+        if not self.pinned and staging is None:
+            raise ValueError("experts left in the file's memory map need staging: the GPU cannot read them in place")
         self.streams = streams  # prompt chunks read their misses over PCIe (else on the CPU)
         experts, device = slots.experts, slots.device
         # this call's slot table (with staging: what `triton_moe.stage_far` made of `unsynced_table`)
@@ -130,7 +135,7 @@ class GpuTieredExperts(Experts):
         return by_count[:far], by_count[far:]
 
     def replayable(self, rows: int) -> bool:
-        return rows <= MATVEC_ROWS and self.pcie_frac >= 1  # the in-place path: no host sync
+        return rows <= MATVEC_ROWS and self.pcie_frac >= 1 and self.pinned  # the in-place path: no host sync
 
     def before_replay(self) -> None:
         """The unsynced calls' table after the slots changed; the device counts' host copy marked stale (a
