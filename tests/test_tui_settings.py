@@ -23,7 +23,7 @@ SIMULATED_PCIE = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCI
 NO_GRAPHS = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
 STATIC = NO_EFFECT + "adapt-every is 0: the cache stays as seeded"
 TIER = {"adapt_every", "adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async", "pcie_frac",
-        "prefill_borrow"}
+        "prefill_borrow", "mmap_experts"}
 ROUND = {"adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async"}
 
 
@@ -38,7 +38,7 @@ def test_option_notes() -> None:
     assert option_notes({**data, "expert_cache": 24, "adapt_every": 999_999}, gpu) == {}
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
-    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "cuda_graphs"}
+    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "mmap_experts", "cuda_graphs"}
     assert notes["pcie_frac"] == SIMULATED_PCIE and "no VRAM to lend" in notes["prefill_borrow"]
     assert notes["cuda_graphs"] == NO_GRAPHS
     assert "does not make the CPU faster" in notes["expert_cache"]

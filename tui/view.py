@@ -19,7 +19,8 @@ DashState = Literal["loading", "ready", "busy", "error", "stopped"]
 # in its INFO key `unsupported` (docs/protocol.md). They change what a window does.
 OPTIONAL_OPTIONS = ("batch_mtp", "batch_groups")
 ADAPT_OPTIONS = ("adapt_swaps", "adapt_decay", "adapt_min_gain", "adapt_min_count", "adapt_async")  # what a round does
-TIER_OPTIONS = ("adapt_every", *ADAPT_OPTIONS, "pcie_frac", "prefill_borrow")  # what tunes an expert cache
+GPU_TIER_OPTIONS = ("pcie_frac", "prefill_borrow", "mmap_experts")  # what only the GPU tier runs
+TIER_OPTIONS = ("adapt_every", *ADAPT_OPTIONS, *GPU_TIER_OPTIONS)  # what tunes an expert cache
 
 
 def unsupported_options(engine: EngineView | None) -> set[str]:
@@ -45,7 +46,7 @@ FIXED_CACHE_WINDOWS = 1_000_000  # upstream's way to write a cache that never ad
 def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[str, str]:
     """Why options of the settings form would have no effect as the form now stands (`data`, the
     values being edited) on this model and machine (`engine`, None before one has started): the tier
-    options without an expert cache or on a dense model, pcie_frac and prefill_borrow on the simulated tier (no GPU),
+    options without an expert cache or on a dense model, pcie_frac, prefill_borrow and mmap_experts on the simulated tier (no GPU),
     a round's options while adapt_every is 0, one parking limit while the other is 0, the CPU's
     activations when nothing runs on the CPU (a GPU with every expert in VRAM), CUDA graphs on the CPU
     or with a layer split; and what the expert cache and a layer split are on a machine without a GPU."""
@@ -65,6 +66,7 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
                                      "it does not make the CPU faster")
             notes["pcie_frac"] = NO_EFFECT + "the simulated tier (no GPU) reads nothing over PCIe, it runs 0"
             notes["prefill_borrow"] = NO_EFFECT + "the simulated tier (no GPU) has no VRAM to lend"
+            notes["mmap_experts"] = NO_EFFECT + "the simulated tier (no GPU) keeps its experts in RAM"
         every = data.get("adapt_every")
         if every == 0:
             notes.update({option: NO_EFFECT + "adapt-every is 0: the cache stays as seeded"

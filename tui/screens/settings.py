@@ -43,6 +43,8 @@ SETTINGS: list[tuple[str, Kind, str]] = [
                            "(0-1; -1 = the engine measures and chooses)"),
     ("prefill_borrow", "bool", "prompt chunks borrow expert-cache slots for their buffers (off: the cache "
                                "leaves room for them)"),
+    ("mmap_experts", "bool", "leave the routed experts in the file's memory map instead of pinned RAM (low RAM; "
+                             "much slower; the engine does so itself when RAM is short)"),
     ("conversation_cache_mib", "int", "host RAM for conversations parked when their slot is taken, MiB (0 = off)"),
     ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
     ("cpu_activations", "text", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
