@@ -306,8 +306,8 @@ class WeightStore:
             elif self.host_experts == MAPPED:
                 blocks = self._mapped(info)
             else:  # host copies the expert tier copies into VRAM slots: pinned, copied from the map once
-                blocks = torch.empty(self._mapped(info).shape, dtype=torch.uint8, pin_memory=True)
-                blocks.copy_(self._mapped(info))
+                mapped = self._mapped(info)
+                blocks = torch.empty(mapped.shape, dtype=torch.uint8, pin_memory=True).copy_(mapped)
             experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         else:

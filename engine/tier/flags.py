@@ -104,7 +104,8 @@ def host_memory(asked_mapped: bool, nbytes: int) -> bool | str:
     if asked_mapped or nbytes + RAM_SPARE > available:
         why = "--mmap-experts" if asked_mapped else f"{available / GIB:.1f} GiB of RAM available"
         log(f"routed experts ({nbytes / GIB:.1f} GiB) left in the file's memory map ({why}): pages are read from "
-            "the file as they are used, and every miss waits for the host (no decode window replayed without it)")
+            "the file as they are used; the GPU never reads them itself (misses copied up by the host or run on "
+            "the CPU, each layer syncing the host: no decode window replayed from a CUDA graph)")
         return MAPPED
     return True
 
