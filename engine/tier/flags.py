@@ -29,7 +29,7 @@ from engine.tier import (
 )
 from engine.tier.sizing import (
     auto_slots,
-    expert_shape,
+    expert_ffn,
     outputs_bytes,
     slot_bytes,
     staging_bytes,
@@ -170,7 +170,7 @@ def auto_cache(model: Model, reserve_mib: int, borrow: bool = True) -> list[int]
     h = model.hyper
     per_layer = slot_bytes(model.w.g, h.layers, h.experts)
     counts = [0] * h.layers
-    buffers = 0 if borrow else outputs_bytes(model.kv.max_chunk * h.experts_used, *expert_shape(model.w.g),
+    buffers = 0 if borrow else outputs_bytes(model.kv.max_chunk * h.experts_used, expert_ffn(model.w.g), h.hidden,
                                              model.dtype)
     for device in model.placement.devices():
         layers = model.placement.layers_on(device)

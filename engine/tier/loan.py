@@ -69,7 +69,7 @@ class Lender:
             return None
         if start < self._start:
             self._lend(start)
-        size = like.element_size()
+        size = like.dtype.itemsize
         h_at, y_at = start, start + aligned(pairs * ffn * size)
         h = self.arena.data[h_at : h_at + pairs * ffn * size].view(like.dtype).view(pairs, ffn)
         y = self.arena.data[y_at : y_at + pairs * hidden * size].view(like.dtype).view(pairs, hidden)

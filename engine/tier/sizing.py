@@ -52,11 +52,9 @@ def aligned(n: int) -> int:
 def outputs_bytes(pairs: int, ffn: int, hidden: int, dtype: torch.dtype) -> int:
     """VRAM a prompt chunk's MoE buffers take (`triton_moe.Outputs`): `pairs` SwiGLU rows of `ffn` values
     and as many outputs of `hidden`."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    return aligned(pairs * ffn * size) + pairs * hidden * size
+    return aligned(pairs * ffn * dtype.itemsize) + pairs * hidden * dtype.itemsize
 
 
-def expert_shape(g: GGUFFile) -> tuple[int, int]:
-    """(expert FFN, hidden): the first routed gate stack's rows and columns."""
-    info = next(t for name, t in g.tensors.items() if name.endswith(f"{PROJECTIONS[0]}.weight"))
-    return info.shape[1], info.shape[2]
+def expert_ffn(g: GGUFFile) -> int:
+    """An expert's FFN width: the first routed gate stack's rows."""
+    return next(t for name, t in g.tensors.items() if name.endswith(f"{PROJECTIONS[0]}.weight")).shape[1]
