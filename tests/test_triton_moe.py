@@ -3,6 +3,7 @@ interpreter on the CPU (CI), compiled where there is a GPU. Every type against t
 gguf-py's values, the decode (matvec) and prompt (GEMM) paths, a pair's result bit-identical whatever the
 window, the slot table, the CUDA format policy for expert stacks."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -137,6 +138,15 @@ def test_decode_pairs_do_not_depend_on_the_window(qtype):
     pairs = per_pair(other, y)
     assert_same_bits(pairs[0, 1], window[1, 1])
     assert_same_bits(pairs[1, 0], window[2, 0])
+
+
+def test_joint_gate_and_up_give_the_same_bits():
+    """`Tiles.joint`: a run's Q4_K gates and ups in one pass over the blocks, the sums of two passes."""
+    stacks, _ = stacks_of(Q.Q4_K, 9)
+    joint = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), joint=True)) for s in stacks[:2]]
+    x, ids = random_x(3, torch.bfloat16, seed=5), ids_of(DECODE_IDS)
+    routing = tm.Routing.of(ids, E)
+    assert_same_bits(tm.swiglu(*joint, x, routing, SLOTS), tm.swiglu(*stacks[:2], x, routing, SLOTS))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "

@@ -1,6 +1,7 @@
 """`python -m engine.kernels.sweep [SECONDS]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
-for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up, down; skewed routing), the int16
+for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
+down; skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16
 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head
 and dense shapes for 8 rows and for one, the Q8_0 head's float-sum tiles, then the MoE kernel's one-row
 windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
@@ -97,15 +98,18 @@ def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([torch.multinomial(weights, TOP_K, generator=gen) for _ in range(rows)])
 
 
-def moe_window(rows: int, deadline: float) -> None:
+def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
     """The fused MoE kernel on a window of `rows` rows: one row sweeps `Tiles.solo_*`, more rows the matvec
-    tiles (`matvec_rows`, `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert."""
+    tiles (`matvec_rows`, `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert,
+    and for the gates and ups each configuration once more with `Tiles.joint` ("joint" in the key).
+    `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
+    do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3."""
     gen = torch.Generator().manual_seed(1)
     shapes = {"gate": (Q.Q4_K, FF, HIDDEN), "up": (Q.Q4_K, FF, HIDDEN), "down": (Q.Q6_K, HIDDEN, FF)}
     blocks = {name: (qtype, tb.random_blocks(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1).cuda(), k)
               for name, (qtype, n, k) in shapes.items()}
     slot_of = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
-    ids = _skewed_ids(rows, gen).cuda()
+    ids = (_skewed_ids(1, gen).repeat(rows, 1) if copies else _skewed_ids(rows, gen)).cuda()
     routing = tm.Routing.of(ids, EXPERTS)
     x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(rows * TOP_K, FF, device="cuda", dtype=torch.bfloat16)
@@ -133,9 +137,14 @@ def moe_window(rows: int, deadline: float) -> None:
         g = tiles_of(Q.Q4_K, HIDDEN, True, config)
         d = tiles_of(Q.Q6_K, FF, False, config)
         gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        if rows > 1:
+            g = dataclasses.replace(g, joint=True)
+            gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
+                                                                   slot_of))
         down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
-    _report(f"MoE gate+up (Q4_K), {rows} rows, {experts} experts", gated, chosen(Q.Q4_K, HIDDEN, True))
+    used = chosen(Q.Q4_K, HIDDEN, True) + (("joint",) if tm.Tiles.for_stack(Q.Q4_K, HIDDEN, True).joint else ())
+    _report(f"MoE gate+up (Q4_K), {rows} rows, {experts} experts", gated, used)
     _report(f"MoE down (Q6_K), {rows} rows, {experts} experts", down, chosen(Q.Q6_K, FF, False))
 
 
@@ -143,7 +152,8 @@ def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {seconds:.0f} s")
     start = time.monotonic()
-    moe_window(tb.MATVEC_ROWS, start + seconds * 0.35)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.25)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.4, copies=True)
     dense(tb.MATVEC_ROWS, start + seconds * 0.6)
     dense(1, start + seconds * 0.75)
     q8_head(start + seconds * 0.85)

@@ -224,24 +224,38 @@ def _q4k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, k, blocks, SB: tl.constexpr, ASM: tl.constexpr):
-    """[R, SB, 8, 1] float32: a step's chunks (from `_q4k_step`) times one x row rounded to int16."""
+def _q4k_x(g, xq, xs, xsum, blocks):
+    """One x row rounded to int16, as a step's chunks (`_q4k_step`'s g) take it: the values under the low and
+    high nibbles (4 a word), their groups' scales, and the groups' sums (where the group's first chunk is)."""
     x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
     sb = g // 8
     c = tl.arange(0, 8)[None, None, :, None]
     at = sb * 64 + c // 2 * 16 + c % 2 * 4 + tl.arange(0, 4)[None, None, None, :]
-    x_lo = tl.load(x4 + at, mask=sb < blocks, other=0)
-    x_hi = tl.load(x4 + at + 8, mask=sb < blocks, other=0)
+    live = g < blocks * 8
+    whole = live & (c % 2 == 0)  # a group's halves are two chunks: its minimum goes with the first
+    return (tl.load(x4 + at, mask=sb < blocks, other=0), tl.load(x4 + at + 8, mask=sb < blocks, other=0),
+            tl.load(xs + g, mask=live, other=0.0), tl.load(xs + g + 1, mask=live, other=0.0),
+            tl.load(xsum + g, mask=whole, other=0.0), tl.load(xsum + g + 1, mask=whole, other=0.0))
+
+
+@triton.jit
+def _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM: tl.constexpr):
+    """[R, SB, 8, 1] float32: a step's chunks (from `_q4k_step`) times one x row (from `_q4k_x`)."""
     zero = tl.zeros(lo.shape, dtype=tl.int32)
     dot_lo = _dp2a((x_lo >> 32).to(tl.int32), lo, _dp2a(x_lo.to(tl.int32), lo, zero, False, ASM), True, ASM)
     dot_hi = _dp2a((x_hi >> 32).to(tl.int32), hi, _dp2a(x_hi.to(tl.int32), hi, zero, False, ASM), True, ASM)
-    live = g < blocks * 8
-    whole = live & (c % 2 == 0)  # a group's halves are two chunks: its minimum goes with the first
-    part = sc_lo * (tl.sum(dot_lo, axis=3, keep_dims=True).to(tl.float32) * tl.load(xs + g, mask=live, other=0.0))
-    part += sc_hi * (tl.sum(dot_hi, axis=3, keep_dims=True).to(tl.float32) * tl.load(xs + g + 1, mask=live, other=0.0))
-    part -= mn_lo * tl.load(xsum + g, mask=whole, other=0.0)
-    part -= mn_hi * tl.load(xsum + g + 1, mask=whole, other=0.0)
+    part = sc_lo * (tl.sum(dot_lo, axis=3, keep_dims=True).to(tl.float32) * s_lo)
+    part += sc_hi * (tl.sum(dot_hi, axis=3, keep_dims=True).to(tl.float32) * s_hi)
+    part -= mn_lo * m_lo
+    part -= mn_hi * m_hi
     return part
+
+
+@triton.jit
+def _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, k, blocks, SB: tl.constexpr, ASM: tl.constexpr):
+    """[R, SB, 8, 1] float32: a step's chunks (from `_q4k_step`) times one x row rounded to int16."""
+    x_lo, x_hi, s_lo, s_hi, m_lo, m_hi = _q4k_x(g, xq, xs, xsum, blocks)
+    return _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
 
 
 @triton.jit
@@ -388,6 +402,34 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
                                  xsum + at * (k // 32), k, blocks, SB, ASM)
                 acc = tl.where(j5 == j, acc + part[None], acc)
     return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+
+
+@triton.jit
+def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
+                   ROWS: tl.constexpr, ASM: tl.constexpr):
+    """`_rows_dot_q4k` of two Q4_K matrices of one shape (a layer's gates and ups) over the same x rows
+    src[0..count-1], in one pass over the blocks: each x chunk is loaded once for both. Each matrix's sums
+    are those `_rows_dot_q4k` gives, bit for bit."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 4)
+    blocks = k // 256
+    j5 = tl.arange(0, ROWS)[:, None, None, None, None]
+    acc = tl.zeros((ROWS, R, SB, 8, 1), dtype=tl.float32)
+    acc2 = tl.zeros((ROWS, R, SB, 8, 1), dtype=tl.float32)
+    for s0 in range(0, blocks, SB):
+        lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
+        lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, _ = _q4k_step(w2, row, rows4, n, s0, blocks, R, SB)
+        for j in tl.static_range(ROWS):
+            if j < count:
+                at = tl.load(src + j).to(tl.int64)
+                x_lo, x_hi, s_lo, s_hi, m_lo, m_hi = _q4k_x(g, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32),
+                                                          blocks)
+                part = _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
+                acc = tl.where(j5 == j, acc + part[None], acc)
+                part = _q4k_dot(lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
+                acc2 = tl.where(j5 == j, acc2 + part[None], acc2)
+    return (tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2),
+            tl.sum(tl.sum(tl.sum(acc2, axis=4), axis=3), axis=2))
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m

@@ -10,7 +10,8 @@ the device, no host sync):
 
 - decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
   first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
-  the others return at once. So each routed expert's rows are read once for all its pairs. A pair alone
+  the others return at once. So each routed expert's rows are read once for all its pairs (`Tiles.joint`:
+  a run's Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone
   on its expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
@@ -50,6 +51,7 @@ from engine.kernels.triton_blocks import (
     _row_dot,
     _row_dot_q4k,
     _row_dot_q6k,
+    _rows_dot2_q4k,
     _rows_dot_q4k,
     _rows_dot_q6k,
     row_bytes,
@@ -130,8 +132,8 @@ def _run_start(experts, slot_of, p):
 def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, pairs, n, k, row_bytes,
                        expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
-                       GATED: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr,
-                       SB2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                       GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+                       ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
@@ -150,12 +152,18 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                 one = one * tl.sigmoid(one) * up1
             tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         else:
-            acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count, k,
-                            row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
-            if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
-                up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p, count,
-                               k, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
+            if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
+                acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
+                                         _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq, xs, xsum, src + p,
+                                         count, k, row_bytes, R, SB, ROWS, ASM)
                 acc = acc * tl.sigmoid(acc) * up
+            else:
+                acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count,
+                                k, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
+                if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
+                    up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p,
+                                   count, k, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
+                    acc = acc * tl.sigmoid(acc) * up
             r = tl.arange(0, ROWS)[:, None]
             out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + rows[None, :]
             tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
@@ -220,6 +228,7 @@ class Tiles:
     matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
+    joint: bool = False  # Q4_K gates and ups: a run of 2-8 pairs takes both in one pass over the blocks
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -458,8 +467,9 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
-            **other.type_args("2"), GATED=gated, R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM,
-            num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            **other.type_args("2"), GATED=gated, JOINT=gated and tiles.joint and w.qtype == other.qtype == Q.Q4_K,
+            R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, num_warps=warps, **_FUSED,
+            **pdl.launch(x.device))
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
