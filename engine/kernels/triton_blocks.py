@@ -421,7 +421,7 @@ def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl
         lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, _ = _q4k_step(w2, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
-                at = tl.load(src + j).to(tl.int64)
+                at = _x_row(src, j, True)
                 x_lo, x_hi, s_lo, s_hi, m_lo, m_hi = _q4k_x(g, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32),
                                                           blocks)
                 part = _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
