@@ -134,7 +134,7 @@ def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
     for config in configs:
         if time.monotonic() > deadline:
             break
-        g = tiles_of(Q.Q4_K, HIDDEN, True, config)
+        g = dataclasses.replace(tiles_of(Q.Q4_K, HIDDEN, True, config), joint=False)
         d = tiles_of(Q.Q6_K, FF, False, config)
         gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         if rows > 1:

@@ -195,18 +195,19 @@ def _row_kernel(w, x, y, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constex
 @triton.jit
 def _q4k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
     """One step of the Q4_K int16 sums: blocks s0.. of the weight rows at word offsets `row`. Returns the
-    chunks' low and high nibbles (words, [R, SB, 8, 4]), their groups' float scales and minimums
-    ([R, SB, 8, 1] each, low group then high group) and the step's first group index g [1, SB, 8, 1]. A
-    thread takes 16 bytes of nibble pairs (chunk c of a block): 16 values of group 2p in their low
-    nibbles, 16 of group 2p + 1 in their high ones (p = c // 2)."""
+    chunks' low and high nibbles (each two halves of two words, [R, SB, 8, 2]), their groups' float scales
+    and minimums ([R, SB, 8, 1] each, low group then high group) and the step's first group index g
+    [1, SB, 8, 1]. A thread takes 16 bytes of nibble pairs (chunk c of a block): 16 values of group 2p in
+    their low nibbles, 16 of group 2p + 1 in their high ones (p = c // 2)."""
     words = w.to(tl.pointer_type(tl.int32))
     s = tl.arange(0, SB)[None, :, None, None]
     c = tl.arange(0, 8)[None, None, :, None]
-    v = tl.arange(0, 4)[None, None, None, :]
+    v = tl.arange(0, 2)[None, None, None, :]
     sb = s0 + s
     live = (rows4 < n) & (sb < blocks)
     blk = row + sb * 36  # 144 bytes: d and dmin, 12 bytes of scales, 128 of nibble pairs
-    q = tl.load(words + blk + 4 + c * 4 + v, mask=live, other=0)
+    qa = tl.load(words + blk + 4 + c * 4 + v, mask=live, other=0)
+    qb = tl.load(words + blk + 6 + c * 4 + v, mask=live, other=0)
     shift = (c // 2 % 2) * 16  # groups 2p and 2p + 1: bytes 2p % 4 and 2p % 4 + 1 of their scale words
     high = c >= 4  # groups 4-7 keep their scales' top bits in the first two words
     head = blk + c * 0
@@ -220,32 +221,50 @@ def _q4k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
     sc_hi = d * tl.where(high, ((w3 >> 8) & 15) | ((w1 >> 10) & 48), (w1 >> 8) & 63).to(tl.float32)
     mn_lo = dmin * tl.where(high, ((w3 >> 4) & 15) | ((w2 >> 2) & 48), w2 & 63).to(tl.float32)
     mn_hi = dmin * tl.where(high, ((w3 >> 12) & 15) | ((w2 >> 10) & 48), (w2 >> 8) & 63).to(tl.float32)
-    return q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F, sc_lo, sc_hi, mn_lo, mn_hi, sb * 8 + c // 2 * 2
+    return ((qa & 0x0F0F0F0F, qb & 0x0F0F0F0F), ((qa >> 4) & 0x0F0F0F0F, (qb >> 4) & 0x0F0F0F0F), sc_lo, sc_hi, mn_lo,
+            mn_hi, sb * 8 + c // 2 * 2)
 
 
 @triton.jit
 def _q4k_x(g, xq, xs, xsum, blocks):
     """One x row rounded to int16, as a step's chunks (`_q4k_step`'s g) take it: the values under the low and
-    high nibbles (4 a word), their groups' scales, and the groups' sums (where the group's first chunk is)."""
+    high nibbles (4 a word, in the words' halves), their groups' scales, and the groups' sums (where the
+    group's first chunk is)."""
     x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
     sb = g // 8
     c = tl.arange(0, 8)[None, None, :, None]
-    at = sb * 64 + c // 2 * 16 + c % 2 * 4 + tl.arange(0, 4)[None, None, None, :]
+    at = sb * 64 + c // 2 * 16 + c % 2 * 4 + tl.arange(0, 2)[None, None, None, :]
     live = g < blocks * 8
     whole = live & (c % 2 == 0)  # a group's halves are two chunks: its minimum goes with the first
-    return (tl.load(x4 + at, mask=sb < blocks, other=0), tl.load(x4 + at + 8, mask=sb < blocks, other=0),
+    return (_halves(x4, at, sb < blocks), _halves(x4, at + 8, sb < blocks),
             tl.load(xs + g, mask=live, other=0.0), tl.load(xs + g + 1, mask=live, other=0.0),
             tl.load(xsum + g, mask=whole, other=0.0), tl.load(xsum + g + 1, mask=whole, other=0.0))
 
 
 @triton.jit
+def _halves(ptr, at, live):
+    """A chunk as two halves of two elements, at..at + 1 and at + 2..at + 3 ([..., 2] offsets `at`). A chunk
+    loaded whole as [..., 4] comes in two vector loads of x's int64 (16 bytes each) against one of a
+    weight chunk's words, and Triton then spreads it over two threads and sums it with shuffles; halves
+    stay in the thread that loads them."""
+    return tl.load(ptr + at, mask=live, other=0), tl.load(ptr + at + 2, mask=live, other=0)
+
+
+@triton.jit
+def _chunk_dot(x, q, ASM: tl.constexpr):
+    """[..., 1] int32: a chunk's weight bytes q (two halves of two words) times its x values x (two halves
+    of two int64 of 4 int16 each), two at a time (dp2a)."""
+    dot = _dp2a((x[0] >> 32).to(tl.int32), q[0], _dp2a(x[0].to(tl.int32), q[0], tl.zeros(q[0].shape, dtype=tl.int32),
+                                                         False, ASM), True, ASM)
+    dot = _dp2a((x[1] >> 32).to(tl.int32), q[1], _dp2a(x[1].to(tl.int32), q[1], dot, False, ASM), True, ASM)
+    return tl.sum(dot, axis=3, keep_dims=True)
+
+
+@triton.jit
 def _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM: tl.constexpr):
     """[R, SB, 8, 1] float32: a step's chunks (from `_q4k_step`) times one x row (from `_q4k_x`)."""
-    zero = tl.zeros(lo.shape, dtype=tl.int32)
-    dot_lo = _dp2a((x_lo >> 32).to(tl.int32), lo, _dp2a(x_lo.to(tl.int32), lo, zero, False, ASM), True, ASM)
-    dot_hi = _dp2a((x_hi >> 32).to(tl.int32), hi, _dp2a(x_hi.to(tl.int32), hi, zero, False, ASM), True, ASM)
-    part = sc_lo * (tl.sum(dot_lo, axis=3, keep_dims=True).to(tl.float32) * s_lo)
-    part += sc_hi * (tl.sum(dot_hi, axis=3, keep_dims=True).to(tl.float32) * s_hi)
+    part = sc_lo * (_chunk_dot(x_lo, lo, ASM).to(tl.float32) * s_lo)
+    part += sc_hi * (_chunk_dot(x_hi, hi, ASM).to(tl.float32) * s_hi)
     part -= mn_lo * m_lo
     part -= mn_hi * m_hi
     return part
@@ -273,12 +292,23 @@ def _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R: tl.constexpr, SB: tl
 
 
 @triton.jit
+def _word(w16, at, live):
+    """The little-endian 32-bit words at int16 offsets `at` of a 2-byte aligned buffer: two 16-bit loads."""
+    return ((tl.load(w16 + at, mask=live, other=0).to(tl.int32) & 0xFFFF)
+            | (tl.load(w16 + at + 1, mask=live, other=0).to(tl.int32) << 16))
+
+
+@triton.jit
 def _words(w16, at, live):
-    """Little-endian 32-bit words at int16 offsets `at` [..., 1] of a 2-byte aligned buffer (Q6_K's
-    blocks of 210 bytes are only that): two 16-bit loads each."""
-    half = tl.arange(0, 2)[None, None, None, None, :]
-    parts = tl.load(w16 + at + half, mask=live, other=0).to(tl.int32) & 0xFFFF
-    return tl.sum(parts << (half * 16), axis=4)
+    """A 16-byte chunk at int16 offsets `at` [..., 2] (two of every 4 words) of a 2-byte aligned buffer (Q6_K's
+    blocks of 210 bytes are only that), as `_halves`' two halves of two words."""
+    return _word(w16, at, live), _word(w16, at + 4, live)
+
+
+@triton.jit
+def _six_bits(ql, qh, NIBBLE: tl.constexpr, PAIR: tl.constexpr):
+    """Q6_K values, 4 a word: the low (NIBBLE 0) or high (4) nibbles of ql under the bit pairs at PAIR of qh."""
+    return ((ql >> NIBBLE) & 0x0F0F0F0F) | (((qh >> PAIR) & 0x03030303) << 4)
 
 
 @triton.jit
@@ -286,24 +316,25 @@ def _q6k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
     """One step of the Q6_K int16 sums: blocks s0.. of the weight rows at int16 offsets `row`. A thread
     takes chunk c of a block: half h = c // 2 of it, values l = 16i..16i+15 (i = c % 2) of that half's four
     runs of 32 (scales 2r + i): 16 bytes of qh and twice 16 of ql, as 4 words each. Returns the four
-    runs' 6-bit values as bytes of words ([R, SB, 4, 4] each) and their scales times d ([R, SB, 4, 1])."""
+    runs' 6-bit values as bytes of words (each two halves of two words, [R, SB, 4, 2], as `_halves`) and
+    their scales times d ([R, SB, 4, 1])."""
     w16 = w.to(tl.pointer_type(tl.int16))
     s = tl.arange(0, SB)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
-    u = tl.arange(0, 4)[None, None, None, :]
+    u = tl.arange(0, 2)[None, None, None, :]
     h, i = c // 2, c % 2
     sb = s0 + s
     live = (rows4 < n) & (sb < blocks)
     blk = row + sb * 105  # 210 bytes: ql[128], qh[64], 16 int8 scales, d
-    ql0 = _words(w16, (blk + h * 32 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
-    ql1 = _words(w16, (blk + h * 32 + 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
-    qh = _words(w16, (blk + 64 + h * 16 + i * 8 + u * 2)[:, :, :, :, None], live[:, :, :, :, None])
+    ql0 = _words(w16, blk + h * 32 + i * 8 + u * 2, live)
+    ql1 = _words(w16, blk + h * 32 + 16 + i * 8 + u * 2, live)
+    qh = _words(w16, blk + 64 + h * 16 + i * 8 + u * 2, live)
     d = _f16_bits(tl.load(w16 + blk + 104 + c * 0, mask=live, other=0).to(tl.int32) & 0xFFFF)
     scales = w + (blk * 2 + 192 + h * 8 + i)  # run r's scale at + 2r
-    q0 = (ql0 & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)
-    q1 = (ql1 & 0x0F0F0F0F) | (((qh >> 2) & 0x03030303) << 4)
-    q2 = ((ql0 >> 4) & 0x0F0F0F0F) | (((qh >> 4) & 0x03030303) << 4)
-    q3 = ((ql1 >> 4) & 0x0F0F0F0F) | (((qh >> 6) & 0x03030303) << 4)
+    q0 = (_six_bits(ql0[0], qh[0], 0, 0), _six_bits(ql0[1], qh[1], 0, 0))
+    q1 = (_six_bits(ql1[0], qh[0], 0, 2), _six_bits(ql1[1], qh[1], 0, 2))
+    q2 = (_six_bits(ql0[0], qh[0], 4, 4), _six_bits(ql0[1], qh[1], 4, 4))
+    q3 = (_six_bits(ql1[0], qh[0], 4, 6), _six_bits(ql1[1], qh[1], 4, 6))
     d0 = d * tl.load(scales, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     d1 = d * tl.load(scales + 2, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     d2 = d * tl.load(scales + 4, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
@@ -319,11 +350,8 @@ def _q6k_run(q, dr, r: tl.constexpr, sb, xq, xs, halves, blocks, ASM: tl.constex
     c = tl.arange(0, 4)[None, None, :, None]
     h, i = c // 2, c % 2
     xlive = sb < blocks
-    xr = tl.load(x4 + sb * 64 + h * 32 + r * 8 + i * 4 + tl.arange(0, 4)[None, None, None, :], mask=xlive, other=0)
-    zero = tl.zeros(q.shape, dtype=tl.int32)
-    dot = tl.sum(_dp2a((xr >> 32).to(tl.int32), q, _dp2a(xr.to(tl.int32), q, zero, False, ASM), True, ASM), axis=3,
-                 keep_dims=True)
-    dot -= 32 * tl.load(halves + sb * 16 + h * 8 + r * 2 + i, mask=xlive, other=0)
+    xr = _halves(x4, sb * 64 + h * 32 + r * 8 + i * 4 + tl.arange(0, 2)[None, None, None, :], xlive)
+    dot = _chunk_dot(xr, q, ASM) - 32 * tl.load(halves + sb * 16 + h * 8 + r * 2 + i, mask=xlive, other=0)
     return dr * (dot.to(tl.float32) * tl.load(xs + sb * 8 + h * 4 + r, mask=xlive, other=0.0))
 
 

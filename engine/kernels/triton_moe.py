@@ -228,7 +228,7 @@ class Tiles:
     matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
-    joint: bool = False  # Q4_K gates and ups: a run of 2-8 pairs takes both in one pass over the blocks
+    joint: bool = True  # Q4_K gates and ups: a run of 2-8 pairs takes both in one pass over the blocks
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
