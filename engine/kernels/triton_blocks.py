@@ -6,8 +6,8 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   y in x's dtype. One row (every decode row in exact mode) has a kernel of its own: it sums elementwise
   and reduces once. Q4_K and Q6_K (most of a Q4_K_M file) take x rounded to int16 per 32 values
   (`triton_xq`) and sum weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a
-  thread, one reduction at the end, for one row and for 2-8 (`_rounded_kernel`, each program reading
-  its weight rows once for all m rows). The other types' windows of 2-8 rows take the GEMM below with
+  thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
+  one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The other types' windows of 2-8 rows take the GEMM below with
   tiles of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0
   5120x2048 at 8 rows: 62.2 -> 18.9 us).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
