@@ -300,8 +300,8 @@ def _word(w16, at, live):
 
 @triton.jit
 def _words(w16, at, live):
-    """A 16-byte chunk at int16 offsets `at` [..., 2] (two of every 4 words) of a 2-byte aligned buffer (Q6_K's
-    blocks of 210 bytes are only that), as `_halves`' two halves of two words."""
+    """A 16-byte chunk of a 2-byte aligned buffer (Q6_K's blocks of 210 bytes are only that) whose first two
+    words start at int16 offsets `at` [..., 2], as `_halves`' two halves of two words."""
     return _word(w16, at, live), _word(w16, at + 4, live)
 
 
