@@ -143,10 +143,13 @@ def test_decode_pairs_do_not_depend_on_the_window(qtype):
 def test_joint_gate_and_up_give_the_same_bits():
     """`Tiles.joint`: a run's Q4_K gates and ups in one pass over the blocks, the sums of two passes."""
     stacks, _ = stacks_of(Q.Q4_K, 9)
-    joint = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), joint=True)) for s in stacks[:2]]
+
+    def with_joint(joint: bool) -> list[tm.Stack]:
+        return [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), joint=joint)) for s in stacks[:2]]
+
     x, ids = random_x(3, torch.bfloat16, seed=5), ids_of(DECODE_IDS)
     routing = tm.Routing.of(ids, E)
-    assert_same_bits(tm.swiglu(*joint, x, routing, SLOTS), tm.swiglu(*stacks[:2], x, routing, SLOTS))
+    assert_same_bits(tm.swiglu(*with_joint(True), x, routing, SLOTS), tm.swiglu(*with_joint(False), x, routing, SLOTS))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "

@@ -7,9 +7,9 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   and reduces once. Q4_K and Q6_K (most of a Q4_K_M file) take x rounded to int16 per 32 values
   (`triton_xq`) and sum weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a
   thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
-  one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The other types' windows of 2-8 rows take the GEMM below with
-  tiles of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0
-  5120x2048 at 8 rows: 62.2 -> 18.9 us).
+  one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The
+  other types' windows of 2-8 rows take the GEMM below with tiles of 16 rows of x (`Tiles.small_*`): on an
+  H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8 rows: 62.2 -> 18.9 us).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
   dtype (bf16 for the engine) and multiplied with tl.dot, float32 accumulation.
 - `Matrix.matmul`: the matvec up to `MATVEC_ROWS` rows, the GEMM above.
@@ -271,7 +271,7 @@ def _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m
 
 
 @triton.jit
-def _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, k, blocks, SB: tl.constexpr, ASM: tl.constexpr):
+def _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, blocks, ASM: tl.constexpr):
     """[R, SB, 8, 1] float32: a step's chunks (from `_q4k_step`) times one x row rounded to int16."""
     x_lo, x_hi, s_lo, s_hi, m_lo, m_hi = _q4k_x(g, xq, xs, xsum, blocks)
     return _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
@@ -287,7 +287,7 @@ def _row_dot_q4k(w, rows, n, xq, xs, xsum, k, row_bytes, R: tl.constexpr, SB: tl
     acc = tl.zeros((R, SB, 8, 1), dtype=tl.float32)
     for s0 in range(0, blocks, SB):
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
-        acc += _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, k, blocks, SB, ASM)
+        acc += _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq, xs, xsum, blocks, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -427,7 +427,7 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
             if j < count:
                 at = _x_row(src, j, INDIRECT)
                 part = _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq + at * k, xs + at * (k // 32),
-                                 xsum + at * (k // 32), k, blocks, SB, ASM)
+                                 xsum + at * (k // 32), blocks, ASM)
                 acc = tl.where(j5 == j, acc + part[None], acc)
     return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
 
