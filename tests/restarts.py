@@ -9,7 +9,9 @@ from engine.check import collect
 
 SAMPLED = "temperature=0.9 top_k=40 seed=5"
 ALONE = ["GEN 12 5,6,7,8", f"GEN 12 {SAMPLED} 5,6,7,8"]  # the solo path, one request after the other
-TOGETHER = ALONE + ["BGEN 0 12 9,10,11", f"BGEN 1 12 {SAMPLED} 12,13,14"]
+# the admissions first: an admission's first token is a `T` line like a solo request's, so one read while a
+# solo request decodes would mix their `T` lines on the wire, in an order that depends on timing
+TOGETHER = ["BGEN 0 12 9,10,11", f"BGEN 1 12 {SAMPLED} 12,13,14", *ALONE]
 
 
 def streams(model: Path, commands: list[str], hash_seed: str, *args: str) -> tuple[list[list[int]], dict[int, list[int]]]:
