@@ -358,24 +358,19 @@ def _sort_pairs_kernel(ids, order, experts, src, pairs, TOP_K: tl.constexpr, BLO
 
 
 @triton.jit
-def _count_pairs_kernel(ids, counts, padded, pairs, padded_size, BE: tl.constexpr, CHUNK: tl.constexpr,
-                        PDL: tl.constexpr):
-    """Chunk c's pairs of each expert into counts[c]; and the program's share of `padded` set to -1."""
+def _count_pairs_kernel(ids, counts, pairs, BE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Chunk c's pairs of each expert into counts[c]."""
     pdl.wait(PDL)
     c = tl.program_id(0)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.arange(0, BE)
     pe = tl.load(ids + p, mask=p < pairs, other=-1).to(tl.int32)
     tl.store(counts + c * BE + e, tl.sum((pe[None, :] == e[:, None]).to(tl.int32), axis=1))
-    share = tl.cdiv(padded_size, tl.num_programs(0))
-    for i0 in range(c * share, (c + 1) * share, 1024):
-        i = i0 + tl.arange(0, 1024)
-        tl.store(padded + i, tl.full((1024,), -1, tl.int32), mask=(i < (c + 1) * share) & (i < padded_size))
 
 
 @triton.jit
 def _scan_pairs_kernel(counts, starts, tile_expert, chunks, n_experts, tiles, BE: tl.constexpr, SCAN: tl.constexpr,
-                       GEMM_M: tl.constexpr, PDL: tl.constexpr):
+                       CHUNK: tl.constexpr, GEMM_M: tl.constexpr, PDL: tl.constexpr):
     """One program: counts[c] becomes the pairs of each expert in the chunks before c; starts[0] each expert's
     first sorted position, and (GEMM_M > 0) starts[1] its first tile and each tile's expert."""
     pdl.wait(PDL)
@@ -392,8 +387,8 @@ def _scan_pairs_kernel(counts, starts, tile_expert, chunks, n_experts, tiles, BE
         tile_end = tl.cumsum(n_tiles, axis=0)
         tl.store(starts + BE + e, tile_end - n_tiles)
         live_e = e < n_experts
-        for t0 in range(0, tiles, 64):  # a tile's expert: the experts whose tiles end at or before it
-            t = t0 + tl.arange(0, 64)
+        for t0 in range(0, tiles, CHUNK):  # a tile's expert: the experts whose tiles end at or before it
+            t = t0 + tl.arange(0, CHUNK)
             before = tl.sum(((tile_end[:, None] <= t[None, :]) & live_e[:, None]).to(tl.int32), axis=0)
             tl.store(tile_expert + t, tl.where(before < n_experts, before, -1), mask=t < tiles)
 
@@ -423,8 +418,9 @@ def _place_pairs_kernel(ids, counts, starts, order, experts, src, padded, pairs,
 
 def _tile_pairs(flat: torch.Tensor, top_k: int, n_experts: int, gemm_m: int | None) -> tuple[torch.Tensor, ...]:
     """`_sort_pairs` for any number of pairs, and (with `gemm_m`) each expert's pairs padded to whole tiles:
-    order, experts, src[, tile_expert, padded], in three launches over chunks of pairs (count, scan, place;
-    one program over every pair took 424 us for a 512-token chunk of qwen3-30b-a3b on an H200)."""
+    order, experts, src[, tile_expert, padded], in three launches over chunks of pairs after the padding's fill
+    (count, scan, place; one program over every pair took 424 us for a 512-token chunk of qwen3-30b-a3b on an
+    H200)."""
     pairs = flat.numel()
     order = torch.empty(pairs, dtype=torch.int64, device=flat.device)
     experts = torch.empty(pairs, dtype=torch.int32, device=flat.device)
@@ -432,16 +428,15 @@ def _tile_pairs(flat: torch.Tensor, top_k: int, n_experts: int, gemm_m: int | No
     # at most one partial tile per expert routed to
     tiles = 0 if gemm_m is None else triton.cdiv(pairs, gemm_m) + min(n_experts, pairs)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=flat.device)
-    padded = torch.empty(tiles * (gemm_m or 0), dtype=torch.int32, device=flat.device)
+    padded = torch.full((tiles * (gemm_m or 0),), -1, dtype=torch.int32, device=flat.device)
     if pairs:
         chunk, be = 64, triton.next_power_of_2(n_experts)
         chunks = triton.cdiv(pairs, chunk)
         counts = torch.empty(chunks, be, dtype=torch.int32, device=flat.device)
         starts = torch.empty(2, be, dtype=torch.int32, device=flat.device)
         launch = pdl.launch(flat.device)
-        _count_pairs_kernel[(chunks,)](flat, counts, padded, pairs, padded.numel(), BE=be, CHUNK=chunk, num_warps=4,
-                                       **launch)
-        _scan_pairs_kernel[(1,)](counts, starts, tile_expert, chunks, n_experts, tiles, BE=be, SCAN=16,
+        _count_pairs_kernel[(chunks,)](flat, counts, pairs, BE=be, CHUNK=chunk, num_warps=4, **launch)
+        _scan_pairs_kernel[(1,)](counts, starts, tile_expert, chunks, n_experts, tiles, BE=be, SCAN=16, CHUNK=chunk,
                                  GEMM_M=gemm_m or 0, num_warps=4, **launch)
         _place_pairs_kernel[(chunks,)](flat, counts, starts, order, experts, src, padded, pairs, TOP_K=top_k,
                                        GEMM_M=gemm_m or 0, BE=be, CHUNK=chunk, num_warps=4, **launch)
