@@ -12,6 +12,7 @@ import torch
 
 from engine import __version__
 from engine import protocol as P
+from engine import warmup
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
 from engine.kernels import cpu as cpu_kernels
@@ -161,12 +162,15 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
     info["cuda_graphs"] = "on" if runner.graphs is not None else "off"
     try:
         runner.chunk, why = choose_prefill(runner, args.prefill)
-    except RuntimeError as exc:  # `auto`'s measuring reads failed (running out of memory is handled there)
+        if args.prefill.auto:
+            log(why)
+        if warmup.needed(runner):
+            log(f"GPU kernels warmed in {warmup.warm_up(runner):.1f} s (compiled on a first start, from Triton's "
+                f"cache after)")
+    except RuntimeError as exc:  # `auto`'s measuring reads (running out of memory is handled there) or the warm-up failed
         log(f"cannot read a prompt chunk: {exc}")
         print(P.format_reply(P.Err(f"cannot read a prompt chunk: {exc}")), flush=True)
         return 1
-    if args.prefill.auto:
-        log(why)
     info["prefill"] = runner.chunk
     loop = make_loop(runner, stop_token_ids(g.metadata), runner.chunk, share,
                      parking=parking if parking.enabled else None)

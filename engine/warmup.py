@@ -1,0 +1,69 @@
+"""Warm-up before READY on a GPU: the kernels the first requests launch are compiled at start.
+
+Triton compiles a kernel the first time it runs with new constants, and specializes each integer
+argument on whether it is 1 or a multiple of 16. Without this, on an H200 machine with a fresh
+install, the first request took 47 s and the first window of two rows stalled the server for 61 s,
+all of it compiling. Compiled kernels are cached on disk (Triton's cache, ~/.triton), so later starts
+spend well under a second here; the first start spends that time in the engine's start instead.
+
+`warm_up` reads prompt chunks of the shapes a read comes in (the whole chunk from position 0, then a
+length and a position that are not multiples of 16) and decodes windows of every row count the
+sessions allow, twice each (the second is captured as a CUDA graph, `engine/cuda_graphs.py`), then
+forgets all of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.protocol import Sampling
+from engine.runner import Row, Runner
+
+ODD_READS = (37, 100)  # a length not a multiple of 16 at one that is, then an even one at an odd position
+FIRST_TOKEN = 1  # any token id of the vocabulary
+
+
+def needed(runner: Runner) -> bool:
+    """Whether the model runs compiled GPU kernels (on the CPU the C kernels are built at import)."""
+    return any(d.type == "cuda" for d in runner.model.placement.devices())
+
+
+def warm_up(runner: Runner) -> float:
+    """Run the reads and windows above; the seconds it took. Every session is left empty."""
+    t0 = time.perf_counter()
+    model = runner.model
+    vocab = model.hyper.vocab
+    solo = runner.solo
+    try:
+        for reads in ((runner.chunk,), ODD_READS):
+            solo.tokens = []
+            for length in reads:
+                length = min(length, model.context - len(solo.tokens) - 1)
+                if length > 0:
+                    runner.read(solo, [1 + (len(solo.tokens) + i) % (vocab - 1) for i in range(length)])
+        greedy = Sampling()
+        for rows in range(1, len(runner.sessions) + 1):
+            for session in runner.sessions:
+                session.tokens = []
+            for _ in range(2):  # eager, then captured
+                runner.decode([Row(s, FIRST_TOKEN, greedy, 1) for s in runner.sessions[-rows:]])
+        for device in model.placement.devices():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    finally:
+        forget(runner)
+    return time.perf_counter() - t0
+
+
+def forget(runner: Runner) -> None:
+    """Empty every session after reads that only measure or warm, and make an expert tier forget their
+    routing (and get back any slots a read borrowed)."""
+    for session in runner.sessions:
+        session.tokens, session.turn = [], 0
+    tier = runner.model.tier
+    if tier is not None:
+        tier.repay()
+        for layer in tier.layers:
+            layer.reset_counts()
