@@ -101,7 +101,7 @@ def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
 def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
     """The fused MoE kernel on a window of `rows` rows: one row sweeps `Tiles.solo_*`, more rows the matvec
     tiles (`matvec_rows`, `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert,
-    and for the gates and ups each configuration once more with `Tiles.joint` ("joint" in the key).
+    and for the gates and ups each configuration with `Tiles.joint` ("joint" in the key) and without.
     `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
     do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3."""
     gen = torch.Generator().manual_seed(1)
@@ -137,10 +137,8 @@ def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
         g = dataclasses.replace(tiles_of(Q.Q4_K, HIDDEN, True, config), joint=False)
         d = tiles_of(Q.Q6_K, FF, False, config)
         gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
-        if rows > 1:
-            g = dataclasses.replace(g, joint=True)
-            gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
-                                                                   slot_of))
+        g = dataclasses.replace(g, joint=True)
+        gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(Q.Q4_K, HIDDEN, True) + (("joint",) if tm.Tiles.for_stack(Q.Q4_K, HIDDEN, True).joint else ())

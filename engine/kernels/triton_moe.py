@@ -50,6 +50,7 @@ from engine.kernels.triton_blocks import (
     _partial,
     _row_dot,
     _row_dot_q4k,
+    _row_dot2_q4k,
     _row_dot_q6k,
     _rows_dot2_q4k,
     _rows_dot_q4k,
@@ -144,12 +145,18 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
         if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
             at = tl.load(src + p).to(tl.int64)
-            one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k, row_bytes,
-                           QTYPE, GROUP, R, BK, SB, ASM)
-            if GATED:
-                up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
-                               row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
+            if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
+                one, up1 = _row_dot2_q4k(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
+                                         rows, n, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes,
+                                         R, SB, ASM)
                 one = one * tl.sigmoid(one) * up1
+            else:
+                one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k, row_bytes,
+                               QTYPE, GROUP, R, BK, SB, ASM)
+                if GATED:
+                    up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
+                                   row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
+                    one = one * tl.sigmoid(one) * up1
             tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         else:
             if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
