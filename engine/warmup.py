@@ -38,15 +38,14 @@ def warm_up(runner: Runner) -> float:
     solo = runner.solo
     try:
         for reads in ((runner.chunk,), ODD_READS):
-            solo.tokens = []
+            forget(runner)
             for length in reads:
                 length = min(length, model.context - len(solo.tokens) - 1)
                 if length > 0:
                     runner.read(solo, [1 + (len(solo.tokens) + i) % (vocab - 1) for i in range(length)])
         greedy = Sampling()
         for rows in range(1, len(runner.sessions) + 1):
-            for session in runner.sessions:
-                session.tokens = []
+            forget(runner)  # with an expert tier, the slots the reads borrowed come back first, as in a window's start
             for _ in range(2):  # eager, then captured
                 runner.decode([Row(s, FIRST_TOKEN, greedy, 1) for s in runner.sessions[-rows:]])
         for device in model.placement.devices():
