@@ -10,9 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine import __version__
+from engine import __version__, warmup
 from engine import protocol as P
-from engine import warmup
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
 from engine.kernels import cpu as cpu_kernels

@@ -83,7 +83,7 @@ class KVCache:
         host allocation. (An H200 machine, 12 layers, ~600 tokens: a pinned tensor per layer copied while the
         host waited took 9-10 ms a park, 28-60 ms while the pinned blocks were new; this takes ~1 ms, ~12 ms.
         A park is in front of the read that parks.)"""
-        parts = [(src, min(self.extent(i // 2, n), n)) for i, src in enumerate(t for kv in zip(self.k, self.v) for t in kv)]
+        parts = [(src, min(self.extent(i, n), n)) for i, kv in enumerate(zip(self.k, self.v, strict=True)) for src in kv]
         shapes = [src.shape[1:2] + (m,) + src.shape[3:] for src, m in parts]
         host = torch.empty(sum(s.numel() for s in shapes), dtype=self.k[0].dtype, pin_memory=pin)
         copies, at = [], 0
