@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
         if args.prefill.auto:
             log(why)
         if warmup.needed(runner):
+            log("warming up the GPU kernels: the first start after an install compiles them (a minute or two)")
             log(f"GPU kernels warmed in {warmup.warm_up(runner):.1f} s (compiled on a first start, from Triton's "
                 f"cache after)")
     except RuntimeError as exc:  # `auto`'s measuring reads (running out of memory is handled there) or the warm-up failed
