@@ -11,8 +11,8 @@ the device, no host sync):
 - decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
   first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
   the others return at once. So each routed expert's rows are read once for all its pairs (`Tiles.joint`:
-  a run's Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone
-  on its expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
+  Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone on its
+  expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot.
@@ -235,8 +235,9 @@ class Tiles:
     matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
-    # Q4_K gates and ups: a run of 2-8 pairs takes both in one pass over the blocks (H200, 8 rows on the same 8
-    # experts: 57.9 -> 44.0 us a layer; on ~50 experts, skewed: 77.0 -> 76.7)
+    # Q4_K gates and ups in one pass over the blocks: a run of 2-8 pairs (H200, 8 rows on the same 8 experts:
+    # 57.9 -> 44.0 us a layer; on ~50 experts, skewed: 77.0 -> 76.7), and a pair alone (one row: 14.1 -> 10.6 us;
+    # 8 rows on 44 experts: 71.1 -> 66.1)
     joint: bool = True
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
