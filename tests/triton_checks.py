@@ -87,10 +87,17 @@ def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Ten
     values), within float32 sums (and, for prompt chunks, the GEMM's tiles of x's dtype) of the
     float64 products, each rounded once to x's dtype. `rounded`: which decode pairs take x (and h)
     rounded to int16 (Q4_K and Q6_K's matvec)."""
+    check_gated(values[:2], x, routing, h, prompt, rounded)
+    check_projected(values[2], h, routing, y, prompt, rounded)
+
+
+def check_gated(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, prompt: bool,
+                rounded: bool = False) -> None:
+    """`check_moe`'s h alone (`values`: the gate and up stacks' values)."""
     dtype = x.dtype
-    assert h.dtype == y.dtype == dtype
-    h, y = h[routing.order], y[routing.order]  # the kernels write flat (row, choice) order: sorted here
-    assert h.shape == (routing.experts.numel(), values[0].shape[1]) and y.shape[1] == values[2].shape[1]
+    assert h.dtype == dtype
+    h = h[routing.order]  # the kernels write flat (row, choice) order: sorted here
+    assert h.shape == (routing.experts.numel(), values[0].shape[1])
     sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
     e = routing.experts.long()
     xs = x[routing.src.long()]
@@ -102,7 +109,19 @@ def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Ten
     # silu's slope is within [-0.1, 1.1]; then h's float32 sigmoid and products, and its one rounding
     bound = 1.1 * gate_bound * (up.abs() + up_bound) + silu.abs() * up_bound
     assert_within(h, exact, bound + (OUTPUT_ULP[dtype] + 2**-20) * (exact.abs() + bound) + SUBNORMAL)
-    exact, bound = moe_products(h, values[2], e, sums + OUTPUT_ULP[dtype], every)
+
+
+def check_projected(values: torch.Tensor, h: torch.Tensor, routing, y: torch.Tensor, prompt: bool,
+                    rounded: bool = False) -> None:
+    """`check_moe`'s y = h W_down alone, h in the kernels' flat order (`values`: the down stack's values)."""
+    dtype = h.dtype
+    assert y.dtype == dtype
+    h, y = h[routing.order], y[routing.order]
+    assert y.shape == (routing.experts.numel(), values.shape[1])
+    sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
+    e = routing.experts.long()
+    every = torch.ones_like(e, dtype=torch.bool) if rounded and not prompt else None
+    exact, bound = moe_products(h, values, e, sums + OUTPUT_ULP[dtype], every)
     assert_within(y, exact, bound + SUBNORMAL)
 
 
