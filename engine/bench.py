@@ -102,11 +102,16 @@ def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
 
 
 def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, chunk: int, warmup: int = 3,
-        graphs: bool = True, ahead: bool | None = None) -> Figures:
+        graphs: bool = True, ahead: bool | None = None, distinct: bool = False) -> Figures:
+    """`distinct`: the batch rows read prompts of their own instead of copying the one-row session."""
     runner = Runner(model, slots, exact=False, graphs=graphs, ahead=ahead)
     runner.chunk = chunk
     vocab = model.hyper.vocab
-    prompt = [(i * 7919) % (vocab - 1) + 1 for i in range(prompt_len)]
+
+    def prompt_of(n: int) -> list[int]:
+        return [(i * 7919 + n * 104729) % (vocab - 1) + 1 for i in range(prompt_len)]
+
+    prompt = prompt_of(0)
     greedy = Sampling()
     state = {"token": 0}
 
@@ -139,9 +144,12 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
     rows: list[Row] = []
     batch_tok_s = None
     if slots >= 2:
-        for s in runner.sessions[:slots]:
-            runner.copy(runner.solo, s)
-            rows.append(Row(s, state["token"], greedy, 0))
+        for n, s in enumerate(runner.sessions[:slots], start=1):
+            if distinct:
+                rows.append(Row(s, int(runner.read(s, prompt_of(n)).argmax()), greedy, 0))
+            else:
+                runner.copy(runner.solo, s)
+                rows.append(Row(s, state["token"], greedy, 0))
 
         def steps(windows: int) -> None:
             nonlocal rows
@@ -218,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt chunk size in tokens or auto[:MAX], as the engine's")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode")
     p.add_argument("--slots", type=int, default=8, help="also time a batch window of this many rows (0 = skip)")
+    p.add_argument("--distinct", action="store_true", help="the batch rows read prompts of their own, as different "
+                   "conversations (in a MoE they route more experts a layer: ~50 for 8 rows of qwen3-30b-a3b's 128) "
+                   "instead of copies of the one-row session (the same experts as one row)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--kv", choices=tuple(KV_DTYPES), help="KV storage, as the engine's --kv")
     p.add_argument("--profile", action="store_true",
@@ -270,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
     for _ in range(args.rounds):
         rounds.append(run(model, device, prompt, args.decode, args.slots, chunk, args.warmup,
-                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False))
+                          graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False,
+                          distinct=args.distinct))
         if args.llama_bench:
             peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
                                      reps=1 if args.rounds > 1 else 5))
@@ -328,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                                      f"MiB of experts copied back" if loans else "off (--no-prefill-borrow)"))
     if r.batch_tok_s is not None:
         batch = [f.batch_tok_s for f in rounds if f.batch_tok_s is not None]
-        print(f"batch        {spread(batch)} aggregate over {args.slots} rows "
+        rows = "different prompts" if args.distinct else "copies of the one-row session"
+        print(f"batch        {spread(batch)} aggregate over {args.slots} rows, {rows} "
               f"({median(batch) / decode_tok_s:.2f}x one row)")
     if peers:
         peer_prefill, peer_decode = median(q.prefill_tok_s for q in peers), median(q.decode_tok_s for q in peers)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import bench
+from engine.loading import open_model
 
 # A stand-in for llama.cpp's llama-bench: its JSON for one prompt and one generation run, a different
 # speed each call (30, 10, 20 tok/s decode: the median is 20), counted in a file beside it.
@@ -90,3 +91,20 @@ def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -
     for title in ("one row (3 windows):", "2 rows (3 windows):", "prompt (24 tokens):"):
         assert f"\n{title}\n" in out, out
     assert "aten::mm" in out.split("prompt (24 tokens):")[1]
+
+
+@pytest.mark.parametrize("distinct", [False, True], ids=["copies", "distinct"])
+def test_batch_rows_copy_the_session_or_read_prompts_of_their_own(tiny_model_q8: Path, capsys, distinct: bool) -> None:
+    """By default the batch rows continue copies of the one-row session (routing its experts); with
+    `--distinct` each reads a prompt of its own, as different conversations do."""
+    _, model = open_model(str(tiny_model_q8), "cpu", None, 3, 64, max_chunk=16)
+    figures = bench.run(model, model.device, 8, 4, 3, 16, warmup=1, distinct=distinct)
+    prompts = [tuple(row.session.tokens[:8]) for row in figures.batch_rows]
+    solo = tuple(figures.runner.solo.tokens[:8])
+    assert len(prompts) == 3
+    assert (len({solo, *prompts}) == 4) if distinct else (set(prompts) == {solo})
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "8", "--decode", "4", "--slots", "2",
+            "--context", "64"] + (["--distinct"] if distinct else [])
+    assert bench.main(args) == 0
+    label = "different prompts" if distinct else "copies of the one-row session"
+    assert re.search(rf"^batch .* aggregate over 2 rows, {label} \(", capsys.readouterr().out, re.M)
