@@ -9,6 +9,7 @@ server and engine on a HashLM model.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 
@@ -164,6 +165,28 @@ def test_format_table_like_the_seed():
     assert '| 1 | "parallel": 2 |' in lines[3] and "-9 %" in lines[3]
     assert "0.4 s / 0.4 s" in lines[2]
     assert "95% CI" in table
+
+
+def test_each_concurrency_against_the_same_setting_one_at_a_time():
+    """What the issue's target counts: 8 at once against one at a time, as a ratio of medians with its
+    interval, for every arm; kept up to date when concurrency 1 runs after the others."""
+    def row(arm, c, totals):
+        return BenchRow(arm, "x", c, [RoundResult([RequestResult(tokens=int(t * 2), first_s=0.1, end_s=2.0)])
+                                      for t in totals])
+    result = BenchResult(spec={}, arms=[{"setting": "x"}])
+    together = row(0, 8, [300.0, 320.0, 310.0])
+    result.rows = [together]
+    compare(result, together)
+    assert together.versus_alone is None  # no concurrency 1 yet
+    alone = row(0, 1, [100.0, 101.0, 99.0])
+    result.rows.append(alone)
+    compare(result, alone)
+    assert alone.versus_alone is None and together.versus_alone.ratio == pytest.approx(310.0 / 100.0)
+    assert together.versus_alone.low <= together.versus_alone.ratio <= together.versus_alone.high
+    table = format_table(result)
+    assert "against the same setting one request at a time" in table
+    assert re.search(r"^  8 concurrent, x: 3\.10x \(95% CI \d\.\d\dx to \d\.\d\dx\)$", table, re.M), table
+    assert result.rows[0].to_dict()["versus_alone"]["ratio"] == pytest.approx(3.1)
 
 
 def test_spec_errors(capsys):

@@ -60,6 +60,7 @@ class BenchRow:
     concurrency: int
     rounds: list[RoundResult] = field(default_factory=list)
     versus_first: RatioCI | None = None  # this arm against arm 0 at the same concurrency
+    versus_alone: RatioCI | None = None  # against this arm's requests one at a time (its concurrency 1)
 
     @property
     def totals(self) -> list[float]:
@@ -90,8 +91,9 @@ class BenchRow:
                "total_tok_s": self.total_tok_s, "per_request_tok_s": self.per_request_tok_s,
                "ttft_median_s": self.ttft_median_s, "ttft_last_s": self.ttft_last_s,
                "errors": self.errors, "rounds": [r.to_dict() for r in self.rounds]}
-        if self.versus_first is not None:
-            out["versus_first"] = asdict(self.versus_first)
+        for name in ("versus_first", "versus_alone"):
+            if getattr(self, name) is not None:
+                out[name] = asdict(getattr(self, name))
         return out
 
 

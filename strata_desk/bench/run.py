@@ -17,7 +17,7 @@ from strata_desk.bench.client import client_for, model_id, one_request, run_roun
 from strata_desk.bench.prompts import build_prompt
 from strata_desk.bench.results import BenchResult, BenchRow
 from strata_desk.bench.spec import BenchError, BenchSpec, setting_label
-from strata_desk.bench.stats import bootstrap_ratio_ci
+from strata_desk.bench.stats import RatioCI, bootstrap_ratio_ci
 from strata_desk.launcher import call_back
 
 
@@ -49,12 +49,21 @@ async def _run_table(spec: BenchSpec, url: str, key: str | None, arm_index: int,
 
 
 def compare(result: BenchResult, row: BenchRow) -> None:
-    """`row.versus_first`: its rounds' total tok/s against the first arm's at the same concurrency."""
-    if row.arm == 0:
-        return
-    base = next((r for r in result.rows if r.arm == 0 and r.concurrency == row.concurrency), None)
-    if base and base.totals and row.totals and base.total_tok_s > 0:
-        row.versus_first = bootstrap_ratio_ci(row.totals, base.totals)
+    """`row.versus_first`: its rounds' total tok/s against the first arm's at the same concurrency; and
+    `versus_alone` of its arm's rows: against the arm's concurrency 1 (kept up to date as rounds come in)."""
+    def ratio(of: BenchRow, base: BenchRow | None) -> RatioCI | None:
+        if base is None or not base.totals or not of.totals or base.total_tok_s <= 0:
+            return None
+        return bootstrap_ratio_ci(of.totals, base.totals)
+
+    if row.arm != 0:
+        row.versus_first = ratio(row, next((r for r in result.rows if r.arm == 0 and r.concurrency == row.concurrency),
+                                           None))
+    arm = [r for r in result.rows if r.arm == row.arm]
+    alone = next((r for r in arm if r.concurrency == 1), None)
+    for r in arm:
+        if r is not alone:
+            r.versus_alone = ratio(r, alone)
 
 
 async def run_bench(

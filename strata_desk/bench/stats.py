@@ -25,6 +25,11 @@ class RatioCI:
             return f"{(x - 1) * 100:+.1f}%"
         return f"{pct(self.ratio)} ({self.level:.0%} CI {pct(self.low)} to {pct(self.high)})"
 
+    @property
+    def times(self) -> str:
+        """`2.08x (95% CI 1.95x to 2.12x)`."""
+        return f"{self.ratio:.2f}x ({self.level:.0%} CI {self.low:.2f}x to {self.high:.2f}x)"
+
 
 def median(values: Sequence[float]) -> float:
     """The median, NaN for no values."""

@@ -28,4 +28,11 @@ def format_table(result: BenchResult) -> str:
         lines.append(f"Total tok/s against {first}: ratio of medians, 95% bootstrap interval")
         for row in comparisons:
             lines.append(f"  {row.concurrency} concurrent, {row.setting}: {row.versus_first.percent}")
+    together = [r for r in rows if r.versus_alone is not None]
+    if together:
+        lines.append("")
+        lines.append("Total tok/s against the same setting one request at a time (concurrency 1): ratio of medians, "
+                     "95% bootstrap interval")
+        for row in together:
+            lines.append(f"  {row.concurrency} concurrent, {row.setting}: {row.versus_alone.times}")
     return "\n".join(lines)
