@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                                      f"MiB of experts copied back" if loans else "off (--no-prefill-borrow)"))
     if r.batch_tok_s is not None:
         batch = [f.batch_tok_s for f in rounds if f.batch_tok_s is not None]
-        rows = "different prompts" if args.distinct else "copies of the one-row session"
-        print(f"batch        {spread(batch)} aggregate over {args.slots} rows, {rows} "
+        kind = "different prompts" if args.distinct else "copies of the one-row session"
+        print(f"batch        {spread(batch)} aggregate over {args.slots} rows, {kind} "
               f"({median(batch) / decode_tok_s:.2f}x one row)")
     if peers:
         peer_prefill, peer_decode = median(q.prefill_tok_s for q in peers), median(q.decode_tok_s for q in peers)

@@ -86,11 +86,9 @@ class KVCache:
         parts = [(src, min(self.extent(i, n), n)) for i, kv in enumerate(zip(self.k, self.v, strict=True)) for src in kv]
         shapes = [src.shape[1:2] + (m,) + src.shape[3:] for src, m in parts]
         host = torch.empty(sum(s.numel() for s in shapes), dtype=self.k[0].dtype, pin_memory=pin)
-        copies, at = [], 0
-        for (src, m), shape in zip(parts, shapes, strict=True):
-            copies.append(host[at : at + shape.numel()].view(shape))
-            copies[-1].copy_(src[session, :, :m], non_blocking=pin)
-            at += shape.numel()
+        copies = [part.view(shape) for part, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]
+        for (src, m), copy in zip(parts, copies, strict=True):
+            copy.copy_(src[session, :, :m], non_blocking=pin)
         return copies[0::2], copies[1::2]
 
     def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:

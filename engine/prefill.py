@@ -21,7 +21,6 @@ import torch
 from engine.memory import MIB, free_bytes
 from engine.protocol import PREFILL_AUTO_MAX
 from engine.runner import Runner
-from engine.warmup import forget
 
 PROBE = 512  # the smallest chunk `auto` picks
 HEADROOM = 0.9  # of the free VRAM a chunk's peak may take: the allocator's blocks round up
@@ -93,7 +92,7 @@ def read_peak(runner: Runner, tokens: int) -> int:
         for d in devices:
             torch.cuda.synchronize(d)
     finally:
-        forget(runner)
+        runner.forget()
     return max(torch.cuda.max_memory_allocated(d) - before[d] for d in devices)
 
 

@@ -139,6 +139,17 @@ class Runner:
         target.turn = len(prompt)
         return n
 
+    def forget(self) -> None:
+        """Empty every session after reads and windows that only measure or warm (`prefill.read_peak`,
+        `warmup`), and make an expert tier forget their routing and give back the slots a read borrowed."""
+        for session in self.sessions:
+            session.tokens, session.turn = [], 0
+        tier = self.model.tier
+        if tier is not None:
+            tier.repay()
+            for layer in tier.layers:
+                layer.reset_counts()
+
     def _parks(self, target: Session, prompt: list[int]) -> bool:
         """Whether `target`'s conversation is lost by this read and held nowhere else."""
         held = target.tokens

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from engine.protocol import Sampling
 from engine.runner import Row, Runner
 
@@ -31,38 +29,25 @@ def needed(runner: Runner) -> bool:
 
 
 def warm_up(runner: Runner) -> float:
-    """Run the reads and windows above; the seconds it took. Every session is left empty."""
+    """Run the reads and windows above; the seconds they took (each window's tokens are read back, so the device
+    has done its work). Every session is left empty."""
     t0 = time.perf_counter()
     model = runner.model
     vocab = model.hyper.vocab
     solo = runner.solo
     try:
         for reads in ((runner.chunk,), ODD_READS):
-            forget(runner)
+            runner.forget()
             for length in reads:
                 length = min(length, model.context - len(solo.tokens) - 1)
                 if length > 0:
                     runner.read(solo, [1 + (len(solo.tokens) + i) % (vocab - 1) for i in range(length)])
         greedy = Sampling()
         for rows in range(1, len(runner.sessions) + 1):
-            forget(runner)  # with an expert tier, the slots the reads borrowed come back first, as in a window's start
+            runner.forget()  # with an expert tier, the slots the reads borrowed come back first, as in a window's start
             for _ in range(2):  # eager, then captured
                 runner.decode([Row(s, FIRST_TOKEN, greedy, 1) for s in runner.sessions[-rows:]])
-        for device in model.placement.devices():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
     finally:
-        forget(runner)
+        runner.forget()
     return time.perf_counter() - t0
 
-
-def forget(runner: Runner) -> None:
-    """Empty every session after reads that only measure or warm, and make an expert tier forget their
-    routing (and get back any slots a read borrowed)."""
-    for session in runner.sessions:
-        session.tokens, session.turn = [], 0
-    tier = runner.model.tier
-    if tier is not None:
-        tier.repay()
-        for layer in tier.layers:
-            layer.reset_counts()

@@ -98,10 +98,8 @@ def check_gated(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.T
     assert h.dtype == dtype
     h = h[routing.order]  # the kernels write flat (row, choice) order: sorted here
     assert h.shape == (routing.experts.numel(), values[0].shape[1])
-    sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
-    e = routing.experts.long()
+    sums, e, every = _pairs(routing, dtype, prompt, rounded)
     xs = x[routing.src.long()]
-    every = torch.ones_like(e, dtype=torch.bool) if rounded and not prompt else None
     gate, gate_bound = moe_products(xs, values[0], e, sums, every)
     up, up_bound = moe_products(xs, values[1], e, sums, every)
     silu = F.silu(gate)
@@ -118,11 +116,16 @@ def check_projected(values: torch.Tensor, h: torch.Tensor, routing, y: torch.Ten
     assert y.dtype == dtype
     h, y = h[routing.order], y[routing.order]
     assert y.shape == (routing.experts.numel(), values.shape[1])
-    sums = ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0)
-    e = routing.experts.long()
-    every = torch.ones_like(e, dtype=torch.bool) if rounded and not prompt else None
+    sums, e, every = _pairs(routing, dtype, prompt, rounded)
     exact, bound = moe_products(h, values, e, sums + OUTPUT_ULP[dtype], every)
     assert_within(y, exact, bound + SUBNORMAL)
+
+
+def _pairs(routing, dtype: torch.dtype, prompt: bool, rounded: bool) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+    """The float32 sums' relative bound, each sorted pair's expert, and which pairs take int16-rounded input."""
+    e = routing.experts.long()
+    every = torch.ones_like(e, dtype=torch.bool) if rounded and not prompt else None
+    return ACCUMULATION + (2 * TILE_ULP[dtype] if prompt else 0.0), e, every
 
 
 def per_pair(routing, y: torch.Tensor) -> torch.Tensor:
