@@ -149,18 +149,22 @@ def test_decode_pairs_do_not_depend_on_the_window(qtype):
 
 
 def test_joint_gate_and_up_give_the_same_bits():
-    """`Tiles.joint`: Q4_K gates and ups in one pass over the blocks, the sums of two passes: for runs and pairs
-    alone (`DECODE_IDS` has both), and for a window of one row (its own tiles)."""
+    """`Tiles.joint`: Q4_K gates and ups in one pass over the blocks, the sums of two passes: in the matvec for
+    runs and pairs alone (`DECODE_IDS` has both) and for a window of one row (its own tiles), in the GEMM for a
+    prompt chunk."""
     stacks, _ = stacks_of(Q.Q4_K, 9)
 
     def with_joint(joint: bool) -> list[tm.Stack]:
         return [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), joint=joint)) for s in stacks[:2]]
 
-    x, ids = random_x(3, torch.bfloat16, seed=5), ids_of(DECODE_IDS)
-    for rows in (3, 1):
-        routing = tm.Routing.of(ids[:rows], E)
-        assert_same_bits(tm.swiglu(*with_joint(True), x[:rows], routing, SLOTS),
-                         tm.swiglu(*with_joint(False), x[:rows], routing, SLOTS))
+    prompt_dtype = torch.float32 if INTERPRETED else torch.bfloat16  # the interpreter multiplies bf16 tiles' bits
+    for ids, windows, dtype in ((ids_of(DECODE_IDS), (3, 1), torch.bfloat16),
+                                (ids_of(PROMPT_IDS), (len(PROMPT_IDS),), prompt_dtype)):
+        x = random_x(ids.shape[0], dtype, seed=5)
+        for rows in windows:
+            routing = tm.routing_of(ids[:rows], E, stacks[0].gemm_m)
+            assert_same_bits(tm.swiglu(*with_joint(True), x[:rows], routing, SLOTS),
+                             tm.swiglu(*with_joint(False), x[:rows], routing, SLOTS))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "

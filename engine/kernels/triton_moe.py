@@ -15,7 +15,7 @@ the device, no host sync):
   expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
-  with tl.dot.
+  with tl.dot (`Tiles.joint`: Q4_K gates and ups in one pass, each x tile loaded once for both).
 
 Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' types and shapes only (`Tiles`), so
 a pair's result depends on its own row, and in the matvec on whether its expert's run has company: in a run
@@ -196,10 +196,34 @@ def _gemm_tile(w, xs_at, live, rows, n, k, row_bytes, acc, x_dtype: tl.constexpr
 
 
 @triton.jit
+def _gemm_tiles2(w, w2, xs_at, live, rows, n, k, row_bytes, acc, acc2, x_dtype: tl.constexpr, QTYPE: tl.constexpr,
+                 GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """`_gemm_tile` of two matrices of one type and shape (a layer's gates and ups) in one pass over k: each
+    step's x tile loaded once for both, each product's dots those `_gemm_tile` takes, bit for bit."""
+    row = rows.to(tl.int64)[:, None, None] * row_bytes
+    g_step = tl.arange(0, BK // GROUP)[None, :, None]
+    i = tl.arange(0, GROUP)[None, None, :]
+    e_step = tl.arange(0, BK)[None, :]
+    groups = k // GROUP
+    for e0 in range(0, k, BK):
+        g = e0 // GROUP + g_step
+        live_w = (rows[:, None, None] < n) & (g < groups)
+        q, scale, minimum = _group(w, row, g, i, live_w, QTYPE)
+        tile = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
+        q, scale, minimum = _group(w2, row, g, i, live_w, QTYPE)
+        tile2 = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
+        e = e0 + e_step
+        xs = tl.load(xs_at + e, mask=live & (e < k), other=0.0)
+        acc = tl.dot(xs, tl.trans(tile), acc)
+        acc2 = tl.dot(xs, tl.trans(tile2), acc2)
+    return acc, acc2
+
+
+@triton.jit
 def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, dst, x, y, n, k, row_bytes, expert_bytes,
                      row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr, QTYPE2: tl.constexpr,
-                     GROUP2: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PDL: tl.constexpr):
+                     GROUP2: tl.constexpr, GATED: tl.constexpr, JOINT: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     t = tl.program_id(0)
     e = tl.load(tile_expert + t)
@@ -211,13 +235,19 @@ def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, dst, x, 
         xs_at = x + xrow[:, None] * k
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc = _gemm_tile(_expert_at(w, wf, slot, expert_bytes), xs_at, live, rows, n, k, row_bytes, acc, x.dtype.element_ty,
-                         QTYPE, GROUP, BN, BK)
-        if GATED:
+        if JOINT:  # Q4_K gates and ups: both tiles of a step from one load of x, the same sums
             up = tl.zeros((BM, BN), dtype=tl.float32)
-            up = _gemm_tile(_expert_at(w2, wf2, slot, expert_bytes2), xs_at, live, rows, n, k, row_bytes2, up,
-                            x.dtype.element_ty, QTYPE2, GROUP2, BN, BK)
+            acc, up = _gemm_tiles2(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
+                                   xs_at, live, rows, n, k, row_bytes, acc, up, x.dtype.element_ty, QTYPE, GROUP, BN, BK)
             acc = acc * tl.sigmoid(acc) * up
+        else:
+            acc = _gemm_tile(_expert_at(w, wf, slot, expert_bytes), xs_at, live, rows, n, k, row_bytes, acc,
+                             x.dtype.element_ty, QTYPE, GROUP, BN, BK)
+            if GATED:
+                up = tl.zeros((BM, BN), dtype=tl.float32)
+                up = _gemm_tile(_expert_at(w2, wf2, slot, expert_bytes2), xs_at, live, rows, n, k, row_bytes2, up,
+                                x.dtype.element_ty, QTYPE2, GROUP2, BN, BK)
+                acc = acc * tl.sigmoid(acc) * up
         out = y + tl.load(dst + ps, mask=ps >= 0, other=0).to(tl.int64)[:, None] * n + rows[None, :]
         tl.store(out, acc.to(y.dtype.element_ty), mask=live & (rows[None, :] < n))
 
@@ -236,8 +266,9 @@ class Tiles:
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
     # Q4_K gates and ups in one pass over the blocks: a run of 2-8 pairs (H200, 8 rows on the same 8 experts:
-    # 57.9 -> 44.0 us a layer; on ~50 experts, skewed: 77.0 -> 76.7), and a pair alone (one row: 14.1 -> 10.6 us;
-    # 8 rows on 44 experts: 71.1 -> 66.1)
+    # 57.9 -> 44.0 us a layer; on ~50 experts, skewed: 77.0 -> 76.7), a pair alone (one row: 14.1 -> 10.6 us;
+    # 8 rows on 44 experts: 71.1 -> 66.1), and the GEMM's tiles of a prompt chunk (512 rows on ~128 experts:
+    # 685.9 -> 630.4 us; Q8_0's went 645.5 -> 722.7 that way, so other types keep two passes)
     joint: bool = True
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
@@ -487,6 +518,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
     gated = w2 is not None
     other = w2 if gated else w
     tiles = w.tiles(gated)
+    joint = gated and tiles.joint and w.qtype == other.qtype == Q.Q4_K
     sizes = (w.row_bytes, w.expert_bytes, other.row_bytes, other.expert_bytes)
     if routing.padded is None:
         if routing.rows > MATVEC_ROWS:
@@ -501,7 +533,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
-            **other.type_args("2"), GATED=gated, JOINT=gated and tiles.joint and w.qtype == other.qtype == Q.Q4_K,
+            **other.type_args("2"), GATED=gated, JOINT=joint,
             R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, num_warps=warps, **_FUSED,
             **pdl.launch(x.device))
     else:
@@ -512,7 +544,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         args = {key: v for key, v in (w.type_args() | other.type_args("2")).items() if not key.startswith("HAS")}
         _moe_gemm_kernel[grid](w.blocks, other.blocks, w.far, other.far, slot_of, routing.tile_expert, routing.padded, src,
                                routing.order, x, y,
-                               w.n, w.k, *sizes, **args, GATED=gated, BM=tiles.gemm_m, BN=tiles.gemm_n,
+                               w.n, w.k, *sizes, **args, GATED=gated, JOINT=joint, BM=tiles.gemm_m, BN=tiles.gemm_n,
                                BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED,
                                **pdl.launch(x.device))
     return y
