@@ -177,29 +177,11 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
 
 
 @triton.jit
-def _gemm_tile(w, xs_at, live, rows, n, k, row_bytes, acc, x_dtype: tl.constexpr, QTYPE: tl.constexpr,
-               GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BM, BN] += the x rows at `xs_at` [BM, 1] (pointers, `live` [BM, 1]) times weight rows `rows`."""
-    row = rows.to(tl.int64)[:, None, None] * row_bytes
-    g_step = tl.arange(0, BK // GROUP)[None, :, None]
-    i = tl.arange(0, GROUP)[None, None, :]
-    e_step = tl.arange(0, BK)[None, :]
-    groups = k // GROUP
-    for e0 in range(0, k, BK):
-        g = e0 // GROUP + g_step
-        q, scale, minimum = _group(w, row, g, i, (rows[:, None, None] < n) & (g < groups), QTYPE)
-        tile = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
-        e = e0 + e_step
-        xs = tl.load(xs_at + e, mask=live & (e < k), other=0.0)
-        acc = tl.dot(xs, tl.trans(tile), acc)
-    return acc
-
-
-@triton.jit
-def _gemm_tiles2(w, w2, xs_at, live, rows, n, k, row_bytes, acc, acc2, x_dtype: tl.constexpr, QTYPE: tl.constexpr,
-                 GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """`_gemm_tile` of two matrices of one type and shape (a layer's gates and ups) in one pass over k: each
-    step's x tile loaded once for both, each product's dots those `_gemm_tile` takes, bit for bit."""
+def _gemm_tiles(w, w2, xs_at, live, rows, n, k, row_bytes, acc, acc2, x_dtype: tl.constexpr, QTYPE: tl.constexpr,
+                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BOTH: tl.constexpr):
+    """acc [BM, BN] += the x rows at `xs_at` [BM, 1] (pointers, `live` [BM, 1]) times weight rows `rows` of w;
+    BOTH: acc2 += the same x times those of w2 (of w's type and shape: a layer's gates and ups), in the same pass
+    over k, each step's x tile loaded once for both, each product's dots those of a pass of its own."""
     row = rows.to(tl.int64)[:, None, None] * row_bytes
     g_step = tl.arange(0, BK // GROUP)[None, :, None]
     i = tl.arange(0, GROUP)[None, None, :]
@@ -210,12 +192,14 @@ def _gemm_tiles2(w, w2, xs_at, live, rows, n, k, row_bytes, acc, acc2, x_dtype: 
         live_w = (rows[:, None, None] < n) & (g < groups)
         q, scale, minimum = _group(w, row, g, i, live_w, QTYPE)
         tile = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
-        q, scale, minimum = _group(w2, row, g, i, live_w, QTYPE)
-        tile2 = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
+        if BOTH:
+            q, scale, minimum = _group(w2, row, g, i, live_w, QTYPE)
+            tile2 = tl.reshape(q * scale - minimum, (BN, BK)).to(x_dtype)
         e = e0 + e_step
         xs = tl.load(xs_at + e, mask=live & (e < k), other=0.0)
         acc = tl.dot(xs, tl.trans(tile), acc)
-        acc2 = tl.dot(xs, tl.trans(tile2), acc2)
+        if BOTH:
+            acc2 = tl.dot(xs, tl.trans(tile2), acc2)
     return acc, acc2
 
 
@@ -234,20 +218,21 @@ def _moe_gemm_kernel(w, w2, wf, wf2, slot_of, tile_expert, padded, src, dst, x, 
         xrow = tl.load(src + ps, mask=ps >= 0, other=0).to(tl.int64)
         xs_at = x + xrow[:, None] * k
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        wa = _expert_at(w, wf, slot, expert_bytes)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if JOINT:  # Q4_K gates and ups: both tiles of a step from one load of x, the same sums
-            up = tl.zeros((BM, BN), dtype=tl.float32)
-            acc, up = _gemm_tiles2(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
-                                   xs_at, live, rows, n, k, row_bytes, acc, up, x.dtype.element_ty, QTYPE, GROUP, BN, BK)
-            acc = acc * tl.sigmoid(acc) * up
+        if JOINT:  # Q4_K gates and ups in one pass, both tiles of a step from one load of x
+            acc, up = _gemm_tiles(wa, _expert_at(w2, wf2, slot, expert_bytes2), xs_at, live, rows, n, k, row_bytes, acc,
+                                  tl.zeros((BM, BN), dtype=tl.float32), x.dtype.element_ty, QTYPE, GROUP, BN, BK, True)
         else:
-            acc = _gemm_tile(_expert_at(w, wf, slot, expert_bytes), xs_at, live, rows, n, k, row_bytes, acc,
-                             x.dtype.element_ty, QTYPE, GROUP, BN, BK)
-            if GATED:
+            acc, _ = _gemm_tiles(wa, wa, xs_at, live, rows, n, k, row_bytes, acc, acc, x.dtype.element_ty, QTYPE, GROUP,
+                                 BN, BK, False)
+            if GATED:  # the ups' pass after the gates'
+                wb = _expert_at(w2, wf2, slot, expert_bytes2)
                 up = tl.zeros((BM, BN), dtype=tl.float32)
-                up = _gemm_tile(_expert_at(w2, wf2, slot, expert_bytes2), xs_at, live, rows, n, k, row_bytes2, up,
-                                x.dtype.element_ty, QTYPE2, GROUP2, BN, BK)
-                acc = acc * tl.sigmoid(acc) * up
+                up, _ = _gemm_tiles(wb, wb, xs_at, live, rows, n, k, row_bytes2, up, up, x.dtype.element_ty, QTYPE2,
+                                    GROUP2, BN, BK, False)
+        if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
+            acc = acc * tl.sigmoid(acc) * up
         out = y + tl.load(dst + ps, mask=ps >= 0, other=0).to(tl.int64)[:, None] * n + rows[None, :]
         tl.store(out, acc.to(y.dtype.element_ty), mask=live & (rows[None, :] < n))
 
