@@ -553,6 +553,25 @@ def row_bytes(qtype: Q, k: int) -> int:
     return k // block * size
 
 
+def int16_tiles(qtype: Q, n: int, k: int, tiles: Tiles) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The int16 kernel's (weight rows a program, blocks a step, warps) for one row and for 2-8 rows of an n x k
+    matrix of `qtype` (Q4_K or Q6_K)."""
+    # a 16-byte chunk a thread: 8 chunks a Q4_K block, 4 a Q6_K one; two weight rows a program
+    chunks = 8 if qtype == Q.Q4_K else 4
+    blocks = min(tiles.row_blocks * 8 // chunks, triton.next_power_of_2(max(1, k // 256)))
+    warps = max(1, 2 * blocks * chunks // 32)
+    # one row: the same, but the Q6_K head (151,936 rows) four rows a program, a block a step, one warp:
+    # 186.8 -> 150.5 us on an H200, the fastest of `python -m engine.kernels.sweep` (rows 1-4, blocks 1-8,
+    # warps 1-4)
+    head = qtype == Q.Q6_K and n >= 32768
+    one_row = (4, 1, 1) if head else (2, blocks, warps)
+    # 2-8 rows: the Q6_K head eight rows a program (565.2 -> 396.5 us at 8 rows), a Q4_K matrix of k >= 4096
+    # four rows and two warps (2048x4096: 24.9 -> 17.5 us), the fastest of a sweep on an H200 (rows 1-8,
+    # blocks 2-8, warps 1-2)
+    rows = (8, 4, 1) if head else (4, 8, 2) if qtype == Q.Q4_K and k >= 4096 else (2, blocks, warps)
+    return one_row, rows
+
+
 class Matrix:
     """n weight rows of `qtype` blocks (uint8 [n, row_bytes(qtype, k)] on the kernels' device), checked
     once, with its tiles chosen once, for products called many times."""
@@ -576,19 +595,7 @@ class Matrix:
         self._rounded = qtype in ROUNDED and blocks.data_ptr() % 4 == 0
         if self._rounded:
             RoundedRows.want(blocks.device)
-        chunks = 8 if qtype == Q.Q4_K else 4
-        self._int_blocks = min(self.tiles.row_blocks * 8 // chunks, triton.next_power_of_2(max(1, k // 256)))
-        self._int_warps = max(1, 2 * self._int_blocks * chunks // 32)
-        # one row: the same, but the Q6_K head (151,936 rows) four rows a program, a block a step, one warp:
-        # 186.8 -> 150.5 us on an H200, the fastest of `python -m engine.kernels.sweep` (rows 1-4, blocks 1-8,
-        # warps 1-4)
-        head = qtype == Q.Q6_K and self.n >= 32768
-        self._one_row = (4, 1, 1) if head else (2, self._int_blocks, self._int_warps)
-        # 2-8 rows: the Q6_K head eight rows a program (565.2 -> 396.5 us at 8 rows), a Q4_K matrix of k >= 4096
-        # four rows and two warps (2048x4096: 24.9 -> 17.5 us), the fastest of a sweep on an H200 (rows 1-8,
-        # blocks 2-8, warps 1-2)
-        self._rows = (8, 4, 1) if head else (4, 8, 2) if qtype == Q.Q4_K and k >= 4096 else \
-            (2, self._int_blocks, self._int_warps)
+        self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
         # head (151,936 x 2,048) the fastest of a sweep on an H200 (rows 1-8 a program, steps 512-2048, warps
         # 1-4; warps 1-8 and stages 2-4): one row 148.0 -> 132.4 us, 8 rows 247.5 -> 223.8 us

@@ -332,8 +332,12 @@ class Stack:
         return self.tiles(gated=False).gemm_m
 
     def type_args(self, suffix: str = "") -> dict[str, int | bool]:
-        return {"QTYPE" + suffix: int(self.qtype), "GROUP" + suffix: GROUP[self.qtype],
-                "HAS_MIN" + suffix: self.qtype in HAS_MIN}
+        return type_args(self.qtype, suffix)
+
+
+def type_args(qtype: Q, suffix: str = "") -> dict[str, int | bool]:
+    """The kernels' compile-time arguments for blocks of `qtype` (`suffix` "2": the second matrix's)."""
+    return {"QTYPE" + suffix: int(qtype), "GROUP" + suffix: GROUP[qtype], "HAS_MIN" + suffix: qtype in HAS_MIN}
 
 
 @dataclass(frozen=True)
