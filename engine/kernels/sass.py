@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 
 import triton
+import triton.backends.nvidia as nvidia
 from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -53,8 +54,6 @@ class Usage:
 
 
 def _tool(name: str) -> str:
-    import triton.backends.nvidia as nvidia
-
     path = os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing: this Triton has no CUDA tools bundled")
@@ -97,31 +96,32 @@ _MOE_ARGS = dict(w="*u8", w2="*u8", wf="*u8", wf2="*u8", slot_of="*i32", experts
 _DENSE_ARGS = dict(w="*u8", xq="*i16", xs="*fp32", xsum="*fp32", halves="*i32", y="*bf16", m=8)
 
 
-def moe_matvec(qtype: Q, k: int, gated: bool, one_row: bool) -> Usage:
-    """The fused MoE matvec for a projection of `qtype` over k (gate+up when `gated`), with its tiles for
-    windows of 2-8 rows, or of one row."""
-    t = tm.Tiles.for_stack(qtype, k, gated)
+def _moe(qtype: Q, gated: bool) -> tuple[tm.Tiles, dict[str, str | int], dict[str, int | bool]]:
+    """A projection's tiles, the MoE kernels' runtime arguments and its type's compile-time ones."""
+    n, k = (FF, HIDDEN) if gated else (HIDDEN, FF)
+    row_bytes = tb.row_bytes(qtype, k)
+    sizes = dict(n=n, k=k, row_bytes=row_bytes, expert_bytes=n * row_bytes, row_bytes2=row_bytes,
+                 expert_bytes2=n * row_bytes)
+    tiles = tm.Tiles.for_stack(qtype, k, gated)
+    return tiles, _MOE_ARGS | sizes, tm.type_args(qtype) | tm.type_args(qtype, "2") | dict(
+        GATED=gated, JOINT=gated and tiles.joins(qtype, qtype), PDL=False)
+
+
+def moe_matvec(qtype: Q, gated: bool, one_row: bool) -> Usage:
+    """The fused MoE matvec for a projection of `qtype` (gate+up when `gated`), with its tiles for windows of 2-8
+    rows, or of one row."""
+    t, args, consts = _moe(qtype, gated)
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
-    n, size = (FF, HIDDEN) if gated else (HIDDEN, FF)
-    row_bytes = tb.row_bytes(qtype, size)
-    types = tm.type_args(qtype) | tm.type_args(qtype, "2")
-    return usage(tm._moe_matvec_kernel, _MOE_ARGS | dict(n=n, k=size, row_bytes=row_bytes, expert_bytes=n * row_bytes,
-                                                         row_bytes2=row_bytes, expert_bytes2=n * row_bytes),
-                 types | dict(GATED=gated, JOINT=gated and t.joint and qtype == Q.Q4_K, R=rows, BK=t.matvec_k,
-                              ROWS=tb.MATVEC_ROWS, SB=blocks, SB2=blocks, ASM=True, PDL=False), warps)
+    return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks,
+                                                            SB2=blocks, ASM=True), warps)
 
 
-def moe_gemm(qtype: Q, k: int, gated: bool) -> Usage:
-    """The fused MoE GEMM of prompt chunks for a projection of `qtype` over k, with its tiles."""
-    t = tm.Tiles.for_stack(qtype, k, gated)
-    n, size = (FF, HIDDEN) if gated else (HIDDEN, FF)
-    row_bytes = tb.row_bytes(qtype, size)
-    types = {key: v for key, v in (tm.type_args(qtype) | tm.type_args(qtype, "2")).items() if not key.startswith("HAS")}
-    return usage(tm._moe_gemm_kernel, _MOE_ARGS | dict(n=n, k=size, row_bytes=row_bytes, expert_bytes=n * row_bytes,
-                                                       row_bytes2=row_bytes, expert_bytes2=n * row_bytes),
-                 types | dict(GATED=gated, JOINT=gated and t.joint and qtype == Q.Q4_K, BM=t.gemm_m, BN=t.gemm_n,
-                              BK=t.gemm_k, PDL=False), t.gemm_warps)
+def moe_gemm(qtype: Q, gated: bool) -> Usage:
+    """The fused MoE GEMM of prompt chunks for a projection of `qtype`, with its tiles."""
+    t, args, consts = _moe(qtype, gated)
+    consts = {key: v for key, v in consts.items() if not key.startswith("HAS")}
+    return usage(tm._moe_gemm_kernel, args, consts | dict(BM=t.gemm_m, BN=t.gemm_n, BK=t.gemm_k), t.gemm_warps)
 
 
 def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
@@ -135,13 +135,13 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
 
 def main() -> None:
     print(f"sm_90, triton {triton.__version__}, qwen3-30b-a3b's shapes, the code's tiles")
-    for name, fn in (("MoE gate+up Q4_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q4_K, HIDDEN, True, False)),
-                     ("MoE down Q6_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q6_K, FF, False, False)),
-                     ("MoE gate+up Q8_0, windows of 2-8 rows", lambda: moe_matvec(Q.Q8_0, HIDDEN, True, False)),
-                     ("MoE gate+up Q4_K, one row", lambda: moe_matvec(Q.Q4_K, HIDDEN, True, True)),
-                     ("MoE down Q6_K, one row", lambda: moe_matvec(Q.Q6_K, FF, False, True)),
-                     ("MoE GEMM gate+up Q4_K (prompt)", lambda: moe_gemm(Q.Q4_K, HIDDEN, True)),
-                     ("MoE GEMM gate+up Q8_0 (prompt)", lambda: moe_gemm(Q.Q8_0, HIDDEN, True)),
+    for name, fn in (("MoE gate+up Q4_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q4_K, True, False)),
+                     ("MoE down Q6_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q6_K, False, False)),
+                     ("MoE gate+up Q8_0, windows of 2-8 rows", lambda: moe_matvec(Q.Q8_0, True, False)),
+                     ("MoE gate+up Q4_K, one row", lambda: moe_matvec(Q.Q4_K, True, True)),
+                     ("MoE down Q6_K, one row", lambda: moe_matvec(Q.Q6_K, False, True)),
+                     ("MoE GEMM gate+up Q4_K (prompt)", lambda: moe_gemm(Q.Q4_K, True)),
+                     ("MoE GEMM gate+up Q8_0 (prompt)", lambda: moe_gemm(Q.Q8_0, True)),
                      ("Q4_K 5120x2048, 8 rows", lambda: dense(Q.Q4_K, 5120, HIDDEN, 8)),
                      ("Q6_K head, 8 rows", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 8)),
                      ("Q6_K head, one row", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 1))):
