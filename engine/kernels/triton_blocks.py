@@ -408,15 +408,46 @@ def _x_row(src, j, INDIRECT: tl.constexpr):
 
 
 @triton.jit
+def _sums(ROWS: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, EACH_STEP: tl.constexpr):
+    """Zeroed sums of ROWS x rows times R weight rows: reduced to [ROWS, R] every step (EACH_STEP: fewer
+    registers, the MoE runs' choice) or kept [ROWS, R, SB, C, 1] where each chunk's sums land until the end
+    (the dense products': fewer instructions)."""
+    if EACH_STEP:
+        acc = tl.zeros((ROWS, R), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, R, SB, C, 1), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _sums_add(acc, part, j, ROWS: tl.constexpr, EACH_STEP: tl.constexpr):
+    """`acc` with a step's sums `part` [R, SB, C, 1] added to x row j's."""
+    if EACH_STEP:
+        j2 = tl.arange(0, ROWS)[:, None]
+        acc = tl.where(j2 == j, acc + tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)[None, :], acc)
+    else:
+        j5 = tl.arange(0, ROWS)[:, None, None, None, None]
+        acc = tl.where(j5 == j, acc + part[None], acc)
+    return acc
+
+
+@triton.jit
+def _sums_total(acc, EACH_STEP: tl.constexpr):
+    """[ROWS, R] float32: the sums `_sums` began."""
+    if not EACH_STEP:
+        acc = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+    return acc
+
+
+@triton.jit
 def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
-                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
+                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr, EACH_STEP: tl.constexpr):
     """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
     0..count-1), as `_rows_dot_q4k` does for Q4_K."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 2)
     blocks = k // 256
-    j5 = tl.arange(0, ROWS)[:, None, None, None, None]
-    acc = tl.zeros((ROWS, R, SB, 4, 1), dtype=tl.float32)
+    acc = _sums(ROWS, R, SB, 4, EACH_STEP)
     for s0 in range(0, blocks, SB):
         q0, q1, q2, q3, d0, d1, d2, d3, sb = _q6k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
@@ -424,22 +455,21 @@ def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.co
                 at = _x_row(src, j, INDIRECT)
                 part = _q6k_part(q0, q1, q2, q3, d0, d1, d2, d3, sb, xq + at * k, xs + at * (k // 32),
                                  halves + at * (k // 16), blocks, ASM)
-                acc = tl.where(j5 == j, acc + part[None], acc)
-    return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+                acc = _sums_add(acc, part, j, ROWS, EACH_STEP)
+    return _sums_total(acc, EACH_STEP)
 
 
 @triton.jit
 def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
-                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr):
+                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr, EACH_STEP: tl.constexpr):
     """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
     0..count-1), count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and
     row j runs the same instructions whatever `count` is (rows past it skipped by a uniform branch),
-    its sums kept where they land until the end."""
+    its sums reduced as `_sums` says."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
-    j5 = tl.arange(0, ROWS)[:, None, None, None, None]
-    acc = tl.zeros((ROWS, R, SB, 8, 1), dtype=tl.float32)
+    acc = _sums(ROWS, R, SB, 8, EACH_STEP)
     for s0 in range(0, blocks, SB):
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
@@ -447,8 +477,8 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
                 at = _x_row(src, j, INDIRECT)
                 part = _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq + at * k, xs + at * (k // 32),
                                  xsum + at * (k // 32), blocks, ASM)
-                acc = tl.where(j5 == j, acc + part[None], acc)
-    return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+                acc = _sums_add(acc, part, j, ROWS, EACH_STEP)
+    return _sums_total(acc, EACH_STEP)
 
 
 @triton.jit
@@ -456,13 +486,12 @@ def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl
                    ROWS: tl.constexpr, ASM: tl.constexpr):
     """`_rows_dot_q4k` of two Q4_K matrices of one shape (a layer's gates and ups) over the same x rows
     src[0..count-1], in one pass over the blocks: each x chunk is loaded once for both. Each matrix's sums
-    are those `_rows_dot_q4k` gives, bit for bit."""
+    are those `_rows_dot_q4k` gives with EACH_STEP, bit for bit (a MoE run's choice)."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
-    j5 = tl.arange(0, ROWS)[:, None, None, None, None]
-    acc = tl.zeros((ROWS, R, SB, 8, 1), dtype=tl.float32)
-    acc2 = tl.zeros((ROWS, R, SB, 8, 1), dtype=tl.float32)
+    acc = _sums(ROWS, R, SB, 8, True)
+    acc2 = _sums(ROWS, R, SB, 8, True)
     for s0 in range(0, blocks, SB):
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
         lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, _ = _q4k_step(w2, row, rows4, n, s0, blocks, R, SB)
@@ -472,17 +501,18 @@ def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl
                 x_lo, x_hi, s_lo, s_hi, m_lo, m_hi = _q4k_x(g, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32),
                                                           blocks)
                 part = _q4k_dot(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
-                acc = tl.where(j5 == j, acc + part[None], acc)
+                acc = _sums_add(acc, part, j, ROWS, True)
                 part = _q4k_dot(lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
-                acc2 = tl.where(j5 == j, acc2 + part[None], acc2)
-    return (tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2),
-            tl.sum(tl.sum(tl.sum(acc2, axis=4), axis=3), axis=2))
+                acc2 = _sums_add(acc2, part, j, ROWS, True)
+    return acc, acc2
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
 def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr,
-                    SB: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-    """y [m, n] for x rounded to int16: one row (ROWS 1) or 2-8 rows (ROWS `MATVEC_ROWS`), Q4_K or Q6_K."""
+                    SB: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                    EACH_STEP: tl.constexpr = False):
+    """y [m, n] for x rounded to int16: one row (ROWS 1) or 2-8 rows (ROWS `MATVEC_ROWS`, sums as `_sums` says),
+    Q4_K or Q6_K."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     if ROWS == 1:
@@ -493,9 +523,9 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
         tl.store(y + rows, one.to(y.dtype.element_ty), mask=rows < n)
     else:
         if QTYPE == _Q4_K:
-            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False, EACH_STEP)
         else:
-            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, row_bytes, R, SB, ROWS, ASM, False, EACH_STEP)
         r = tl.arange(0, ROWS)[:, None]
         tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
