@@ -129,8 +129,7 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
     one_row, rows_of_8 = tb.int16_tiles(qtype, n, k, tb.Tiles.for_shape(n, k))
     rows, blocks, warps = one_row if m == 1 else rows_of_8
     return usage(tb._rounded_kernel, _DENSE_ARGS | dict(m=m, n=n, k=k, row_bytes=tb.row_bytes(qtype, k)),
-                 dict(QTYPE=int(qtype), R=rows, SB=blocks, ROWS=1 if m == 1 else tb.MATVEC_ROWS, ASM=True, PDL=False,
-                      EACH_STEP=False),
+                 dict(QTYPE=int(qtype), R=rows, SB=blocks, ROWS=1 if m == 1 else tb.MATVEC_ROWS, ASM=True, PDL=False),
                  warps)
 
 

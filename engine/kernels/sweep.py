@@ -42,7 +42,7 @@ def _report(name: str, times: dict[tuple[int, ...], float], used: tuple[int, ...
         print(f"  {'*' if config == used else ' '} {config}  {us:8.1f} us")
 
 
-def _dense(qtype: Q, n: int, k: int, m: int, deadline: float, gen: torch.Generator, each_step: bool = False) -> None:
+def _dense(qtype: Q, n: int, k: int, m: int, deadline: float, gen: torch.Generator) -> None:
     mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k)
     rounded = RoundedRows.of(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -51,7 +51,7 @@ def _dense(qtype: Q, n: int, k: int, m: int, deadline: float, gen: torch.Generat
         tb._rounded_kernel[(triton.cdiv(n, rows),)](
             mat.blocks, rounded.q, rounded.scale, rounded.sums, rounded.halves, y, m, n, k, mat.blocks.shape[1],
             QTYPE=int(qtype), R=rows, SB=blocks, ROWS=1 if m == 1 else tb.MATVEC_ROWS, ASM=ASM, num_warps=warps,
-            PDL=False, EACH_STEP=each_step)
+            PDL=False)
 
     used = mat._one_row if m == 1 else mat._rows
     times = {}
