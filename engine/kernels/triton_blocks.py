@@ -398,9 +398,9 @@ def _row_dot_q6k(w, rows, n, xq, xs, halves, k, row_bytes, R: tl.constexpr, SB: 
 
 
 @triton.jit
-def _x_row(src, j, INDIRECT: tl.constexpr):
-    """The x row of a call's j-th row: src[j] (INDIRECT: a fused MoE run's pairs), else j."""
-    if INDIRECT:
+def _x_row(src, j, RUN: tl.constexpr):
+    """The x row of a call's j-th row: src[j] (RUN: a fused MoE run's pairs), else j."""
+    if RUN:
         at = tl.load(src + j).to(tl.int64)
     else:
         at = j
@@ -441,44 +441,44 @@ def _sums_total(acc, EACH_STEP: tl.constexpr):
 
 @triton.jit
 def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
-                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr, EACH_STEP: tl.constexpr):
-    """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
-    0..count-1), as `_rows_dot_q4k` does for Q4_K."""
+                  ROWS: tl.constexpr, ASM: tl.constexpr, RUN: tl.constexpr):
+    """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (RUN; else rows 0..count-1), as
+    `_rows_dot_q4k` does for Q4_K."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 2)
     blocks = k // 256
-    acc = _sums(ROWS, R, SB, 4, EACH_STEP)
+    acc = _sums(ROWS, R, SB, 4, RUN)
     for s0 in range(0, blocks, SB):
         q0, q1, q2, q3, d0, d1, d2, d3, sb = _q6k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
-                at = _x_row(src, j, INDIRECT)
+                at = _x_row(src, j, RUN)
                 part = _q6k_part(q0, q1, q2, q3, d0, d1, d2, d3, sb, xq + at * k, xs + at * (k // 32),
                                  halves + at * (k // 16), blocks, ASM)
-                acc = _sums_add(acc, part, j, ROWS, EACH_STEP)
-    return _sums_total(acc, EACH_STEP)
+                acc = _sums_add(acc, part, j, ROWS, RUN)
+    return _sums_total(acc, RUN)
 
 
 @triton.jit
 def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
-                  ROWS: tl.constexpr, ASM: tl.constexpr, INDIRECT: tl.constexpr, EACH_STEP: tl.constexpr):
-    """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (INDIRECT; else rows
-    0..count-1), count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and
-    row j runs the same instructions whatever `count` is (rows past it skipped by a uniform branch),
-    its sums reduced as `_sums` says."""
+                  ROWS: tl.constexpr, ASM: tl.constexpr, RUN: tl.constexpr):
+    """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (RUN: a fused MoE run's pairs,
+    their sums reduced every step; else rows 0..count-1 of a dense product, sums kept to the end: `_sums`),
+    count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and row j runs the same
+    instructions whatever `count` is (rows past it skipped by a uniform branch)."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
-    acc = _sums(ROWS, R, SB, 8, EACH_STEP)
+    acc = _sums(ROWS, R, SB, 8, RUN)
     for s0 in range(0, blocks, SB):
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
-                at = _x_row(src, j, INDIRECT)
+                at = _x_row(src, j, RUN)
                 part = _q4k_part(lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g, xq + at * k, xs + at * (k // 32),
                                  xsum + at * (k // 32), blocks, ASM)
-                acc = _sums_add(acc, part, j, ROWS, EACH_STEP)
-    return _sums_total(acc, EACH_STEP)
+                acc = _sums_add(acc, part, j, ROWS, RUN)
+    return _sums_total(acc, RUN)
 
 
 @triton.jit
@@ -486,7 +486,7 @@ def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl
                    ROWS: tl.constexpr, ASM: tl.constexpr):
     """`_rows_dot_q4k` of two Q4_K matrices of one shape (a layer's gates and ups) over the same x rows
     src[0..count-1], in one pass over the blocks: each x chunk is loaded once for both. Each matrix's sums
-    are those `_rows_dot_q4k` gives with EACH_STEP, bit for bit (a MoE run's choice)."""
+    are those `_rows_dot_q4k` gives for a run, bit for bit."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
@@ -523,9 +523,9 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
         tl.store(y + rows, one.to(y.dtype.element_ty), mask=rows < n)
     else:
         if QTYPE == _Q4_K:
-            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False, False)
+            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
         else:
-            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, row_bytes, R, SB, ROWS, ASM, False, False)
+            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
         r = tl.arange(0, ROWS)[:, None]
         tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 

@@ -104,9 +104,9 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYP
               SB: tl.constexpr, ASM: tl.constexpr):
     """[ROWS, R] float32: weight rows `rows` of the expert at `w` times the x rows of pairs p..p+count-1."""
     if QTYPE == _Q4_K:
-        out = _rows_dot_q4k(w, rows, n, xq, xs, xsum, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True, True)
+        out = _rows_dot_q4k(w, rows, n, xq, xs, xsum, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True)
     elif QTYPE == _Q6_K:
-        out = _rows_dot_q6k(w, rows, n, xq, xs, xh, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True, True)
+        out = _rows_dot_q6k(w, rows, n, xq, xs, xh, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True)
     else:
         out = _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS)
     return out
@@ -283,13 +283,17 @@ class Tiles:
             # 51 experts, H200): Q4_K gate+up 122.6 -> 77.5 us, Q6_K down 107.8 -> 80.0, Q8_0 170.2 -> 121.7
             # and 107.6 -> 77.4. Four-warp programs spread their rows over warps, each warp loading the same
             # x values (82% of L1 busy, 15% of DRAM); a Q4_K down (k = 768) was faster as it was.
-            rows, warps, blocks = (2 if gated else 4), 1, 4
-            # With a run's sums reduced every step (`_sums`), a block a step over more weight rows (H200, 8 rows;
-            # skewed routing, 44 experts / copies of one row's 8 experts, in one call):
-            if qtype == Q.Q4_K:  # gate+up, 4 rows: 60.8 -> 45.5 us / 37.5 -> 37.0
+            # The Q4_K gate+up and the Q6_K down, their run sums reduced every step (`_sums`): a block a step over
+            # more weight rows (H200, 8 rows, skewed over 44 experts / copies of one row's 8 experts, one call):
+            # gate+up 4 rows, 60.8 -> 45.5 us / 37.5 -> 37.0 against 2 rows and 4 blocks; down 8 rows,
+            # 67.3 -> 46.5 / 35.8 -> 35.2 against 4 rows and 4 blocks (what the others keep).
+            warps = 1
+            if qtype == Q.Q4_K:
                 rows, blocks = 4, 1
-            elif qtype == Q.Q6_K and not gated:  # down, 8 rows: 67.3 -> 46.5 / 35.8 -> 35.2
+            elif qtype == Q.Q6_K and not gated:
                 rows, blocks = 8, 1
+            else:
+                rows, blocks = (2 if gated else 4), 4
         else:
             rows, warps = (4 if gated else 8), 4
             # a 16-byte chunk of a block a thread: 8 chunks a Q4_K block
