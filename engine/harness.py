@@ -23,7 +23,7 @@ import torch
 from engine import protocol as P
 from engine.__main__ import main as engine_main
 from engine.loading import log
-from engine.loop import EngineLoop
+from engine.loop import EngineLoop, Job
 from engine.models.base import Model
 from engine.runner import Queued, Row, Runner, Session
 
@@ -36,7 +36,7 @@ class Switches:
     # server sees a slow start for as long as a test needs it
     die_after: int = 0  # exit (code 3, a CUDA-like error on stderr) at the Nth generated token (T or BT)
     silent_after: int = 0  # write nothing more after the Nth generated token, and stay alive
-    admission_log: str | None = None  # append a JSON line per read started: kind, slot, prompt, reused
+    admission_log: str | None = None  # a JSON line per read started: kind, slot, prompt, reused, reading (itself too)
     ahead: int = 0  # 1: decode windows queued ahead (`Runner.queue`) on the CPU too, as on CUDA
 
 
@@ -81,10 +81,10 @@ class PacedRunner(Runner):
         self.step_s = 1 / switches.tok_s if switches.tok_s else 0.0
         self.read_token_s = 1 / switches.prefill_tok_s if switches.prefill_tok_s else 0.0
 
-    def read(self, session: Session, ids: list[int]) -> torch.Tensor:
+    def read_parts(self, parts: list[tuple[Session, list[int]]]) -> torch.Tensor:
         started = time.perf_counter()
-        logits = super().read(session, ids)
-        _pace(started, len(ids) * self.read_token_s)
+        logits = super().read_parts(parts)
+        _pace(started, sum(len(ids) for _, ids in parts) * self.read_token_s)
         return logits
 
     def decode(self, rows: list[Row]) -> list[int]:
@@ -123,13 +123,12 @@ class HarnessLoop(EngineLoop):
             log("writing nothing more (--silent-after)")
             self.silent = True
 
-    def start_read(self) -> None:
-        super().start_read()
-        job = self.reading
-        if job is None or not self.switches.admission_log:
+    def start_read(self, job: Job) -> None:
+        super().start_read(job)
+        if not self.switches.admission_log:
             return
         record = {"kind": "GEN" if job.slot is None else "BGEN", "slot": job.slot, "prompt": len(job.prompt),
-                  "reused": job.reused}
+                  "reused": job.reused, "reading": len(self.reading)}
         with open(self.switches.admission_log, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 

@@ -1,10 +1,12 @@
 """The protocol loop `EngineLoop`: commands from stdin, prompt reads and decode steps, replies on stdout.
 
 One main thread does all model work; a reader thread only queues stdin lines, so STOP, BSTOP and
-BYIELD are seen between chunks and steps. One read (a GEN's or an admission's prompt) runs at a
-time; after each of its chunks the decoding rows get `decode_share` times the chunk's time, so a
-long prompt slows the others instead of stopping them. docs/protocol.md is the contract (where a
-decode step is called a window, as in STATS `windows`).
+BYIELD are seen between chunks and steps. A GEN's prompt is read alone; admissions (BGEN) sent one
+after another are read together outside exact mode: each forward takes up to `prefill` prompt tokens,
+the earliest admission's first (`_parts`), and each admission's control lines wait until those of the
+admissions sent before it are written (`say`, `order`). After each forward the decoding rows get
+`decode_share` times its time, so a long prompt slows the others instead of stopping them.
+docs/protocol.md is the contract (where a decode step is called a window, as in STATS `windows`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Job:
     yield_to: int | None = None
     experts: ExpertStats = field(default_factory=ExpertStats)  # routed entries of its decode steps
     prompt_read: int = 0  # prompt tokens actually read (fewer than the prompt after a cancel or a yield)
+    held: list[P.Reply] = field(default_factory=list)  # control lines waiting for an earlier admission's (`say`)
+    then: list[P.Reply] = field(default_factory=list)  # ERR lines of later commands, written after its own
+    closed: bool = False  # its control lines are all said (an admission's BADM)
 
     @property
     def read_pos(self) -> int:
@@ -75,7 +80,8 @@ class EngineLoop:
         self.n_slots = len(runner.sessions) - 1
         self.commands: queue.Queue[str | None] = queue.Queue()
         self.pending: deque[Job] = deque()
-        self.reading: Job | None = None
+        self.reading: list[Job] = []  # prompts being read, in command order (several admissions outside exact mode)
+        self.order: deque[Job] = deque()  # admissions whose control lines are not all written, in command order
         self.decoding: dict[int, Job] = {}  # session index -> job
         # a decode window queued on the last one's tokens (`Runner.queue`), not read yet, and its rows' jobs
         self.ahead: tuple[Queued, list[Job]] | None = None
@@ -89,6 +95,33 @@ class EngineLoop:
     def emit(self, reply: P.Reply) -> None:
         self.out.write(P.format_reply(reply) + "\n")
         self.out.flush()
+
+    def say(self, job: Job, reply: P.Reply) -> None:
+        """A control line of `job` (RESUME, PP, its first T, DONE, BADM, YIELDED): an admission's waits until the
+        admissions sent before it have said all of theirs, so each request's control lines stay together."""
+        if job.slot is None or not self.order or self.order[0] is job:
+            self.emit(reply)
+        else:
+            job.held.append(reply)
+
+    def close(self, job: Job) -> None:
+        """`job`'s control lines are all said (BADM): the next admission's held lines are written."""
+        job.closed = True
+        while self.order and self.order[0].closed:
+            for reply in self.order.popleft().then:
+                self.emit(reply)
+            if self.order:
+                for reply in self.order[0].held:
+                    self.emit(reply)
+                self.order[0].held = []
+
+    def refuse(self, message: str) -> None:
+        """ERR for the last command: after the control lines of the admissions sent before it."""
+        ahead = [job for job in (*self.order, *self.pending) if job.slot is not None]
+        if ahead:
+            ahead[-1].then.append(P.Err(message))
+        else:
+            self.emit(P.Err(message))
 
     def start_reader(self, stream: TextIO) -> None:
         def pump() -> None:
@@ -122,13 +155,14 @@ class EngineLoop:
         try:
             cmd = P.parse_command(line)
         except P.ProtocolError as exc:
-            self.emit(P.Err(str(exc)))
+            self.refuse(str(exc))
             return
         match cmd:
             case P.Gen() | P.BGen():
                 self.submit(cmd)
             case P.Stop():
-                target = self.reading or self.decoding.get(self.runner.solo.index) or (self.pending[0] if self.pending else None)
+                target = ((self.reading[0] if self.reading else None) or self.decoding.get(self.runner.solo.index)
+                          or (self.pending[0] if self.pending else None))
                 if target is not None:
                     target.stop = True
             case P.BStop(slot):
@@ -136,13 +170,15 @@ class EngineLoop:
                     if job.slot == slot:
                         job.stop = True
             case P.BYield(slot):
-                if self.reading is not None and self._slot_ok(slot, allow=self.reading.slot):
-                    self.reading.yield_to = slot
+                job = next((j for j in self.reading if j.slot == slot), None) or (
+                    self.reading[0] if self.reading and self.reading[0].slot is None else None)
+                if job is not None and self._slot_ok(slot, allow=job.slot):
+                    job.yield_to = slot
             case P.Quit():
                 self.quit = True  # work already queued is finished first
 
     def _jobs(self) -> list[Job]:
-        return [*([self.reading] if self.reading else []), *self.pending, *self.decoding.values()]
+        return [*self.reading, *self.pending, *self.decoding.values()]
 
     def _slot_ok(self, slot: int, allow: int | None = None) -> bool:
         if not 0 <= slot < self.n_slots:
@@ -152,21 +188,21 @@ class EngineLoop:
     def submit(self, cmd: P.Gen | P.BGen) -> None:
         ctx = self.model.context
         if len(cmd.ids) + cmd.max_new + P.CONTEXT_SLACK > ctx:
-            self.emit(P.Err(f"prompt ({len(cmd.ids)}) + max_new ({cmd.max_new}) + {P.CONTEXT_SLACK} exceeds the context ({ctx})"))
+            self.refuse(f"prompt ({len(cmd.ids)}) + max_new ({cmd.max_new}) + {P.CONTEXT_SLACK} exceeds the context ({ctx})")
             return
         if max(cmd.ids) >= self.model.hyper.vocab:
-            self.emit(P.Err(f"token id {max(cmd.ids)} is outside the vocabulary ({self.model.hyper.vocab})"))
+            self.refuse(f"token id {max(cmd.ids)} is outside the vocabulary ({self.model.hyper.vocab})")
             return
         slot = cmd.slot if isinstance(cmd, P.BGen) else None
         if slot is not None:
             if self.n_slots == 0:
-                self.emit(P.Err("no batch slots: start the engine with --batch N"))
+                self.refuse("no batch slots: start the engine with --batch N")
                 return
             if not 0 <= slot < self.n_slots:
-                self.emit(P.Err(f"slot {slot} does not exist (0..{self.n_slots - 1})"))
+                self.refuse(f"slot {slot} does not exist (0..{self.n_slots - 1})")
                 return
             if not self._slot_ok(slot):
-                self.emit(P.Err(f"slot {slot} is busy"))
+                self.refuse(f"slot {slot} is busy")
                 return
         session = self.runner.solo if slot is None else self.runner.slot(slot)
         seed = cmd.sampling.seed or random.randrange(1, 2**63)
@@ -174,47 +210,72 @@ class EngineLoop:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def start_read(self) -> None:
-        job = self.pending[0]
-        if job.session.index in self.decoding:
-            return  # a GEN waits until the solo session's request is done
-        self.pending.popleft()
-        busy = set(self.decoding)
+    def start_reads(self) -> None:
+        """Start the pending reads that can start now: one when none runs (a GEN waits for the solo session's
+        request); outside exact mode also every admission behind reading admissions, to be read with them."""
+        while self.pending:
+            job = self.pending[0]
+            if self.reading and (self.runner.exact or job.slot is None or self.reading[0].slot is None):
+                return
+            if job.session.index in self.decoding:
+                return  # a GEN waits until the solo session's request is done
+            self.pending.popleft()
+            self.start_read(job)
+
+    def start_read(self, job: Job) -> None:
+        busy = set(self.decoding) | {j.session.index for j in self.reading}
+        self.reading.append(job)
+        if job.slot is not None:
+            self.order.append(job)
         job.reused = self.runner.reuse(job.session, job.prompt, busy, self.parking)
         job.read_start = job.reused
         job.started = time.perf_counter()
         if job.reused:
-            self.emit(P.Resume(job.reused))
-        self.reading = job
+            self.say(job, P.Resume(job.reused))
 
     def read_chunk(self) -> float:
-        """Read one chunk of the current prompt (or end the read). Returns the seconds it took."""
-        job = self.reading
-        assert job is not None
-        if job.stop:
-            self.end_read(job, "cancel")
-            return 0.0
-        if job.yield_to is not None:
-            self.give_way(job)
+        """One forward over the reads' next tokens (or the end of those stopped or giving way at this
+        boundary). Returns the seconds it took."""
+        for job in list(self.reading):
+            if job.stop:
+                self.end_read(job, "cancel")
+            elif job.yield_to is not None:
+                self.give_way(job)
+        parts = self._parts()
+        if not parts:
             return 0.0
         t0 = time.perf_counter()
-        chunk = job.prompt[job.read_pos : job.read_pos + self.prefill]
-        logits = self.runner.read(job.session, chunk)
+        logits = self.runner.read_parts([(job.session, chunk) for job, chunk in parts])
         dt = time.perf_counter() - t0
-        job.prompt_read += len(chunk)
-        self.stats.prefill(len(chunk), dt)
-        self.emit(P.Progress(job.read_pos, len(job.prompt), dt * 1000, len(chunk) / max(dt, 1e-9)))
-        if job.read_pos == len(job.prompt):
-            job.prompt_ms = (time.perf_counter() - job.started) * 1000
-            self.first_token(job, logits)
+        read = sum(len(chunk) for _, chunk in parts)
+        self.stats.prefill(read, dt)
+        for (job, chunk), row in zip(parts, logits, strict=True):
+            job.prompt_read += len(chunk)
+            self.say(job, P.Progress(job.read_pos, len(job.prompt), dt * 1000, read / max(dt, 1e-9)))
+            if job.read_pos == len(job.prompt):
+                job.prompt_ms = (time.perf_counter() - job.started) * 1000
+                self.first_token(job, row)
         return dt
 
+    def _parts(self) -> list[tuple[Job, list[int]]]:
+        """The next forward's tokens, at most `prefill` in all, the reads in command order: an admission reads
+        only once those ahead of it have nothing left, so it never gets its first token before them. A read
+        alone takes the chunks it always took (`prefill` tokens from where it started)."""
+        parts, left = [], self.prefill
+        for job in self.reading:
+            chunk = job.prompt[job.read_pos : job.read_pos + left]
+            parts.append((job, chunk))
+            left -= len(chunk)
+            if not left:
+                break
+        return parts
+
     def first_token(self, job: Job, logits: torch.Tensor) -> None:
-        self.reading = None
+        self.reading.remove(job)
         job.decode_started = time.perf_counter()
         token = self.runner.sample(logits[None], [Draw.after(job.sampling, job.seed, job.session.tokens)])[0]
         job.generated = 1
-        self.emit(P.Token(token, logprob_of(token)))
+        self.say(job, P.Token(token, logprob_of(token)))
         finish = self.finish_reason(job, token)
         if job.slot is None:
             if finish:
@@ -225,25 +286,27 @@ class EngineLoop:
             return
         continues = finish is None
         self.done(job, finish or "length")
-        self.emit(P.BAdm(job.slot, continues))
+        self.say(job, P.BAdm(job.slot, continues))
+        self.close(job)
         if continues:
             job.next_token = token
             job.decode_started = time.perf_counter()
             self.decoding[job.session.index] = job
 
     def end_read(self, job: Job, finish: str) -> None:
-        self.reading = None
+        self.reading.remove(job)
         job.prompt_ms = (time.perf_counter() - job.started) * 1000
         self.done(job, finish)
         if job.slot is not None:
-            self.emit(P.BAdm(job.slot, False))
+            self.say(job, P.BAdm(job.slot, False))
+            self.close(job)
 
     def give_way(self, job: Job) -> None:
         """BYIELD at a chunk boundary: the part read waits in the yield slot; the server re-sends."""
         slot = self.runner.slot(job.yield_to)
         if slot is not job.session:
             self.runner.copy(job.session, slot, self.parking)
-        self.emit(P.Yielded(slot.index, len(slot.tokens)))
+        self.say(job, P.Yielded(slot.index, len(slot.tokens)))
         self.end_read(job, "cancel")
 
     # -- decoding -----------------------------------------------------------------------------
@@ -341,7 +404,7 @@ class EngineLoop:
 
     def done(self, job: Job, finish: str) -> None:
         decode_ms = (time.perf_counter() - job.decode_started) * 1000 if job.decode_started else 0.0
-        self.emit(P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
+        self.say(job, P.Done(job.generated, len(job.prompt), job.prompt_ms, decode_ms, finish,
                          reused=job.reused, hits=job.experts.vram, lookups=job.experts.lookups - job.experts.pcie,
                          prompt_read=job.prompt_read, offloaded=job.experts.pcie))  # upstream: lookups exclude PCIe
 
@@ -350,9 +413,8 @@ class EngineLoop:
     def run(self) -> None:
         while not (self.quit and not self.busy() and self.commands.empty()):
             self.poll()
-            if self.reading is None and self.pending:
-                self.start_read()
-            if self.reading is not None:
+            self.start_reads()
+            if self.reading:
                 spent = self.read_chunk()
                 if self.decoding and spent:
                     self.decode_steps_for(spent * self.decode_share)

@@ -207,12 +207,20 @@ class Runner:
     def read(self, session: Session, ids: list[int]) -> torch.Tensor:
         """Feed prompt tokens into `session` (in forwards of at most `chunk` rows); returns the logits
         after the last one, [vocab]."""
-        step = self.chunk
-        for lo in range(0, len(ids), step):
-            chunk = ids[lo : lo + step]
-            logits = self.forward([Span(session.index, len(session.tokens), len(chunk))], chunk)
-            session.tokens.extend(chunk)
+        for lo in range(0, len(ids), self.chunk):
+            logits = self.read_parts([(session, ids[lo : lo + self.chunk])])
         return logits[0]
+
+    def read_parts(self, parts: list[tuple[Session, list[int]]]) -> torch.Tensor:
+        """One forward over prompt tokens of several sessions (at most `chunk` in all), each fed its own;
+        returns the logits after each one's last token, [len(parts), vocab]."""
+        spans = [Span(session.index, len(session.tokens), len(ids)) for session, ids in parts]
+        if sum(span.length for span in spans) > self.chunk:
+            raise ValueError(f"a forward takes at most {self.chunk} prompt tokens")
+        logits = self.forward(spans, [t for _, ids in parts for t in ids])
+        for session, ids in parts:
+            session.tokens.extend(ids)
+        return logits
 
     def sample(self, logits: torch.Tensor, draws: list[Draw]) -> list[int]:
         """Each row's next token (logits [rows, vocab]), read back to the host once."""

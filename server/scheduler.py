@@ -9,16 +9,19 @@ Rules (the seed's "batch slots" page):
   prompt + generated; the engine's prompt cache makes that free); the newcomer is admitted next.
 - A request left alone in a slot goes back to the solo path (`BSTOP`, then `GEN` with everything), at
   most twice per request; STRATA_PARALLEL_SOLO=0 turns that off.
-- More requests than slots wait, FIFO. Admissions are one at a time (the control line stream
-  belongs to one GEN/BGEN at a time).
-- A waiting prompt under half as long as the one being read (no token yet) makes the read give way
-  (`BYIELD`, at most twice per request); the yielded request is sent again later with `BGEN` into
-  the slot holding its part read, after everyone waiting at that moment.
+- More requests than slots wait, FIFO. The control lines (everything of a GEN, an admission's up to its
+  BADM) are read by one request at a time, in the order the GEN/BGENs were sent (`control`). Outside
+  exact mode admissions are sent while others read (pipelined): the engine reads them together and
+  writes each admission's control lines after those of the admissions before it.
+- Where admissions are not pipelined (exact mode, or behind a solo read), a waiting prompt under half
+  as long as the one being read (no token yet) makes the read give way (`BYIELD`, at most twice per
+  request); the yielded request is sent again later with `BGEN` into the slot holding its part read,
+  after everyone waiting at that moment.
 - Slot choice: the free slot whose held tokens are the longest prefix of the prompt, else an empty
   one, else the least recently used; empty slots are taken across pipeline groups in turn.
   The engine parks the conversation of a slot it gives to another one in host memory and finds
   parked conversations itself (docs/protocol.md, Conversation parking), so parking needs nothing here.
-- A request whose client is gone gets `STOP` (solo, admission) or `BSTOP` (slot); its lines are
+- A request whose client is gone gets `STOP` (solo) or `BSTOP` (admission, slot); its lines are
   still read to the end, so nothing of it reaches the next request.
 
 Every decision is taken in `_schedule()`, a plain method called after each state change; the engine
@@ -185,7 +188,10 @@ class Scheduler:
         self.on_finish = on_finish
         self.on_tokens = on_tokens
         self.waiting: collections.deque[Job] = collections.deque()
-        self.control_job: Job | None = None
+        # jobs whose GEN/BGEN was sent and whose control lines are not all read, in the order sent: the first reads
+        self.control: collections.deque[Job] = collections.deque()
+        self._head_changed = asyncio.Event()
+        self.pipelined = False  # admissions sent while others read (`_pipelines`): from the engine's INFO
         self.slots: list[Slot] = []
         self.groups = 1
         self.last_group = -1
@@ -198,6 +204,11 @@ class Scheduler:
     @property
     def nslots(self) -> int:
         return len(self.slots)
+
+    @property
+    def control_job(self) -> Job | None:
+        """The job reading the control lines now."""
+        return self.control[0] if self.control else None
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) >= self.queue_limit:
@@ -223,12 +234,12 @@ class Scheduler:
         if engine is None or not engine.alive or seg is None:
             return
         try:
-            if seg.mode in ("solo", "admit") and not seg.stop_sent:
+            if seg.mode == "solo" and not seg.stop_sent:
                 seg.stop_sent = True
                 engine.send(format_command(Stop()))
-            elif seg.mode == "slot" and not self.slots[seg.slot].stopping:
-                self.slots[seg.slot].stopping = True
-                engine.send(format_command(BStop(seg.slot)))
+            elif seg.mode in ("admit", "slot") and not self.slots[seg.slot].stopping:
+                seg.stop_sent = True
+                self._stop_slot(engine, seg.slot)
         except EngineDied:
             pass
 
@@ -239,11 +250,12 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(n)]
         g = engine.info.get("batch_groups", 1)
         self.groups = g if isinstance(g, int) and g >= 1 and n and n % g == 0 else 1
-        self.control_job = None
+        self.pipelined = not engine.info.get("exact")  # the engine reads admissions sent together together
+        self._drop_control()
 
     def engine_died(self, engine: EngineProcess) -> None:
         # the jobs reading queues learn it from the EngineDied put in every queue; forget the slots
-        self.control_job = None
+        self._drop_control()
         for s in self.slots:
             s.job, s.reserved_for, s.held, s.stopping = None, None, [], False
         for job in list(self.waiting):
@@ -279,27 +291,54 @@ class Scheduler:
                 self._starting = asyncio.get_running_loop().create_task(self._start_engine())
             return
         cj = self.control_job
-        if cj is not None:
+        if cj is not None and not self._pipelines():
             if self.slots and self.waiting and cj.segment is not None:
                 self._maybe_preempt(engine, cj, cj.segment)
             return
-        if not self.waiting:
+        if cj is None and not self.waiting:
             self._maybe_return_to_solo(engine)
             return
-        job = self.waiting[0]
-        busy = any(s.job is not None for s in self.slots)
-        if not self.slots or (not busy and len(self.waiting) == 1 and self._solo_ok(job)):
-            slot = None
-        else:
-            slot = self.pick_slot(job)
-            if slot is None:
+        while self.waiting:
+            job = self.waiting[0]
+            busy = any(s.job is not None for s in self.slots)
+            if not self.control and (not self.slots or (not busy and len(self.waiting) == 1 and self._solo_ok(job))):
+                slot = None
+            else:
+                slot = self.pick_slot(job)
+                if slot is None:
+                    return
+                slot.job, slot.reserved_for = job, None  # taken now, before the task runs
+            self.waiting.popleft()
+            job.slot = None if slot is None else slot.index
+            self.control.append(job)  # its control lines come after those of the jobs sent before it
+            self.running.add(job)
+            job.state = "reading"
+            self._spawn(job, self._run_control(engine, job, slot))
+            if slot is None or not self._pipelines():
                 return
-            slot.job, slot.reserved_for = job, None  # taken now, before the task runs
-        self.waiting.popleft()
-        self.control_job = job  # the control lines belong to this job from now on
-        self.running.add(job)
-        job.state = "reading"
-        self._spawn(job, self._run_control(engine, job, slot))
+
+    def _pipelines(self) -> bool:
+        """Whether another admission may be sent now: outside exact mode, behind admissions only."""
+        return self.pipelined and all(j.slot is not None for j in self.control)
+
+    def _drop_control(self, job: Job | None = None) -> None:
+        """`job` (None: every job) no longer reads the control lines; the next one in line does."""
+        if job is None:
+            self.control.clear()
+        elif job in self.control:
+            self.control.remove(job)
+        changed, self._head_changed = self._head_changed, asyncio.Event()
+        changed.set()
+
+    async def _turn(self, engine: EngineProcess, job: Job) -> None:
+        """Until `job` reads the control lines (or the engine is gone)."""
+        while engine.alive and self.control and self.control[0] is not job:
+            await self._head_changed.wait()
+
+    def _stop_slot(self, engine: EngineProcess, slot: int) -> None:
+        """BSTOP: ends an admission into `slot` (reading, or waiting behind others) or the slot's decoding."""
+        self.slots[slot].stopping = True
+        engine.send(format_command(BStop(slot)))
 
     def _solo_ok(self, job: Job) -> bool:
         return job.reserved_slot is None and (job.remaining > 1 or not job.generated)
@@ -390,8 +429,7 @@ class Scheduler:
             return
         exc = task.exception()
         say(f"internal error while running request {job.id}: {exc!r}")
-        if self.control_job is job:
-            self.control_job = None
+        self._drop_control(job)
         engine = self.sup.engine
         for s in self.slots:
             if s.job is job:
@@ -440,20 +478,23 @@ class Scheduler:
     async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None) -> None:
         """One GEN (slot None) or BGEN: send it and read the control lines to DONE (and BADM)."""
         control = engine.control
-        while not control.empty():  # nothing stale may reach this request
+        while self.control_job is job and not control.empty():  # nothing stale may reach this request
             item = control.get_nowait()
             if isinstance(item, EngineDied):
                 control.put_nowait(item)
                 break
         seg, line = self._begin(job, slot)
         ids = job.context
-        if job.cancelled:  # gone while it waited for its turn
-            seg.stop_sent = True
         done: Done | None = None
         try:
             engine.send(line)
-            if job.cancelled:
-                engine.send(format_command(Stop()))
+            if job.cancelled:  # gone while it waited for its turn
+                seg.stop_sent = True
+                if slot is None:
+                    engine.send(format_command(Stop()))
+                else:
+                    self._stop_slot(engine, slot.index)
+            await self._turn(engine, job)
             while True:
                 item = await control.get()
                 t = type(item)
@@ -491,6 +532,7 @@ class Scheduler:
                 elif t is Err:
                     raise EngineRefused(f"engine error: {item.message}")
                 elif isinstance(item, EngineDied):
+                    control.put_nowait(item)  # for the jobs in line behind this one
                     raise item
         except EngineDied as exc:
             self._release_control(job, slot)
@@ -504,7 +546,7 @@ class Scheduler:
         assert done is not None
         # -- after the control lines
         if slot is not None and seg.admitted:
-            self.control_job = None
+            self._drop_control(job)
             slot.generated = 1
             if job.cancelled and not slot.stopping:
                 slot.stopping = True
@@ -540,8 +582,7 @@ class Scheduler:
             self.waiting.appendleft(job)
 
     def _release_control(self, job: Job, slot: Slot | None) -> None:
-        if self.control_job is job:
-            self.control_job = None
+        self._drop_control(job)
         if slot is not None and slot.job is job:
             slot.job = None
             slot.last_used = time.monotonic()

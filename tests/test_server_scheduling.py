@@ -276,3 +276,50 @@ def test_non_stream_client_gone_stops_the_request(tmp_path):
         rows = s.metrics()["requests"]
         assert rows[0]["finish"] == "disconnect" and rows[0]["output_tokens"] < 3000
         assert s.metrics()["live"]["running"] == 0
+
+
+def test_admissions_sent_together_are_read_together(tmp_path):
+    """Outside exact mode the server sends admissions while another reads (pipelined) and the engine reads them
+    in shared forwards; each reply still follows the rule."""
+    with LiveServer(tmp_path, config={"parallel": 4, "prefill": 64}, switches={"tok_s": 200, "prefill_tok_s": 4000},
+                    rule=Rule(ends=False)) as s:
+        first = user("the first request, alone for a moment")
+        others = [user(f"request {i}: " + "x" * 400) for i in range(3)]
+        res: dict = {}
+        threads = [start(s, first, 60, res, "first")]
+        time.sleep(0.2)
+        threads += [start(s, m, 20, res, i) for i, m in enumerate(others)]
+        for t in threads:
+            t.join()
+        assert content(res["first"][1]) == s.expected_chat(first, 60)[0]
+        for i, m in enumerate(others):
+            assert content(res[i][1]) == s.expected_chat(m, 20)[0]
+        reads = [(x["kind"], x["prompt"], x["reading"]) for x in s.admissions()]
+        assert max(x["reading"] for x in s.admissions()) >= 2, reads  # a read started beside another
+
+
+def test_a_client_gone_while_its_admission_waits_behind_another_read(tmp_path):
+    """A request whose admission was sent behind a long read is stopped (BSTOP) when its client leaves; the
+    long read's reply and the next request's are unaffected."""
+    with LiveServer(tmp_path, config={"parallel": 3, "prefill": 64}, switches={"tok_s": 200, "prefill_tok_s": 3000},
+                    rule=Rule(ends=False)) as s:
+        busy, long_msgs, gone = user("keeps a slot busy"), user("L" * 3000), user("leaves early")
+        res: dict = {}
+        threads = [start(s, busy, 200, res, "busy")]
+        time.sleep(0.2)
+        threads.append(start(s, long_msgs, 10, res, "long"))
+        time.sleep(0.1)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.base + CHAT, json={"messages": gone, "max_tokens": 50}, timeout=0.3)
+        for t in threads:
+            t.join()
+        assert content(res["busy"][1]) == s.expected_chat(busy, 200)[0]
+        assert content(res["long"][1]) == s.expected_chat(long_msgs, 10)[0]
+        nxt = user("next")
+        assert content(httpx.post(s.base + CHAT, json={"messages": nxt, "max_tokens": 20}, timeout=30)) == \
+            s.expected_chat(nxt, 20)[0]
+        time.sleep(0.2)
+        row = row_for(s, len(chat_ids(gone)))
+        assert row["finish"] == "disconnect" and row["output_tokens"] == 0
+        assert s.metrics()["live"]["running"] == 0
+        assert any(x["prompt"] == len(chat_ids(gone)) and x["reading"] >= 2 for x in s.admissions())
