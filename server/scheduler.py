@@ -13,10 +13,10 @@ Rules (the seed's "batch slots" page):
   BADM) are read by one request at a time, in the order the GEN/BGENs were sent (`control`). Outside
   exact mode admissions are sent while others read (pipelined): the engine reads them together and
   writes each admission's control lines after those of the admissions before it.
-- Where admissions are not pipelined (exact mode, or behind a solo read), a waiting prompt under half
-  as long as the one being read (no token yet) makes the read give way (`BYIELD`, at most twice per
-  request); the yielded request is sent again later with `BGEN` into the slot holding its part read,
-  after everyone waiting at that moment.
+- A prompt under half as long as the one being read (no token yet), waiting or sent behind it, makes the
+  read give way (`BYIELD`, at most twice per request): the engine reads admissions in the order sent, so
+  a short one behind a long one would wait for all of it. The yielded request is sent again later with
+  `BGEN` into the slot holding its part read, after everyone waiting at that moment.
 - Slot choice: the free slot whose held tokens are the longest prefix of the prompt, else an empty
   one, else the least recently used; empty slots are taken across pipeline groups in turn.
   The engine parks the conversation of a slot it gives to another one in host memory and finds
@@ -291,10 +291,11 @@ class Scheduler:
                 self._starting = asyncio.get_running_loop().create_task(self._start_engine())
             return
         cj = self.control_job
-        if cj is not None and not self._pipelines():
-            if self.slots and self.waiting and cj.segment is not None:
+        if cj is not None:
+            if self.slots and (self.waiting or len(self.control) > 1) and cj.segment is not None:
                 self._maybe_preempt(engine, cj, cj.segment)
-            return
+            if not self._pipelines():
+                return
         if cj is None and not self.waiting:
             self._maybe_return_to_solo(engine)
             return
@@ -349,7 +350,7 @@ class Scheduler:
         if seg.tokens == 0:  # still reading its prompt: give way to a much shorter one?
             if seg.yield_sent or cj.yields >= MAX_YIELDS:
                 return
-            shortest = min(len(w.context) for w in self.waiting)
+            shortest = min(len(w.context) for w in (*self.waiting, *list(self.control)[1:]))
             if shortest * 2 >= seg.prompt_tokens:
                 return
             if seg.mode == "admit":

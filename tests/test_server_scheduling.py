@@ -303,7 +303,7 @@ def test_a_client_gone_while_its_admission_waits_behind_another_read(tmp_path):
     long read's reply and the next request's are unaffected."""
     with LiveServer(tmp_path, config={"parallel": 3, "prefill": 64}, switches={"tok_s": 200, "prefill_tok_s": 3000},
                     rule=Rule(ends=False)) as s:
-        busy, long_msgs, gone = user("keeps a slot busy"), user("L" * 3000), user("leaves early")
+        busy, long_msgs, gone = user("keeps a slot busy"), user("L" * 3000), user("G" * 2000)  # no yield: similar
         res: dict = {}
         threads = [start(s, busy, 200, res, "busy")]
         time.sleep(0.2)
@@ -323,3 +323,24 @@ def test_a_client_gone_while_its_admission_waits_behind_another_read(tmp_path):
         assert row["finish"] == "disconnect" and row["output_tokens"] == 0
         assert s.metrics()["live"]["running"] == 0
         assert any(x["prompt"] == len(chat_ids(gone)) and x["reading"] >= 2 for x in s.admissions())
+
+
+def test_a_long_admission_yields_to_a_short_one_sent_behind_it(tmp_path):
+    """Pipelined: a short prompt sent behind a long admission's read would wait for all of it (the engine reads
+    admissions in the order sent), so the long read gives way as a solo read does."""
+    with LiveServer(tmp_path, config={"parallel": 3, "prefill": 64},
+                    switches={"tok_s": 200, "prefill_tok_s": 3000}, rule=Rule(ends=False)) as s:
+        busy, long_msgs, short_msgs = user("keeps a slot busy"), user("L" * 3000), user("short question")
+        res: dict = {}
+        threads = [start(s, busy, 150, res, "busy")]
+        time.sleep(0.2)
+        threads.append(start(s, long_msgs, 20, res, "long"))
+        time.sleep(0.3)
+        threads.append(start(s, short_msgs, 20, res, "short"))
+        for t in threads:
+            t.join()
+        for key, msgs, n in (("busy", busy, 150), ("long", long_msgs, 20), ("short", short_msgs, 20)):
+            assert content(res[key][1]) == s.expected_chat(msgs, n)[0]
+        assert res["short"][0] < res["long"][0]  # the short one finished first
+        assert row_for(s, len(chat_ids(long_msgs)))["yields"] == 1
+        assert row_for(s, len(chat_ids(short_msgs)))["yields"] == 0
