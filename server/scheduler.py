@@ -339,7 +339,7 @@ class Scheduler:
     def _stop_slot(self, engine: EngineProcess, slot: int) -> None:
         """BSTOP: ends an admission into `slot` (reading, or waiting behind others) or the slot's decoding."""
         self.slots[slot].stopping = True
-        engine.send(format_command(BStop(slot)))
+        self._send(engine, format_command(BStop(slot)))
 
     def _solo_ok(self, job: Job) -> bool:
         return job.reserved_slot is None and (job.remaining > 1 or not job.generated)
@@ -383,8 +383,7 @@ class Scheduler:
         if job.returns_to_solo >= MAX_RETURNS_TO_SOLO or job.remaining <= 1:
             return
         seg.asked = SegmentEnd.BACK_TO_SOLO
-        s.stopping = True
-        self._send(engine, format_command(BStop(s.index)))
+        self._stop_slot(engine, s.index)
 
     def _free_slots(self) -> list[Slot]:
         return [s for s in self.slots if s.free]
@@ -550,8 +549,7 @@ class Scheduler:
             self._drop_control(job)
             slot.generated = 1
             if job.cancelled and not slot.stopping:
-                slot.stopping = True
-                self._send(engine, format_command(BStop(slot.index)))
+                self._stop_slot(engine, slot.index)
             self._schedule()
             await self._run_slot(engine, job, slot, seg)
             return
