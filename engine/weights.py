@@ -36,9 +36,6 @@ from engine.kernels import gpu as gpu_kernels
 from engine.quants import load_tensor
 
 MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
-# The head keeps float activations whatever the engine's choice: it reads ~170 MB per token and
-# is bound by memory either way, and its rounding lands directly on the logits.
-HEADS = ("output", "token_embd")
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`
@@ -127,10 +124,11 @@ class BlockLinear(Linear):
     """A matrix kept in the file's blocks on the CPU, `[out_features, row_bytes]` bytes; the kernel
     for its type is chosen once, here. Products are float32 and cast back to the input's dtype."""
 
-    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, activations: str | None = None):
+    def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, activations: str | None = None,
+                 packed: bool = False):
         self.qtype = qtype
         self.activations = activations  # None: the engine's choice (cpu_kernels.set_activations)
-        self.matrix = cpu_kernels.Matrix(qtype, blocks, in_features)
+        self.matrix = cpu_kernels.Matrix(qtype, blocks, in_features, packed)
         self.out_features = blocks.shape[0]
         self.in_features = in_features
         self.nbytes = blocks.numel()
@@ -150,15 +148,16 @@ class BlockLinear(Linear):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.dequantize(self.qtype, self.matrix.blocks[ids.reshape(-1)], self.in_features)
+        return self.matrix.rows(ids)
 
     def kind(self) -> tuple:
-        return "blocks", self.qtype, self.in_features, self.activations
+        return "blocks", self.qtype, self.in_features, self.activations, self.matrix.packed
 
     @classmethod
     def joined(cls, parts: list[Linear]) -> Linear:
-        first = parts[0]
-        return cls(first.qtype, torch.cat([p.matrix.blocks for p in parts]), first.in_features, first.activations)
+        first = parts[0]  # packed parts are whole groups of rows: their bytes joined are packed too
+        return cls(first.qtype, torch.cat([p.matrix.blocks for p in parts]), first.in_features, first.activations,
+                   first.matrix.packed)
 
 
 class Projections:
@@ -277,9 +276,11 @@ class WeightStore:
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
             lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], device)
+        elif kept and cpu_kernels.packs(info.qtype, info.shape[0]):
+            blocks = cpu_kernels.pack(info.qtype, self._mapped(info), info.shape[-1])
+            lin = BlockLinear(info.qtype, blocks, info.shape[-1], packed=True)
         elif kept:
-            lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1],
-                              activations="float" if name in HEADS else None)
+            lin = BlockLinear(info.qtype, self._blocks(info), info.shape[-1])
         else:
             lin = DenseLinear(self._dense(info, self.dtype, device))
         self._count(info, lin.nbytes, kept, device=device, key=key)

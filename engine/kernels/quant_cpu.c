@@ -599,8 +599,8 @@ static void dot_floats(const float *a, int64_t k, const float *x, int rows, floa
 /* x rows (k a multiple of `block`, 32 or QK_K) to integers (xrows): per block of x, scale
  * max|x|/limit (32767 into q, or 127 into q8), values rounded to nearest even; the sums of each 16
  * values. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int limit, int16_t *q, int8_t *q8,
-                          float *d, int32_t *s) {
+void sd_quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int limit, int16_t *q, int8_t *q8,
+                      float *d, int32_t *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < m * k / block; b++) {
         const float *v = x + block * b;
@@ -903,7 +903,7 @@ static int round_x(job *j, int activations, void **mem) {
         j->xq.q8 = q;
     else
         j->xq.q = q;
-    quantize_rows(j->x, j->m, j->k, j->t->x_block, activations == X_INT8 ? 127 : 32767, (int16_t *)j->xq.q,
+    sd_quantize_rows(j->x, j->m, j->k, j->t->x_block, activations == X_INT8 ? 127 : 32767, (int16_t *)j->xq.q,
                   (int8_t *)j->xq.q8, d, s);
 #else
     (void)j, (void)activations;

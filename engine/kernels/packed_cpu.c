@@ -1,0 +1,313 @@
+/* Q8_0 matrices with their rows interleaved in groups of 16 (`R16`), for decode products that run at
+ * the memory's speed.
+ *
+ * Why: a product straight from the file's blocks spends ~13 cycles a block on one row at a time
+ * (the scale, the widening, one reduction per row), so a 2-core machine reads the 178 MB head of
+ * the demo model at 15 GB/s of the 25 it can. With 16 rows side by side, one load gives 16 rows'
+ * weights for the same two x values: the inner loop is a widening load and one multiply-add per
+ * 8 rows and 2 values, and the scales of 16 rows come in one load.
+ *
+ * Layout: the same bytes as the file's rows (34 a block), group g holding rows 16g..16g+15 in
+ * `16 * row_bytes` bytes: per block of 32 values, the 16 rows' f16 scales (32 bytes), then for each
+ * pair of values p = 0..15 the 16 rows' two int8 quants (32 bytes: row 0's pair, row 1's, ...). A
+ * slice of whole groups is a packed matrix of its own, so joined matrices and row ranges stay packed.
+ *
+ * Results are exact per row, as the file layout's products (quant_cpu.c): y[i, j] depends on W[j]
+ * and x[i] only. Integer modes: per block, the int32 sum of q * x exactly, then f += float(sum) *
+ * (d * dx) in block order. Float mode: per block, the products summed in two chains (even and odd
+ * values) of FMAs, the chains added, then f += sum * d. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "f16.h"
+#include "pool.h"
+#include "quant_cpu.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
+#include <immintrin.h>
+#define SD_AVX2 1
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define GROUP 16
+#define QK 32
+#define BLOCK_BYTES 34 /* Q8_0: f16 scale + 32 int8 */
+#define ROWS_AT_ONCE 4 /* x rows a pass over a group */
+enum { T_Q8_0 = 8, X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
+
+int sd_packs(int type) {
+#ifdef SD_AVX2
+    return type == T_Q8_0;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+typedef struct {
+    const uint8_t *w;
+    uint8_t *out;
+    int64_t k;
+} pack_job;
+
+static void pack_group(void *ctx, int64_t g, int thread) {
+    const pack_job *j = ctx;
+    int64_t nb = j->k / QK, rb = nb * BLOCK_BYTES;
+    (void)thread;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *o = j->out + g * GROUP * rb + b * GROUP * BLOCK_BYTES;
+        for (int r = 0; r < GROUP; r++) {
+            const uint8_t *src = j->w + (g * GROUP + r) * rb + b * BLOCK_BYTES;
+            memcpy(o + 2 * r, src, 2);
+            for (int p = 0; p < QK / 2; p++) memcpy(o + 32 + 32 * p + 2 * r, src + 2 + 2 * p, 2);
+        }
+    }
+}
+
+/* n rows of Q8_0 blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
+ * Returns -1 when the type has no packed layout here, n is not a multiple of 16 or k of 32. */
+int sd_pack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
+    if (!sd_packs(type) || n % GROUP || k % QK || n < 0 || k < 0) return -1;
+    pack_job j = {.w = w, .out = out, .k = k};
+    sd_parallel(threads, n / GROUP, n / GROUP / (8 * (threads > 0 ? threads : 1)) + 1, pack_group, &j);
+    return 0;
+}
+
+/* Row r (any r < n) of a packed matrix, dequantized as gguf-py does (float(d) * q). */
+static void unpack_row(const uint8_t *w, int64_t k, int64_t r, float *out) {
+    int64_t nb = k / QK, rb = nb * BLOCK_BYTES;
+    const uint8_t *g = w + r / GROUP * GROUP * rb;
+    int lane = (int)(r % GROUP);
+    for (int64_t b = 0; b < nb; b++, g += GROUP * BLOCK_BYTES) {
+        float d = sd_f16((uint16_t)(g[2 * lane] | g[2 * lane + 1] << 8));
+        for (int v = 0; v < QK; v++) out[b * QK + v] = d * (float)(int8_t)g[32 + 32 * (v / 2) + 2 * lane + v % 2];
+    }
+}
+
+typedef struct {
+    const uint8_t *w;
+    int64_t k;
+    const int64_t *rows;
+    float *out;
+} unpack_job;
+
+static void unpack_item(void *ctx, int64_t i, int thread) {
+    const unpack_job *j = ctx;
+    (void)thread;
+    unpack_row(j->w, j->k, j->rows ? j->rows[i] : i, j->out + i * j->k);
+}
+
+/* out[i] = row rows[i] of the packed matrix (rows NULL: rows 0..count-1), float32 [count, k]. */
+void sd_unpack_rows(const uint8_t *w, int64_t k, const int64_t *rows, int64_t count, float *out, int threads) {
+    unpack_job j = {.w = w, .k = k, .rows = rows, .out = out};
+    if (count * k < 32768) threads = 1;
+    sd_parallel(threads, count, count / (8 * (threads > 0 ? threads : 1)) + 1, unpack_item, &j);
+}
+
+#ifdef SD_AVX2
+/* 8 rows' f16 scales of a group's block (rows 0-7 at h = 0, 8-15 at h = 1). */
+INLINE __m256 scales8(const uint8_t *block, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * h))); }
+
+/* acc + the int16 pair products of w and x summed per 32-bit lane (one VNNI instruction where there is one). */
+INLINE __m256i dot_pairs(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+INLINE int32_t x_pair(const int16_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return v;
+}
+
+/* Integer modes: x rows as int16 values q [rows, k] with a scale per 32, d [rows, k / 32]. */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* 16 rows in one register: a pair's 32 quants widened in one instruction. */
+INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
+                      float *y, int64_t ys) {
+    __m512 f[ROWS_AT_ONCE];
+    for (int r = 0; r < rows; r++) f[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+        __m512i a[ROWS_AT_ONCE];
+        for (int r = 0; r < rows; r++) a[r] = _mm512_setzero_si512();
+        for (int p = 0; p < QK / 2; p++) {
+            __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(gw + 32 + 32 * p)));
+            for (int r = 0; r < rows; r++)
+                a[r] = _mm512_dpwssd_epi32(a[r], w, _mm512_set1_epi32(x_pair(q + r * k + b * QK + 2 * p)));
+        }
+        __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gw));
+        for (int r = 0; r < rows; r++)
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_mul_ps(scales, _mm512_set1_ps(d[r * (k / QK) + b])),
+                                   f[r]);
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ys, f[r]);
+}
+#else
+INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
+                      float *y, int64_t ys) {
+    __m256 f[ROWS_AT_ONCE][2];
+    for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+        __m256i a[ROWS_AT_ONCE][2];
+        for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int p = 0; p < QK / 2; p++) {
+            const uint8_t *pair = gw + 32 + 32 * p;
+            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)pair));
+            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pair + 16)));
+            for (int r = 0; r < rows; r++) {
+                __m256i xp = _mm256_set1_epi32(x_pair(q + r * k + b * QK + 2 * p));
+                a[r][0] = dot_pairs(a[r][0], w0, xp);
+                a[r][1] = dot_pairs(a[r][1], w1, xp);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256 dx = _mm256_set1_ps(d[r * (k / QK) + b]);
+            for (int h = 0; h < 2; h++)
+                f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][h]), _mm256_mul_ps(scales8(gw, h), dx), f[r][h]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(y + r * ys, f[r][0]);
+        _mm256_storeu_ps(y + r * ys + 8, f[r][1]);
+    }
+}
+#endif
+
+/* Float mode: while a block is summed, a lane holds one row's products of even or of odd values. */
+#if defined(__AVX512F__)
+INLINE void group_float(const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y, int64_t ys) {
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512 f[ROWS_AT_ONCE];
+    for (int r = 0; r < rows; r++) f[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+        __m512 a[ROWS_AT_ONCE][2]; /* rows 0-7 and 8-15, lanes (row, parity) */
+        for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int p = 0; p < QK / 2; p++) {
+            const uint8_t *pair = gw + 32 + 32 * p;
+            for (int h = 0; h < 2; h++) {
+                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pair + 16 * h))));
+                for (int r = 0; r < rows; r++) {
+                    double xp;
+                    memcpy(&xp, x + r * k + b * QK + 2 * p, 8);
+                    a[r][h] = _mm512_fmadd_ps(w, _mm512_castpd_ps(_mm512_set1_pd(xp)), a[r][h]);
+                }
+            }
+        }
+        __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gw));
+        for (int r = 0; r < rows; r++) {
+            /* even + odd in each even lane, then the even lanes of both halves in row order */
+            __m512 s0 = _mm512_add_ps(a[r][0], _mm512_permute_ps(a[r][0], 0xB1));
+            __m512 s1 = _mm512_add_ps(a[r][1], _mm512_permute_ps(a[r][1], 0xB1));
+            f[r] = _mm512_fmadd_ps(_mm512_permutex2var_ps(s0, evens, s1), scales, f[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ys, f[r]);
+}
+#else
+INLINE void group_float(const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y, int64_t ys) {
+    __m256 f[ROWS_AT_ONCE][2];
+    for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+        __m256 a[ROWS_AT_ONCE][4]; /* rows 4h..4h+3, lanes (row, parity) */
+        for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+        for (int p = 0; p < QK / 2; p++) {
+            const uint8_t *pair = gw + 32 + 32 * p;
+            for (int h = 0; h < 4; h++) {
+                __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pair + 8 * h))));
+                for (int r = 0; r < rows; r++) {
+                    __m256 xp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + r * k + b * QK + 2 * p)));
+                    a[r][h] = _mm256_fmadd_ps(wf, xp, a[r][h]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            /* even + odd per row; hadd leaves rows [0 1 4 5 | 2 3 6 7] of each half, the permute orders them */
+            for (int h = 0; h < 2; h++) {
+                __m256 s = _mm256_hadd_ps(a[r][2 * h], a[r][2 * h + 1]);
+                s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(s), 0xd8));
+                f[r][h] = _mm256_fmadd_ps(s, scales8(gw, h), f[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(y + r * ys, f[r][0]);
+        _mm256_storeu_ps(y + r * ys + 8, f[r][1]);
+    }
+}
+#endif
+
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k, m;
+    const float *x;
+    const int16_t *q; /* integer modes: x rounded */
+    const float *d;
+    float *y;
+} product;
+
+/* Every x row against group g, ROWS_AT_ONCE x rows a pass (a constant `rows` per call below). */
+static void product_group(void *ctx, int64_t g, int thread) {
+    const product *j = ctx;
+    int64_t nb = j->k / QK;
+    const uint8_t *gw = j->w + g * GROUP * nb * BLOCK_BYTES;
+    (void)thread;
+    for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
+        int rows = j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE;
+        float *y = j->y + i * j->n + g * GROUP;
+        if (j->q) {
+            const int16_t *q = j->q + i * j->k;
+            const float *d = j->d + i * nb;
+            switch (rows) {
+            case 1: group_int(gw, nb, q, d, j->k, 1, y, j->n); break;
+            case 2: group_int(gw, nb, q, d, j->k, 2, y, j->n); break;
+            case 3: group_int(gw, nb, q, d, j->k, 3, y, j->n); break;
+            default: group_int(gw, nb, q, d, j->k, 4, y, j->n); break;
+            }
+        } else {
+            const float *x = j->x + i * j->k;
+            switch (rows) {
+            case 1: group_float(gw, nb, x, j->k, 1, y, j->n); break;
+            case 2: group_float(gw, nb, x, j->k, 2, y, j->n); break;
+            case 3: group_float(gw, nb, x, j->k, 3, y, j->n); break;
+            default: group_float(gw, nb, x, j->k, 4, y, j->n); break;
+            }
+        }
+    }
+}
+#endif
+
+/* y[m, n] = x[m, k] @ W[n, k]^T with W packed (sd_pack), the groups split over threads; activations as
+ * sd_matmul's (int8: x rounded to +-127, then the same integer products). Returns 0, or -1 for a
+ * type without a packed layout, a bad shape or activations, or no memory. */
+int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                     int threads, int activations) {
+    if (!sd_packs(type) || n % GROUP || k % QK || activations < X_FLOAT || activations > X_INT8) return -1;
+    if (n <= 0 || m <= 0) return 0;
+#ifdef SD_AVX2
+    product j = {.w = w, .n = n, .k = k, .m = m, .x = x, .y = y};
+    void *mem = NULL;
+    if (activations != X_FLOAT) {
+        size_t values = (size_t)(m * k);
+        mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + 63) / 64 * 64);
+        if (!mem) return -1;
+        int16_t *q = mem;
+        int32_t *sums = (int32_t *)(q + values); /* sd_quantize_rows writes them; unused here */
+        float *d = (float *)(sums + values / 16);
+        sd_quantize_rows(x, m, k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
+        j.q = q, j.d = d;
+    }
+    int64_t groups = n / GROUP;
+    if (threads < 1 || n * k < 65536) threads = 1;
+    sd_parallel(threads, groups, groups / (8 * threads) + 1, product_group, &j);
+    free(mem);
+    return 0;
+#else
+    (void)w, (void)x, (void)y, (void)threads;
+    return -1;
+#endif
+}

@@ -1,0 +1,125 @@
+"""Packed Q8_0 matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and ranges equal to
+gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of the
+batch and the threads, the AVX2 build equal to the AVX-512 one, and the store's policy."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.kernels import cpu
+from engine.weights import BlockLinear, Projections
+from tests.test_cpu_kernels import random_blocks, reference
+
+pytestmark = pytest.mark.skipif(not cpu.available() or not cpu.packs(Q.Q8_0, 16),
+                                reason="no packed layout here (CPU kernels unavailable or no AVX2)")
+
+N, K, M = 96, 256, 16  # M > 4: the kernel's passes of 4 x rows
+
+
+@pytest.fixture(scope="module")
+def blocks() -> torch.Tensor:
+    return torch.from_numpy(random_blocks(Q.Q8_0, N, K, seed=5))
+
+
+@pytest.fixture(scope="module")
+def packed(blocks) -> cpu.Matrix:
+    return cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, blocks, K), K, packed=True)
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.numpy().view(np.uint32)
+
+
+def test_lookups_and_ranges_match_gguf_py_exactly(blocks, packed):
+    ref = reference(Q.Q8_0, blocks.numpy(), K)
+    ids = torch.tensor([0, 95, 17, 17, 40, 15, 16])
+    assert np.array_equal(bits(packed.rows(ids)), ref[ids.numpy()].view(np.uint32))
+    assert np.array_equal(bits(packed.dequantize()), ref.view(np.uint32))
+    assert np.array_equal(bits(packed.dequantize(5, 37)), ref[5:37].view(np.uint32))
+    with pytest.raises(IndexError):
+        packed.rows(torch.tensor([N]))
+
+
+@pytest.mark.parametrize("mode, levels", (("float", 0), ("int16", 32767), ("int8", 127)))
+def test_products_are_as_accurate_as_the_file_layout(blocks, packed, mode, levels):
+    """Float: float32 accumulation error only; integer modes: x's rounding per 32 values on top."""
+    w = torch.from_numpy(reference(Q.Q8_0, blocks.numpy(), K)).double()
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(6))
+    y = packed.matmul(x, activations=mode).double()
+    exact = x.double() @ w.T
+    bound = 1e-5 * (x.double().abs() @ w.abs().T)
+    if levels:
+        step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, K) / (2 * levels)
+        bound += step @ w.abs().T * 1.001
+    assert ((y - exact).abs() <= bound).all()
+    if levels:  # the same x rounding as the file layout's integer products: the same int32 sums per block
+        assert torch.allclose(y, cpu.matmul(Q.Q8_0, blocks, K, x, activations=mode).double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", tuple(cpu.ACTIVATIONS))
+def test_rows_do_not_depend_on_the_batch_or_the_threads(packed, mode):
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(7))
+    before = cpu.threads()
+    try:
+        cpu.set_threads(1)
+        alone = torch.cat([packed.matmul(x[i:i + 1], activations=mode) for i in range(M)])
+        for n_threads in (1, 2):
+            cpu.set_threads(n_threads)
+            for m in (1, 2, 3, 4, 5, 8, 13, 16):
+                assert np.array_equal(bits(packed.matmul(x[:m], activations=mode)), bits(alone[:m])), (n_threads, m)
+    finally:
+        cpu.set_threads(before)
+
+
+def avx512() -> bool:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(flag in text.split() for flag in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
+@pytest.mark.skipif(not avx512(), reason="one build only: this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("mode", tuple(cpu.ACTIVATIONS))
+def test_the_avx2_build_gives_the_same_bits(blocks, mode):
+    """AVX-512 takes 16 rows a register where AVX2 takes 8: the same arithmetic per row, the same bits."""
+    avx2 = cpu._open(("-mno-avx512f",))
+    native = cpu.library()
+    x = np.random.default_rng(8).standard_normal((5, K), dtype=np.float32)
+    out = {}
+    for name, lib in (("avx2", avx2), ("native", native)):
+        w = np.empty_like(blocks.numpy())
+        assert lib.sd_pack(int(Q.Q8_0), blocks.numpy().ctypes.data, N, K, w.ctypes.data, 1) == 0
+        y = np.empty((5, N), dtype=np.float32)
+        assert lib.sd_matmul_packed(int(Q.Q8_0), w.ctypes.data, N, K, x.ctypes.data, 5, y.ctypes.data, 2,
+                                    cpu.activation_code(mode)) == 0
+        out[name] = y.view(np.uint32)
+    assert np.array_equal(out["avx2"], out["native"])
+
+
+def test_what_packs_and_bad_input(blocks):
+    assert cpu.packs(Q.Q8_0, 32) and not cpu.packs(Q.Q8_0, 24) and not cpu.packs(Q.Q5_0, 32)
+    with pytest.raises(ValueError, match="no packed layout"):
+        cpu.pack(Q.Q8_0, blocks[:24], K)
+    with pytest.raises(ValueError, match="no packed layout"):
+        cpu.Matrix(Q.Q8_0, blocks[:24], K, packed=True)
+    lib = cpu.library()
+    assert lib.sd_matmul_packed(int(Q.Q5_0), ctypes.c_void_p(0), 16, K, None, 1, None, 1, 1) == -1
+
+
+def test_a_packed_linear_joins_and_looks_up_like_the_file_layout(blocks):
+    """`BlockLinear` with packed blocks: q, k and v joined stay packed and split back to each product."""
+    parts = [BlockLinear(Q.Q8_0, cpu.pack(Q.Q8_0, blocks[lo:hi].contiguous(), K), K, packed=True)
+             for lo, hi in ((0, 64), (64, 80), (80, 96))]
+    plain = BlockLinear(Q.Q8_0, blocks, K)
+    qkv = Projections(parts)
+    assert len(qkv.runs) == 1 and qkv.runs[0][0].matrix.packed
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(9))
+    joined = torch.cat(qkv(x), dim=-1)
+    assert np.array_equal(bits(joined), bits(torch.cat([p(x) for p in parts], dim=-1)))
+    ids = torch.tensor([3, 70, 95])
+    assert np.array_equal(bits(parts[0].lookup(ids[:1])), bits(plain.lookup(ids[:1])))
+    assert np.array_equal(bits(qkv.runs[0][0].lookup(ids)), bits(plain.lookup(ids)))
