@@ -5,9 +5,10 @@
 tensor (`blk.3.attn_q`). The format policy is decided once per tensor (`keeps_blocks`):
 
 - CPU: quantized and 16-bit matrices keep the file's bytes and run through `engine.kernels.cpu`
-  (a matvec straight from the blocks for decode rows, with int16 or float32 activations as
-  `--cpu-activations` chose; a dequantized slab and one GEMM for prompt chunks);
-  F32 matrices are used as they are.
+  (a matvec straight from the blocks for decode rows, with int16, int8 or float32 activations as
+  `--cpu-activations` chose; a dequantized slab and one GEMM for prompt chunks); Q8_0 matrices with
+  rows in multiples of 16 are packed 16 rows together (`cpu_kernels.pack`: the same bytes, read at the
+  memory's speed); F32 matrices are used as they are.
 - CUDA: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices keep the file's bytes and run through the Triton kernels
   (`GpuBlockLinear`: a matvec for decode windows, a dequantize-in-tile GEMM for prompt chunks), and so
   do expert stacks of those types and of F16/BF16 (`LinearStack.blocks`, run by the fused MoE kernel of

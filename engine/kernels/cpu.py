@@ -11,6 +11,8 @@ bit-identical whatever the number of rows in x and the number of threads. `activ
 rounds x to int16 per block of 32 (256 for Q4_K/Q5_K/Q6_K: `x_block`) first and takes integer dot
 products: faster, within 1.5e-5 of each block's largest |x| per value; `"int8"` rounds x as llama.cpp
 does (4e-3 of the block's largest |x|) for half the multiply-adds; each still bit-identical per row.
+Q8_0 matrices can be packed (`pack`, `Matrix(packed=True)`: packed_cpu.c, 16 rows interleaved) for
+products that keep up with the memory.
 """
 
 from __future__ import annotations
