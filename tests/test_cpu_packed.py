@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from test_cpu_kernels import random_blocks, reference
 
 from engine.kernels import cpu
 from engine.weights import BlockLinear, Projections
-from tests.test_cpu_kernels import random_blocks, reference
 
 pytestmark = pytest.mark.skipif(not cpu.available() or not cpu.packs(Q.Q8_0, 16),
                                 reason="no packed layout here (CPU kernels unavailable or no AVX2)")
