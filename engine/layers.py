@@ -13,7 +13,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from engine import kv_blocks
 from engine.batch import Batch, Span
@@ -229,6 +228,9 @@ def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
     keys in memory (both grow with the keys seen: at the end of a 16K context an 8,192-token chunk
     peaked at 600 MiB with them, 288 MiB without them and its MoE buffers borrowed, on an H200).
     q [1, Hq, T, D]; keys, values [1, Hkv, L, D], L >= T."""
+    # imported here, not at the top: the module imports torch._dynamo, 1.3 s of a CPU engine's start
+    from torch.nn.attention.bias import causal_lower_right
+
     with sdpa_kernel(_SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(q.shape[2], keys.shape[2]),
                                               scale=scale, enable_gqa=True)
