@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import platformdirs
@@ -188,6 +189,15 @@ def _check_blocks(qtype: Q, blocks: torch.Tensor, k: int) -> None:
         raise ValueError("blocks must be contiguous")
 
 
+_NOT_PROFILED = nullcontext()
+
+
+def profiled(label: str) -> AbstractContextManager:
+    """A range named `label` around a C call while torch's profiler records (`bench-engine --profile`), which
+    otherwise sees nothing of the C kernels; nothing otherwise."""
+    return torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else _NOT_PROFILED
+
+
 _threads = 0
 # sd_matmul's codes for the activations of a product with quantized weights
 ACTIVATIONS = {"float": 0, "int16": 1, "int8": 2}
@@ -261,6 +271,7 @@ class Matrix:
             raise ValueError(f"{Q(qtype).name} [{blocks.shape[0]}, {k}] has no packed layout here")
         self.qtype, self.blocks, self.k, self.n, self.packed = int(qtype), blocks, k, blocks.shape[0], packed
         self._lib = library()
+        self._label = f"cpu {Q(qtype).name}{' packed' if packed else ''} {self.n}x{k}"
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None,
                activations: str | None = None) -> torch.Tensor:
@@ -276,8 +287,10 @@ class Matrix:
             raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                              f"{tuple(out.shape)} on {out.device}")
         product = self._lib.sd_matmul_packed if self.packed else self._lib.sd_matmul
-        if product(self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), threads(),
-                   activation_code(activations)) != 0:
+        with profiled(self._label):
+            status = product(self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), threads(),
+                             activation_code(activations))
+        if status != 0:
             raise MemoryError("the product could not allocate its buffers")
         return out
 

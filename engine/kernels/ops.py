@@ -23,7 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    cpu.library().sd_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    with cpu.profiled("cpu rms_norm"):
+        cpu.library().sd_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out
 
 
@@ -33,8 +34,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     x = x.contiguous()
     out = torch.empty_like(x)
     n, heads, dim = x.shape
-    cpu.library().sd_rope(x.data_ptr(), out.data_ptr(), positions.data_ptr(), n, heads, dim,
-                          cos.data_ptr(), sin.data_ptr(), int(neox))
+    with cpu.profiled("cpu rope"):
+        cpu.library().sd_rope(x.data_ptr(), out.data_ptr(), positions.data_ptr(), n, heads, dim,
+                              cos.data_ptr(), sin.data_ptr(), int(neox))
     return out
 
 
@@ -47,9 +49,11 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Te
     heads, dim = q.shape[-2:]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(1, heads * dim)
-    if cpu.library().sd_attend_row(q.data_ptr(), k.data_ptr(), v.data_ptr(), heads, keys.shape[0], dim,
-                                   keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype], keys.shape[1], lo, hi,
-                                   scale, out.data_ptr(), cpu.threads()) != 0:
+    with cpu.profiled("cpu attend_row"):
+        status = cpu.library().sd_attend_row(q.data_ptr(), k.data_ptr(), v.data_ptr(), heads, keys.shape[0], dim,
+                                             keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype], keys.shape[1],
+                                             lo, hi, scale, out.data_ptr(), cpu.threads())
+    if status != 0:
         raise MemoryError("sd_attend_row could not allocate its scores")
     return out
 
@@ -67,9 +71,12 @@ def swiglu_experts(stacks: tuple[tuple[int, torch.Tensor], ...], x: torch.Tensor
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty(m, hidden)
-    if cpu.library().sd_swiglu_experts(gt, gate.data_ptr(), ut, up.data_ptr(), dt, down.data_ptr(), experts, ff,
-                                       hidden, x.data_ptr(), m, ids.shape[1], ids.data_ptr(), weights.data_ptr(),
-                                       out.data_ptr(), cpu.threads(), cpu.activation_code()) != 0:
+    with cpu.profiled("cpu swiglu_experts"):
+        status = cpu.library().sd_swiglu_experts(gt, gate.data_ptr(), ut, up.data_ptr(), dt, down.data_ptr(), experts,
+                                                 ff, hidden, x.data_ptr(), m, ids.shape[1], ids.data_ptr(),
+                                                 weights.data_ptr(), out.data_ptr(), cpu.threads(),
+                                                 cpu.activation_code())
+    if status != 0:
         raise ValueError("sd_swiglu_experts refused its stacks or ids (or had no memory)")
     return out
 
@@ -79,5 +86,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     its ~0.65 ms for a 262K vocabulary)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    cpu.library().sd_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    with cpu.profiled("cpu argmax"):
+        cpu.library().sd_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out

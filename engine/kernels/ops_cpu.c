@@ -169,41 +169,67 @@ static void axpy4_kv(float *out, const float p[4], const void *v, int type, cons
         for (int r = 0; r < 4; r++) out[j] += p[r] * load_kv(v, type, i[r] + j, d);
 }
 
+/* Positions an item of a row's attention takes: a fixed split, whatever the threads, so the same bits on any
+ * number of them. */
+#define ATTEND_CHUNK 64
+
 typedef struct {
     const float *q;
     const void *k, *v;
     int type;
-    int64_t heads, kv_heads, d, ring, lo, hi;
+    int64_t heads, kv_heads, d, ring, lo, hi, chunks;
     float scale;
-    float *out, *scores; /* scores: [heads, hi - lo] */
+    float *part; /* per head and chunk: the chunk's d weighted values, its largest score, its sum of weights */
+    float *out;  /* [heads, d] */
 } attend_job;
 
-static void attend_head(void *ctx, int64_t h, int thread) {
+/* Chunk c of kv head g's positions for every query head that shares g, each key and value row read from memory
+ * once for all of them (then from L1): scores, their softmax within the chunk, the weighted values. */
+static void attend_chunk(void *ctx, int64_t item, int thread) {
     const attend_job *a = ctx;
     (void)thread;
-    const float *q = a->q + h * a->d;
-    int64_t kvh = h / (a->heads / a->kv_heads), n = a->hi - a->lo, base = kvh * a->ring * a->d;
-    float *s = a->scores + h * n, *out = a->out + h * a->d, top = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-        s[t] = dot_kv(q, a->k, a->type, base + ((a->lo + t) % a->ring) * a->d, a->d) * a->scale;
-        if (s[t] > top) top = s[t];
-    }
-    for (int64_t t = 0; t < n; t++) {
-        s[t] = expf(s[t] - top);
-        sum += s[t];
-    }
-    memset(out, 0, (size_t)a->d * sizeof(float));
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        float p[4];
-        int64_t at[4];
-        for (int r = 0; r < 4; r++) {
-            p[r] = s[t + r] / sum;
-            at[r] = base + ((a->lo + t + r) % a->ring) * a->d;
+    int64_t group = a->heads / a->kv_heads, g = item / a->chunks, c = item % a->chunks;
+    int64_t from = a->lo + c * ATTEND_CHUNK, n = a->hi - from < ATTEND_CHUNK ? a->hi - from : ATTEND_CHUNK;
+    int64_t at[ATTEND_CHUNK];
+    float s[ATTEND_CHUNK];
+    for (int64_t t = 0; t < n; t++) at[t] = (g * a->ring + (from + t) % a->ring) * a->d;
+    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+        const float *q = a->q + h * a->d;
+        float *out = a->part + (h * a->chunks + c) * (a->d + 2), top = -INFINITY, sum = 0.0f;
+        int64_t t = 0;
+        for (; t < n; t++) {
+            s[t] = dot_kv(q, a->k, a->type, at[t], a->d) * a->scale;
+            if (s[t] > top) top = s[t];
         }
-        axpy4_kv(out, p, a->v, a->type, at, a->d);
+        for (int64_t t = 0; t < n; t++) {
+            s[t] = expf(s[t] - top);
+            sum += s[t];
+        }
+        memset(out, 0, (size_t)a->d * sizeof(float));
+        for (t = 0; t + 4 <= n; t += 4) axpy4_kv(out, s + t, a->v, a->type, at + t, a->d);
+        for (; t < n; t++) axpy_kv(out, s[t], a->v, a->type, at[t], a->d);
+        out[a->d] = top;
+        out[a->d + 1] = sum;
     }
-    for (; t < n; t++) axpy_kv(out, s[t] / sum, a->v, a->type, base + ((a->lo + t) % a->ring) * a->d, a->d);
+}
+
+/* Head h's chunks merged in order: each chunk's weighted values rescaled to the largest score of all. */
+static void attend_merge(void *ctx, int64_t h, int thread) {
+    const attend_job *a = ctx;
+    (void)thread;
+    const float *part = a->part + h * a->chunks * (a->d + 2);
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < a->chunks; c++)
+        if (part[c * (a->d + 2) + a->d] > top) top = part[c * (a->d + 2) + a->d];
+    float *dst = a->out + h * a->d;
+    memset(dst, 0, (size_t)a->d * sizeof(float));
+    for (int64_t c = 0; c < a->chunks; c++) {
+        const float *src = part + c * (a->d + 2);
+        float w = expf(src[a->d] - top);
+        total += w * src[a->d + 1];
+        axpy_kv(dst, w, src, KV_F32, 0, a->d);
+    }
+    for (int64_t j = 0; j < a->d; j++) dst[j] /= total;
 }
 
 /* One row of d values into a Q8_0 row, as ggml's reference quantizer (and gguf-py) rounds them. */
@@ -247,11 +273,17 @@ int sd_attend_row(const float *q, const float *k_new, const float *v_new, int64_
         store_kv((char *)k + at, type, k_new + h * d, d);
         store_kv((char *)v + at, type, v_new + h * d, d);
     }
-    float *scores = malloc((size_t)(heads * (n > 0 ? n : 1)) * sizeof(float));
-    if (!scores) return -1;
-    attend_job a = {q, k, v, type, heads, kv_heads, d, ring, lo, hi, scale, out, scores};
+    if (n <= 0) {
+        memset(out, 0, (size_t)(heads * d) * sizeof(float));
+        return 0;
+    }
+    int64_t chunks = (n + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+    float *part = malloc((size_t)(heads * chunks * (d + 2)) * sizeof(float));
+    if (!part) return -1;
+    attend_job a = {q, k, v, type, heads, kv_heads, d, ring, lo, hi, chunks, scale, part, out};
     if (heads * n * d < 65536) threads = 1; /* too little work to wake a thread */
-    sd_parallel(threads, heads, 1, attend_head, &a);
-    free(scores);
+    sd_parallel(threads, kv_heads * chunks, 1, attend_chunk, &a);
+    sd_parallel(chunks > 1 ? threads : 1, heads, 1, attend_merge, &a);
+    free(part);
     return 0;
 }
