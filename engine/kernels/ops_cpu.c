@@ -196,8 +196,7 @@ static void attend_chunk(void *ctx, int64_t item, int thread) {
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
         const float *q = a->q + h * a->d;
         float *out = a->part + (h * a->chunks + c) * (a->d + 2), top = -INFINITY, sum = 0.0f;
-        int64_t t = 0;
-        for (; t < n; t++) {
+        for (int64_t t = 0; t < n; t++) {
             s[t] = dot_kv(q, a->k, a->type, at[t], a->d) * a->scale;
             if (s[t] > top) top = s[t];
         }
@@ -206,7 +205,8 @@ static void attend_chunk(void *ctx, int64_t item, int thread) {
             sum += s[t];
         }
         memset(out, 0, (size_t)a->d * sizeof(float));
-        for (t = 0; t + 4 <= n; t += 4) axpy4_kv(out, s + t, a->v, a->type, at + t, a->d);
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) axpy4_kv(out, s + t, a->v, a->type, at + t, a->d);
         for (; t < n; t++) axpy_kv(out, s[t], a->v, a->type, at[t], a->d);
         out[a->d] = top;
         out[a->d + 1] = sum;
