@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -184,14 +186,29 @@ class Peer:
     build: str
 
 
-def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int, reps: int = 5) -> Peer:
-    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-r", str(reps), "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+class PeerFailed(RuntimeError):
+    """llama-bench did not run or gave no figures: the message says how."""
+
+
+def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int, reps: int = 5,
+                extra: tuple[str, ...] = ()) -> Peer:
+    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-r", str(reps), *extra,
+           "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PeerFailed(f"{shlex.join(cmd)}: {exc}") from exc
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()[-300:]}")
-    rows = json.loads(out.stdout)
-    prefill = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
-    gen = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
+        how = (f"killed by {signal.Signals(-out.returncode).name}" if out.returncode < 0 and
+               -out.returncode in signal.valid_signals() else f"exit code {out.returncode}")
+        tail = out.stderr.strip()[-300:]
+        raise PeerFailed(f"{shlex.join(cmd)} failed ({how}){': ' + tail if tail else ''}")
+    try:
+        rows = json.loads(out.stdout)
+        prefill = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
+        gen = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
+    except (ValueError, KeyError, TypeError, StopIteration) as exc:
+        raise PeerFailed(f"{shlex.join(cmd)} printed no prompt and decode figures ({exc!r})") from exc
     return Peer(prefill["avg_ts"], gen["avg_ts"], f"{prefill.get('build_commit', '?')} ({prefill.get('backends', '?')})")
 
 
@@ -247,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                    "hand-off's cost between stages")
     p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
                    "print its figures beside ours")
+    p.add_argument("--llama-bench-args", default="", metavar="ARGS",
+                   help="more arguments for llama-bench, e.g. '--repack 0'")
     p.add_argument("--rounds", type=int, default=1, help="time prefill and decode this many times (with "
                    "--llama-bench: each round followed by one of llama.cpp's) and print the medians: on a shared "
                    "machine single runs of either move by 20%%")
@@ -276,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token = model.bytes_per_token()
     rounds: list[Figures] = []
     peers: list[Peer] = []
+    peer_failed: str | None = None
     threads = torch.get_num_threads()
     prompt = min(args.prompt, args.context // 2)
     chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
@@ -283,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(run(model, device, prompt, args.decode, args.slots, chunk, args.warmup,
                           graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False,
                           distinct=args.distinct))
-        if args.llama_bench:
-            peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
-                                     reps=1 if args.rounds > 1 else 5))
+        if args.llama_bench and peer_failed is None:
+            try:
+                peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
+                                         reps=1 if args.rounds > 1 else 5, extra=tuple(shlex.split(args.llama_bench_args))))
+            except PeerFailed as exc:  # our figures stand: print them, then say what failed
+                peer_failed, peers = str(exc), []
     r = rounds[-1]
     prefill_tok_s = median(f.prefill_tok_s for f in rounds)
     decode_tok_s = median(f.decode_tok_s for f in rounds)
@@ -349,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
               f"decode {spread([q.decode_tok_s for q in peers])}")
         print(f"ratio        prefill {prefill_tok_s / peer_prefill:.2f}x, decode {decode_tok_s / peer_decode:.2f}x "
               f"llama.cpp{' (medians of rounds run in turn)' if len(peers) > 1 else ''}")
+    if peer_failed:
+        print(f"llama.cpp    failed: {peer_failed}")
     if args.profile:
         runner = r.runner
 
@@ -363,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         read = profile(lambda: runner.read(runner.solo, tokens), device)
         print(f"\nprompt ({len(tokens)} tokens):\n" + read)
     finish_tier(args, model, r.served)  # --expert-profile-save
-    return 0
+    return 1 if peer_failed else 0
 
 
 if __name__ == "__main__":

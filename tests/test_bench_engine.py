@@ -45,6 +45,24 @@ def test_rounds_print_medians_beside_the_peer(tiny_model_q8: Path, tmp_path: Pat
     assert re.search(r"^batch +[\d.]+ tok/s \(median of 3 rounds", out, re.M)
 
 
+def test_a_failing_peer_leaves_our_figures_and_says_how(tiny_model_q8: Path, tmp_path: Path, capsys) -> None:
+    """llama-bench killed by a signal (its repacked prompt path on one Xeon): our figures are printed, then what
+    failed, and the command exits 1 after running the peer once; `--llama-bench-args` reach it."""
+    peer = tmp_path / "llama-bench"
+    peer.write_text(f"#!{sys.executable}\nimport os, pathlib, signal, sys\n"
+                    "pathlib.Path(__file__).with_suffix('.args').write_text(' '.join(sys.argv[1:]))\n"
+                    "os.kill(os.getpid(), signal.SIGSEGV)\n")
+    peer.chmod(0o755)
+    args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "8", "--decode", "4", "--slots", "0",
+            "--context", "64", "--rounds", "2", "--llama-bench", str(peer), "--llama-bench-args", "--repack 0"]
+    assert bench.main(args) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^decode +[\d.]+ tok/s \(median of 2 rounds", out, re.M), out
+    assert re.search(r"^llama.cpp +failed: .*llama-bench .* failed \(killed by SIGSEGV\)", out, re.M), out
+    assert "--repack 0" in (tmp_path / "llama-bench.args").read_text()
+    assert "ratio" not in out
+
+
 @pytest.mark.parametrize(("flag", "value", "error"), [
     ("--rounds", "0", "--rounds must be at least 1"),
     ("--prefill", "0", "--prefill: must be at least 1 token, got '0'"),
@@ -91,6 +109,9 @@ def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -
     for title in ("one row (3 windows):", "2 rows (3 windows):", "prompt (24 tokens):"):
         assert f"\n{title}\n" in out, out
     assert "aten::mm" in out.split("prompt (24 tokens):")[1]
+    # the C kernels' calls by name (`cpu.profiled`): the tiny model's Q8_0 products, norms and attention
+    one_row = out.split("one row (3 windows):")[1].split("rows (3 windows):")[0]
+    assert re.search(r"cpu Q8_0( packed)? \d+x\d+", one_row) and "cpu rms_norm" in one_row and "cpu attend_row" in one_row
 
 
 @pytest.mark.parametrize("distinct", [False, True], ids=["copies", "distinct"])
