@@ -54,7 +54,7 @@ def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Te
                                              keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype], keys.shape[1],
                                              lo, hi, scale, out.data_ptr(), cpu.threads())
     if status != 0:
-        raise MemoryError("sd_attend_row could not allocate its scores")
+        raise MemoryError("sd_attend_row could not allocate its buffers")
     return out
 
 
