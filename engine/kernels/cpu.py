@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType as Q
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "packed_cpu.c", "ops_cpu.c", "moe_cpu.c",
-                                                            "pool.c", "pool.h", "quant_cpu.h", "f16.h"))
+                                                            "pool.c", "pool.h", "quant_cpu.h", "simd.h", "f16.h"))
 # Contraction off: the C code writes its FMAs explicitly and needs plain rounding everywhere else
 # (to match gguf-py exactly, and to keep one summation order).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")

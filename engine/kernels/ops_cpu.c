@@ -12,11 +12,7 @@
 
 #include "f16.h"
 #include "pool.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
-#include <immintrin.h>
-#define SD_AVX2 1
-#endif
+#include "simd.h"
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
 

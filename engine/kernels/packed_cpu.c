@@ -22,18 +22,12 @@
 #include "f16.h"
 #include "pool.h"
 #include "quant_cpu.h"
+#include "simd.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
-#include <immintrin.h>
-#define SD_AVX2 1
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
 #define GROUP 16
 #define QK 32
 #define BLOCK_BYTES 34 /* Q8_0: f16 scale + 32 int8 */
 #define ROWS_AT_ONCE 4 /* x rows a pass over a group */
-enum { T_Q8_0 = 8, X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
 
 int sd_packs(int type) {
 #ifdef SD_AVX2
@@ -94,10 +88,10 @@ typedef struct {
 static void unpack_item(void *ctx, int64_t i, int thread) {
     const unpack_job *j = ctx;
     (void)thread;
-    unpack_row(j->w, j->k, j->rows ? j->rows[i] : i, j->out + i * j->k);
+    unpack_row(j->w, j->k, j->rows[i], j->out + i * j->k);
 }
 
-/* out[i] = row rows[i] of the packed matrix (rows NULL: rows 0..count-1), float32 [count, k]. */
+/* out[i] = row rows[i] of the packed matrix, float32 [count, k]. */
 void sd_unpack_rows(const uint8_t *w, int64_t k, const int64_t *rows, int64_t count, float *out, int threads) {
     unpack_job j = {.w = w, .k = k, .rows = rows, .out = out};
     if (count * k < 32768) threads = 1;

@@ -50,8 +50,8 @@ static struct {
     job current;          /* written only while no worker reads it (pending == 0) */
     unsigned born[MAX_WORKERS + 1]; /* gen when each worker was started */
     int alone;                      /* calls left to run on the caller alone */
-    int alone_next;                 /* how many the workers' next lateness costs (0: ALONE_FIRST) */
-} P = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+    int alone_next;                 /* how many the workers' next lateness costs */
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .alone_next = ALONE_FIRST};
 
 static double now_us(void) {
     struct timespec t;
@@ -150,9 +150,9 @@ void sd_parallel(int threads, int64_t items, int64_t chunk, sd_task fn, void *ct
     }
     double waited = now_us() - mine;
     if (!woken && waited > 50.0 && waited > mine - start) {
-        P.alone = P.alone_next ? P.alone_next : ALONE_FIRST;
+        P.alone = P.alone_next;
         P.alone_next = P.alone < ALONE_MOST / 2 ? 2 * P.alone : ALONE_MOST;
     } else if (!woken) {
-        P.alone_next = 0; /* on time again */
+        P.alone_next = ALONE_FIRST; /* on time again */
     }
 }

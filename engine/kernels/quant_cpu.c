@@ -29,18 +29,7 @@
 #include "f16.h"
 #include "pool.h"
 #include "quant_cpu.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SD_PORTABLE)
-#include <immintrin.h>
-#define SD_AVX2 1
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
-
-enum {
-    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
-};
+#include "simd.h"
 
 #define QK 32
 #define QK_K 256
@@ -880,9 +869,6 @@ static void dot_buffered(void *ctx, int64_t r, int thread) {
         dot_floats(a, j->k, j->x + i * j->k, rows, j->y + i * j->n + r, j->n);
     }
 }
-
-/* sd_matmul's x: float32 as given, or rounded to int16 or int8 (where sd_integer). */
-enum { X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
 
 /* j's x rows rounded for the integer modes (when `activations` asks for one and j's type has them), into
  * memory left in *mem for the caller to free. Returns -1 when out of memory, else 0. */

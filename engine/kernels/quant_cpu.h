@@ -4,6 +4,15 @@
 
 #include <stdint.h>
 
+/* GGUF type codes (ggml's) */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+/* sd_matmul's `activations`: x float32 as given, or rounded to int16 or int8 (where sd_integer). */
+enum { X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
+
 /* y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF `type` blocks: one product of sd_matmul_many. */
 typedef struct {
     int type;
