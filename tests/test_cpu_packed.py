@@ -62,8 +62,17 @@ def test_products_are_as_accurate_as_the_file_layout(blocks, packed, mode, level
         assert torch.allclose(y, cpu.matmul(Q.Q8_0, blocks, K, x, activations=mode).double(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def wide() -> cpu.Matrix:
+    """133 groups of 16 rows: the kernel's sets of 16, 8 and 4 groups (by x rows), the last one short."""
+    return cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, torch.from_numpy(random_blocks(Q.Q8_0, 133 * 16, K, seed=6)), K), K,
+                      packed=True)
+
+
 @pytest.mark.parametrize("mode", tuple(cpu.ACTIVATIONS))
-def test_rows_do_not_depend_on_the_batch_or_the_threads(packed, mode):
+@pytest.mark.parametrize("matrix", ["packed", "wide"])
+def test_rows_do_not_depend_on_the_batch_or_the_threads(matrix, mode, request):
+    packed = request.getfixturevalue(matrix)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(7))
     before = cpu.threads()
     try:
@@ -88,16 +97,19 @@ def test_the_avx2_build_gives_the_same_bits(blocks, mode):
     """AVX-512 takes 16 rows a register where AVX2 takes 8: the same arithmetic per row, the same bits."""
     avx2 = cpu._open(("-mno-avx512f",))
     native = cpu.library()
-    x = np.random.default_rng(8).standard_normal((5, K), dtype=np.float32)
-    out = {}
-    for name, lib in (("avx2", avx2), ("native", native)):
-        w = np.empty_like(blocks.numpy())
-        assert lib.sd_pack(int(Q.Q8_0), blocks.numpy().ctypes.data, N, K, w.ctypes.data, 1) == 0
-        y = np.empty((5, N), dtype=np.float32)
-        assert lib.sd_matmul_packed(int(Q.Q8_0), w.ctypes.data, N, K, x.ctypes.data, 5, y.ctypes.data, 2,
-                                    cpu.activation_code(mode)) == 0
-        out[name] = y.view(np.uint32)
-    assert np.array_equal(out["avx2"], out["native"])
+    wide = np.concatenate([blocks.numpy()] * 22)  # 132 groups: AVX-512's sets of several groups
+    n = wide.shape[0]
+    for m in (1, 2, 5):
+        x = np.random.default_rng(8).standard_normal((m, K), dtype=np.float32)
+        out = {}
+        for name, lib in (("avx2", avx2), ("native", native)):
+            w = np.empty_like(wide)
+            assert lib.sd_pack(int(Q.Q8_0), wide.ctypes.data, n, K, w.ctypes.data, 1) == 0
+            y = np.empty((m, n), dtype=np.float32)
+            assert lib.sd_matmul_packed(int(Q.Q8_0), w.ctypes.data, n, K, x.ctypes.data, m, y.ctypes.data, 2,
+                                        cpu.activation_code(mode)) == 0
+            out[name] = y.view(np.uint32)
+        assert np.array_equal(out["avx2"], out["native"]), m
 
 
 def test_what_packs_and_bad_input(blocks):
