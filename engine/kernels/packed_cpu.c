@@ -121,30 +121,10 @@ INLINE int32_t x_pair(const int16_t *q) {
 
 /* Integer modes: x rows as int16 values q [rows, k] with a scale per 32, d [rows, k / 32]. */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* 16 rows in one register: a pair's 32 quants widened in one instruction. */
-INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
-                      float *y, int64_t ys) {
-    __m512 f[ROWS_AT_ONCE];
-    for (int r = 0; r < rows; r++) f[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
-        __m512i a[ROWS_AT_ONCE];
-        for (int r = 0; r < rows; r++) a[r] = _mm512_setzero_si512();
-        for (int p = 0; p < QK / 2; p++) {
-            __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(gw + 32 + 32 * p)));
-            for (int r = 0; r < rows; r++)
-                a[r] = _mm512_dpwssd_epi32(a[r], w, _mm512_set1_epi32(x_pair(q + r * k + b * QK + 2 * p)));
-        }
-        __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gw));
-        for (int r = 0; r < rows; r++)
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_mul_ps(scales, _mm512_set1_ps(d[r * (k / QK) + b])),
-                                   f[r]);
-    }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ys, f[r]);
-}
-
-/* group_int over `groups` groups at once (gs bytes apart), a block of each in turn, rows * groups <= STREAMS:
+/* `groups` groups at once (gs bytes apart), a block of each in turn, rows * groups <= STREAMS:
  * as many streams from memory. A core reading one group at a time keeps too few reads in flight: with 16
- * the demo's head takes ~0.8x the time. Each row's arithmetic is group_int's (the same bits). */
+ * the demo's head takes ~0.8x the time. A row's arithmetic does not depend on the groups beside it (the same
+ * bits as one group at a time, and as the AVX2 path's). */
 #define STREAMS 16
 INLINE void groups_int(const uint8_t *gw, int64_t gs, int groups, int64_t nb, const int16_t *q, const float *d,
                        int64_t k, int rows, float *y, int64_t ys) {
@@ -171,6 +151,12 @@ INLINE void groups_int(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
     }
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < groups; g++) _mm512_storeu_ps(y + r * ys + g * GROUP, f[r * groups + g]);
+}
+
+/* One group (16 rows in one register: a pair's 32 quants widened in one instruction). */
+INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
+                      float *y, int64_t ys) {
+    groups_int(gw, 0, 1, nb, q, d, k, rows, y, ys);
 }
 
 /* Groups a work item takes for m x rows (rows * groups <= STREAMS in every pass). */
