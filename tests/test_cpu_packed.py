@@ -1,6 +1,7 @@
-"""Packed Q8_0 matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and ranges equal to
-gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of the
-batch and the threads, the AVX2 build equal to the AVX-512 one, and the store's policy."""
+"""Packed Q8_0 and Q5_0 matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and ranges equal
+to gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of the
+batch and the threads, the AVX2 build equal to the AVX-512 one (Q8_0; Q5_0 packs on AVX-512 builds only),
+and the store's policy."""
 
 from __future__ import annotations
 
@@ -16,28 +17,34 @@ from test_cpu_kernels import random_blocks, reference
 from engine.kernels import cpu
 from engine.weights import BlockLinear, Projections
 
-pytestmark = pytest.mark.skipif(not cpu.available() or not cpu.packs(Q.Q8_0, 16),
-                                reason="no packed layout here (CPU kernels unavailable or no AVX2)")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels unavailable")
 
 N, K, M = 96, 256, 16  # M > 4: the kernel's passes of 4 x rows
 
 
-@pytest.fixture(scope="module")
-def blocks() -> torch.Tensor:
-    return torch.from_numpy(random_blocks(Q.Q8_0, N, K, seed=5))
+@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+def qtype(request) -> Q:
+    if not cpu.packs(request.param, 16):
+        pytest.skip(f"{request.param.name} has no packed layout here")
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def packed(blocks) -> cpu.Matrix:
-    return cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, blocks, K), K, packed=True)
+def blocks(qtype) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, N, K, seed=5))
+
+
+@pytest.fixture(scope="module")
+def packed(qtype, blocks) -> cpu.Matrix:
+    return cpu.Matrix(qtype, cpu.pack(qtype, blocks, K), K, packed=True)
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
     return t.numpy().view(np.uint32)
 
 
-def test_lookups_and_ranges_match_gguf_py_exactly(blocks, packed):
-    ref = reference(Q.Q8_0, blocks.numpy(), K)
+def test_lookups_and_ranges_match_gguf_py_exactly(qtype, blocks, packed):
+    ref = reference(qtype, blocks.numpy(), K)
     ids = torch.tensor([0, 95, 17, 17, 40, 15, 16])
     assert np.array_equal(bits(packed.rows(ids)), ref[ids.numpy()].view(np.uint32))
     assert np.array_equal(bits(packed.dequantize()), ref.view(np.uint32))
@@ -47,9 +54,9 @@ def test_lookups_and_ranges_match_gguf_py_exactly(blocks, packed):
 
 
 @pytest.mark.parametrize("mode, levels", (("float", 0), ("int16", 32767), ("int8", 127)))
-def test_products_are_as_accurate_as_the_file_layout(blocks, packed, mode, levels):
+def test_products_are_as_accurate_as_the_file_layout(qtype, blocks, packed, mode, levels):
     """Float: float32 accumulation error only; integer modes: x's rounding per 32 values on top."""
-    w = torch.from_numpy(reference(Q.Q8_0, blocks.numpy(), K)).double()
+    w = torch.from_numpy(reference(qtype, blocks.numpy(), K)).double()
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(6))
     y = packed.matmul(x, activations=mode).double()
     exact = x.double() @ w.T
@@ -59,19 +66,19 @@ def test_products_are_as_accurate_as_the_file_layout(blocks, packed, mode, level
         bound += step @ w.abs().T * 1.001
     assert ((y - exact).abs() <= bound).all()
     if levels:  # the same x rounding as the file layout's integer products: the same int32 sums per block
-        assert torch.allclose(y, cpu.matmul(Q.Q8_0, blocks, K, x, activations=mode).double(), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(y, cpu.matmul(qtype, blocks, K, x, activations=mode).double(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
-def wide() -> cpu.Matrix:
+def wide(qtype) -> cpu.Matrix:
     """133 groups of 16 rows: the kernel's sets of 16, 8 and 4 groups (by x rows), the last one short."""
-    return cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, torch.from_numpy(random_blocks(Q.Q8_0, 133 * 16, K, seed=6)), K), K,
+    return cpu.Matrix(qtype, cpu.pack(qtype, torch.from_numpy(random_blocks(qtype, 133 * 16, K, seed=6)), K), K,
                       packed=True)
 
 
 @pytest.mark.parametrize("mode", tuple(cpu.ACTIVATIONS))
 @pytest.mark.parametrize("matrix", ["packed", "wide"])
-def test_rows_do_not_depend_on_the_batch_or_the_threads(matrix, mode, request):
+def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, matrix, mode, request):
     packed = request.getfixturevalue(matrix)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(7))
     before = cpu.threads()
@@ -86,15 +93,20 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(matrix, mode, request):
         cpu.set_threads(before)
 
 
+def cpu_flags() -> list[str]:
+    return Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+
+
 def avx512() -> bool:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return all(flag in text.split() for flag in ("avx512f", "avx512bw", "avx512_vnni"))
+    return all(flag in cpu_flags() for flag in ("avx512f", "avx512bw", "avx512_vnni"))
 
 
 @pytest.mark.skipif(not avx512(), reason="one build only: this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("mode", tuple(cpu.ACTIVATIONS))
-def test_the_avx2_build_gives_the_same_bits(blocks, mode):
+def test_the_avx2_build_gives_the_same_bits(qtype, blocks, mode):
     """AVX-512 takes 16 rows a register where AVX2 takes 8: the same arithmetic per row, the same bits."""
+    if qtype != Q.Q8_0:
+        pytest.skip("Q5_0 packs on AVX-512 builds only")
     avx2 = cpu._open(("-mno-avx512f",))
     native = cpu.library()
     wide = np.concatenate([blocks.numpy()] * 22)  # 132 groups: AVX-512's sets of several groups
@@ -112,21 +124,22 @@ def test_the_avx2_build_gives_the_same_bits(blocks, mode):
         assert np.array_equal(out["avx2"], out["native"]), m
 
 
-def test_what_packs_and_bad_input(blocks):
-    assert cpu.packs(Q.Q8_0, 32) and not cpu.packs(Q.Q8_0, 24) and not cpu.packs(Q.Q5_0, 32)
+def test_what_packs_and_bad_input(qtype, blocks):
+    assert cpu.packs(qtype, 32) and not cpu.packs(qtype, 24) and not cpu.packs(Q.Q4_0, 32)
+    assert cpu.packs(Q.Q5_0, 32) == all(flag in cpu_flags() for flag in ("avx512bw", "avx512vl", "avx512_vnni", "bmi2"))
     with pytest.raises(ValueError, match="no packed layout"):
-        cpu.pack(Q.Q8_0, blocks[:24], K)
+        cpu.pack(qtype, blocks[:24], K)
     with pytest.raises(ValueError, match="no packed layout"):
-        cpu.Matrix(Q.Q8_0, blocks[:24], K, packed=True)
+        cpu.Matrix(qtype, blocks[:24], K, packed=True)
     lib = cpu.library()
-    assert lib.sd_matmul_packed(int(Q.Q5_0), ctypes.c_void_p(0), 16, K, None, 1, None, 1, 1) == -1
+    assert lib.sd_matmul_packed(int(Q.Q4_0), ctypes.c_void_p(0), 16, K, None, 1, None, 1, 1) == -1
 
 
-def test_a_packed_linear_joins_and_looks_up_like_the_file_layout(blocks):
+def test_a_packed_linear_joins_and_looks_up_like_the_file_layout(qtype, blocks):
     """`BlockLinear` with packed blocks: q, k and v joined stay packed and split back to each product."""
-    parts = [BlockLinear(Q.Q8_0, cpu.pack(Q.Q8_0, blocks[lo:hi].contiguous(), K), K, packed=True)
+    parts = [BlockLinear(qtype, cpu.pack(qtype, blocks[lo:hi].contiguous(), K), K, packed=True)
              for lo, hi in ((0, 64), (64, 80), (80, 96))]
-    plain = BlockLinear(Q.Q8_0, blocks, K)
+    plain = BlockLinear(qtype, blocks, K)
     qkv = Projections(parts)
     assert len(qkv.runs) == 1 and qkv.runs[0][0].matrix.packed
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(9))

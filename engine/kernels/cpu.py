@@ -114,7 +114,7 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_integer.argtypes, lib.sd_integer.restype = [c_int], c_int
     lib.sd_packs.argtypes, lib.sd_packs.restype = [c_int], c_int
     lib.sd_pack.argtypes, lib.sd_pack.restype = [c_int, ptr, i64, i64, ptr, c_int], c_int
-    lib.sd_unpack_rows.argtypes, lib.sd_unpack_rows.restype = [ptr, i64, ptr, i64, ptr, c_int], None
+    lib.sd_unpack_rows.argtypes, lib.sd_unpack_rows.restype = [c_int, ptr, i64, ptr, i64, ptr, c_int], None
     lib.sd_matmul_packed.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int]
     lib.sd_matmul_packed.restype = c_int
     lib.sd_x_block.argtypes, lib.sd_x_block.restype = [c_int], c_int
@@ -246,8 +246,8 @@ PACKED_GROUP = 16  # rows interleaved together in a packed matrix (packed_cpu.c)
 
 
 def packs(qtype: Q, n: int) -> bool:
-    """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, n a
-    multiple of 16."""
+    """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, Q5_0 on
+    AVX-512 (BW, VNNI) ones, n a multiple of 16."""
     return n > 0 and n % PACKED_GROUP == 0 and bool(library().sd_packs(int(qtype)))
 
 
@@ -313,7 +313,7 @@ class Matrix:
             raise IndexError(f"row ids must be in [0, {self.n})")
         ids = ids.contiguous()
         out = torch.empty((ids.numel(), self.k), dtype=torch.float32)
-        self._lib.sd_unpack_rows(self.blocks.data_ptr(), self.k, ids.data_ptr(), ids.numel(), out.data_ptr(),
+        self._lib.sd_unpack_rows(self.qtype, self.blocks.data_ptr(), self.k, ids.data_ptr(), ids.numel(), out.data_ptr(),
                                  threads())
         return out
 

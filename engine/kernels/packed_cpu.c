@@ -1,5 +1,5 @@
-/* Q8_0 matrices with their rows interleaved in groups of 16 (`R16`), for decode products that run at
- * the memory's speed.
+/* Q8_0 and Q5_0 matrices with their rows interleaved in groups of 16 (`R16`), for decode products that
+ * run at the memory's speed.
  *
  * Why: a product straight from the file's blocks spends ~13 cycles a block on one row at a time
  * (the scale, the widening, one reduction per row), so a 2-core machine reads the 178 MB head of
@@ -11,6 +11,10 @@
  * `16 * row_bytes` bytes: per block of 32 values, the 16 rows' f16 scales (32 bytes), then for each
  * pair of values p = 0..15 the 16 rows' two int8 quants (32 bytes: row 0's pair, row 1's, ...). A
  * slice of whole groups is a packed matrix of its own, so joined matrices and row ranges stay packed.
+ * Q5_0 (22 bytes a block; AVX-512 builds only, where a 32-bit mask register adds the fifth bits): per block
+ * the 16 scales (32 bytes), then for each pair p = 0..15 a 32-bit mask whose bit 2r + e is the fifth bit of
+ * row r's value 2p + e (64 bytes), then for q = 0..7 the 16 rows' quant bytes q and q + 1 of the file's
+ * (32 bytes each: low nibbles values 2q, 2q + 1, high nibbles values 16 + 2q, 17 + 2q).
  *
  * Results are exact per row, as the file layout's products (quant_cpu.c): y[i, j] depends on W[j]
  * and x[i] only. Integer modes: per block, the int32 sum of q * x exactly, then f += float(sum) *
@@ -26,11 +30,18 @@
 
 #define GROUP 16
 #define QK 32
-#define BLOCK_BYTES 34 /* Q8_0: f16 scale + 32 int8 */
 #define ROWS_AT_ONCE 4 /* x rows a pass over a group */
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__BMI2__)
+#define SD_WIDE 1 /* 16 rows' int16 pairs in one register, mask registers */
+#endif
+
+/* Bytes of one row's block of 32 values. */
+static int64_t block_bytes(int type) { return type == T_Q5_0 ? 22 : 34; }
 
 int sd_packs(int type) {
-#ifdef SD_AVX2
+#ifdef SD_WIDE
+    return type == T_Q8_0 || type == T_Q5_0;
+#elif defined(SD_AVX2)
     return type == T_Q8_0;
 #else
     (void)type;
@@ -39,46 +50,87 @@ int sd_packs(int type) {
 }
 
 typedef struct {
+    int type;
     const uint8_t *w;
     uint8_t *out;
     int64_t k;
 } pack_job;
 
+static void pack_q5_0(const uint8_t *src, int r, uint8_t *o) {
+    uint32_t qh = (uint32_t)src[2] | (uint32_t)src[3] << 8 | (uint32_t)src[4] << 16 | (uint32_t)src[5] << 24;
+    for (int v = 0; v < QK; v++)
+        if (qh >> v & 1) o[32 + 4 * (v / 2) + (2 * r + v % 2) / 8] |= (uint8_t)(1 << ((2 * r + v % 2) % 8));
+    for (int q = 0; q < 8; q++) memcpy(o + 96 + 32 * q + 2 * r, src + 6 + 2 * q, 2);
+}
+
 static void pack_group(void *ctx, int64_t g, int thread) {
     const pack_job *j = ctx;
-    int64_t nb = j->k / QK, rb = nb * BLOCK_BYTES;
+    int64_t bb = block_bytes(j->type), nb = j->k / QK, rb = nb * bb;
     (void)thread;
     for (int64_t b = 0; b < nb; b++) {
-        uint8_t *o = j->out + g * GROUP * rb + b * GROUP * BLOCK_BYTES;
+        uint8_t *o = j->out + g * GROUP * rb + b * GROUP * bb;
+        if (j->type == T_Q5_0) memset(o + 32, 0, 64);
         for (int r = 0; r < GROUP; r++) {
-            const uint8_t *src = j->w + (g * GROUP + r) * rb + b * BLOCK_BYTES;
+            const uint8_t *src = j->w + (g * GROUP + r) * rb + b * bb;
             memcpy(o + 2 * r, src, 2);
-            for (int p = 0; p < QK / 2; p++) memcpy(o + 32 + 32 * p + 2 * r, src + 2 + 2 * p, 2);
+            if (j->type == T_Q5_0)
+                pack_q5_0(src, r, o);
+            else
+                for (int p = 0; p < QK / 2; p++) memcpy(o + 32 + 32 * p + 2 * r, src + 2 + 2 * p, 2);
         }
     }
 }
 
-/* n rows of Q8_0 blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
+/* n rows of Q8_0 or Q5_0 blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
  * Returns -1 when the type has no packed layout here, n is not a multiple of 16 or k of 32. */
 int sd_pack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
     if (!sd_packs(type) || n % GROUP || k % QK || n < 0 || k < 0) return -1;
-    pack_job j = {.w = w, .out = out, .k = k};
+    pack_job j = {.type = type, .w = w, .out = out, .k = k};
     sd_parallel(threads, n / GROUP, n / GROUP / (8 * (threads > 0 ? threads : 1)) + 1, pack_group, &j);
     return 0;
 }
 
+#ifdef SD_WIDE
+/* Row `lane` of a group's Q5_0 block: its 32 values times d into out. */
+static void unpack_q5_0(const uint8_t *g, int lane, float d, float *out) {
+    uint8_t bytes[16];
+    for (int q = 0; q < 8; q++) memcpy(bytes + 2 * q, g + 96 + 32 * q + 2 * lane, 2);
+    uint32_t fifth = 0; /* bit v: value v's */
+    for (int p = 0; p < 16; p += 2) {
+        uint64_t masks;
+        memcpy(&masks, g + 32 + 4 * p, 8);
+        fifth |= (uint32_t)_pext_u64(masks, 3ull << (2 * lane) | 3ull << (32 + 2 * lane)) << (2 * p);
+    }
+    __m128i b = _mm_loadu_si128((const __m128i *)bytes), low = _mm_set1_epi8(15);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    v = _mm256_sub_epi8(_mm256_or_si256(v, _mm256_and_si256(_mm256_movm_epi8(fifth), _mm256_set1_epi8(16))),
+                        _mm256_set1_epi8(16));
+    __m256 dd = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                       _mm_loadl_epi64((const __m128i *)((const int8_t *)&v + 8 * i))))));
+}
+#endif
+
 /* Row r (any r < n) of a packed matrix, dequantized as gguf-py does (float(d) * q). */
-static void unpack_row(const uint8_t *w, int64_t k, int64_t r, float *out) {
-    int64_t nb = k / QK, rb = nb * BLOCK_BYTES;
+static void unpack_row(int type, const uint8_t *w, int64_t k, int64_t r, float *out) {
+    int64_t bb = block_bytes(type), nb = k / QK, rb = nb * bb;
     const uint8_t *g = w + r / GROUP * GROUP * rb;
     int lane = (int)(r % GROUP);
-    for (int64_t b = 0; b < nb; b++, g += GROUP * BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, g += GROUP * bb) {
         float d = sd_f16((uint16_t)(g[2 * lane] | g[2 * lane + 1] << 8));
+#ifdef SD_WIDE
+        if (type == T_Q5_0) {
+            unpack_q5_0(g, lane, d, out + b * QK);
+            continue;
+        }
+#endif
         for (int v = 0; v < QK; v++) out[b * QK + v] = d * (float)(int8_t)g[32 + 32 * (v / 2) + 2 * lane + v % 2];
     }
 }
 
 typedef struct {
+    int type;
     const uint8_t *w;
     int64_t k;
     const int64_t *rows;
@@ -88,12 +140,13 @@ typedef struct {
 static void unpack_item(void *ctx, int64_t i, int thread) {
     const unpack_job *j = ctx;
     (void)thread;
-    unpack_row(j->w, j->k, j->rows[i], j->out + i * j->k);
+    unpack_row(j->type, j->w, j->k, j->rows[i], j->out + i * j->k);
 }
 
-/* out[i] = row rows[i] of the packed matrix, float32 [count, k]. */
-void sd_unpack_rows(const uint8_t *w, int64_t k, const int64_t *rows, int64_t count, float *out, int threads) {
-    unpack_job j = {.w = w, .k = k, .rows = rows, .out = out};
+/* out[i] = row rows[i] of the packed matrix of `type`, float32 [count, k]. */
+void sd_unpack_rows(int type, const uint8_t *w, int64_t k, const int64_t *rows, int64_t count, float *out,
+                    int threads) {
+    unpack_job j = {.type = type, .w = w, .k = k, .rows = rows, .out = out};
     if (count * k < 32768) threads = 1;
     sd_parallel(threads, count, count / (8 * (threads > 0 ? threads : 1)) + 1, unpack_item, &j);
 }
@@ -119,25 +172,37 @@ INLINE int32_t x_pair(const int16_t *q) {
     return v;
 }
 
+#ifdef SD_WIDE
+/* Pair p (values 2p, 2p + 1) of a group's block of `type`: 32 int16, lane 2r + e row r's value 2p + e. */
+INLINE __m512i pair16(int type, const uint8_t *blk, int p) {
+    if (type != T_Q5_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p)));
+    __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 96 + 32 * (p % 8))));
+    __m512i low = p < 8 ? _mm512_and_si512(bytes, _mm512_set1_epi16(15)) : _mm512_srli_epi16(bytes, 4);
+    uint32_t fifth;
+    memcpy(&fifth, blk + 32 + 4 * p, 4);
+    return _mm512_mask_sub_epi16(low, (__mmask32)~fifth, low, _mm512_set1_epi16(16)); /* (low | fifth << 4) - 16 */
+}
+#endif
+
 /* Integer modes: x rows as int16 values q [rows, k] with a scale per 32, d [rows, k / 32]. */
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef SD_WIDE
 /* `groups` groups at once (gs bytes apart), a block of each in turn, rows * groups <= STREAMS:
  * as many streams from memory. A core reading one group at a time keeps too few reads in flight: with 16
  * the demo's head takes ~0.8x the time. A row's arithmetic does not depend on the groups beside it (the same
  * bits as one group at a time, and as the AVX2 path's). */
 #define STREAMS 16
-INLINE void groups_int(const uint8_t *gw, int64_t gs, int groups, int64_t nb, const int16_t *q, const float *d,
-                       int64_t k, int rows, float *y, int64_t ys) {
+INLINE void groups_int(int type, const uint8_t *gw, int64_t gs, int groups, int64_t nb, const int16_t *q,
+                       const float *d, int64_t k, int rows, float *y, int64_t ys) {
     __m512 f[STREAMS]; /* row r, group g at r * groups + g */
     for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(type)) {
         __m512i a[STREAMS];
         for (int i = 0; i < rows * groups; i++) a[i] = _mm512_setzero_si512();
         for (int p = 0; p < QK / 2; p++) {
             __m512i x[ROWS_AT_ONCE];
             for (int r = 0; r < rows; r++) x[r] = _mm512_set1_epi32(x_pair(q + r * k + b * QK + 2 * p));
             for (int g = 0; g < groups; g++) {
-                __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(gw + g * gs + 32 + 32 * p)));
+                __m512i w = pair16(type, gw + g * gs, p);
                 for (int r = 0; r < rows; r++) a[r * groups + g] = _mm512_dpwssd_epi32(a[r * groups + g], w, x[r]);
             }
         }
@@ -154,31 +219,35 @@ INLINE void groups_int(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
 }
 
 /* One group (16 rows in one register: a pair's 32 quants widened in one instruction). */
-INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
+INLINE void group_int(int type, const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
                       float *y, int64_t ys) {
-    groups_int(gw, 0, 1, nb, q, d, k, rows, y, ys);
+    groups_int(type, gw, 0, 1, nb, q, d, k, rows, y, ys);
 }
 
 /* Groups a work item takes for m x rows (rows * groups <= STREAMS in every pass). */
 static int64_t set_size(int64_t m) { return m == 1 ? 16 : m == 2 ? 8 : 4; }
 
-/* groups_int with its rows and groups constant (a pass of `rows` x rows over a whole set). */
-static void groups_pass(const uint8_t *gw, int64_t gs, int set, int64_t nb, const int16_t *q, const float *d, int64_t k,
-                        int rows, float *y, int64_t ys) {
-#define PASS(R, S) case R * 32 + S: groups_int(gw, gs, S, nb, q, d, k, R, y, ys); break;
-    switch (rows * 32 + set) {
-    PASS(1, 16) PASS(1, 8) PASS(1, 4) PASS(2, 8) PASS(2, 4) PASS(3, 4) PASS(4, 4)
+/* groups_int with its type, rows and groups constant (a pass of `rows` x rows over a whole set). */
+static void groups_pass(int type, const uint8_t *gw, int64_t gs, int set, int64_t nb, const int16_t *q, const float *d,
+                        int64_t k, int rows, float *y, int64_t ys) {
+#define PASS(T, R, S) case T * 1024 + R * 32 + S: groups_int(T, gw, gs, S, nb, q, d, k, R, y, ys); break;
+#define PASSES(T) PASS(T, 1, 16) PASS(T, 1, 8) PASS(T, 1, 4) PASS(T, 2, 8) PASS(T, 2, 4) PASS(T, 3, 4) PASS(T, 4, 4)
+    switch (type * 1024 + rows * 32 + set) {
+    PASSES(T_Q8_0) PASSES(T_Q5_0)
     default: /* not a set sd_matmul_packed makes */
-        for (int g = 0; g < set; g++) group_int(gw + g * gs, nb, q, d, k, rows, y + g * GROUP, ys);
+        for (int g = 0; g < set; g++) group_int(type, gw + g * gs, nb, q, d, k, rows, y + g * GROUP, ys);
     }
+#undef PASSES
 #undef PASS
 }
 #else
-INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
+/* Q8_0 only (no Q5_0 layout on AVX2 builds). */
+INLINE void group_int(int type, const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
                       float *y, int64_t ys) {
     __m256 f[ROWS_AT_ONCE][2];
+    (void)type;
     for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * 34) {
         __m256i a[ROWS_AT_ONCE][2];
         for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
         for (int p = 0; p < QK / 2; p++) {
@@ -206,17 +275,29 @@ INLINE void group_int(const uint8_t *gw, int64_t nb, const int16_t *q, const flo
 
 /* Float mode: while a block is summed, a lane holds one row's products of even or of odd values. */
 #if defined(__AVX512F__)
-INLINE void group_float(const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y, int64_t ys) {
+/* Half h (rows 8h..8h + 7) of pair p of a group's block as floats, lanes (row, parity). */
+INLINE __m512 pair_floats(int type, const uint8_t *blk, int p, int h) {
+#ifdef SD_WIDE
+    if (type == T_Q5_0) {
+        __m512i w = pair16(type, blk, p);
+        return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(h ? _mm512_extracti64x4_epi64(w, 1) : _mm512_castsi512_si256(w)));
+    }
+#endif
+    (void)type;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * p + 16 * h))));
+}
+
+INLINE void group_float(int type, const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y,
+                        int64_t ys) {
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     __m512 f[ROWS_AT_ONCE];
     for (int r = 0; r < rows; r++) f[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(type)) {
         __m512 a[ROWS_AT_ONCE][2]; /* rows 0-7 and 8-15, lanes (row, parity) */
         for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
         for (int p = 0; p < QK / 2; p++) {
-            const uint8_t *pair = gw + 32 + 32 * p;
             for (int h = 0; h < 2; h++) {
-                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pair + 16 * h))));
+                __m512 w = pair_floats(type, gw, p, h);
                 for (int r = 0; r < rows; r++) {
                     double xp;
                     memcpy(&xp, x + r * k + b * QK + 2 * p, 8);
@@ -235,10 +316,13 @@ INLINE void group_float(const uint8_t *gw, int64_t nb, const float *x, int64_t k
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ys, f[r]);
 }
 #else
-INLINE void group_float(const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y, int64_t ys) {
+/* Q8_0 only (no Q5_0 layout on AVX2 builds). */
+INLINE void group_float(int type, const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y,
+                        int64_t ys) {
     __m256 f[ROWS_AT_ONCE][2];
+    (void)type;
     for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * 34) {
         __m256 a[ROWS_AT_ONCE][4]; /* rows 4h..4h+3, lanes (row, parity) */
         for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
         for (int p = 0; p < QK / 2; p++) {
@@ -267,11 +351,12 @@ INLINE void group_float(const uint8_t *gw, int64_t nb, const float *x, int64_t k
 }
 #endif
 
-#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#ifndef SD_WIDE
 static int64_t set_size(int64_t m) { return (void)m, 1; }
 #endif
 
 typedef struct {
+    int type;
     const uint8_t *w;
     int64_t n, k, m, set; /* set: groups a work item takes */
     const float *x;
@@ -280,10 +365,10 @@ typedef struct {
     float *y;
 } product;
 
-/* Every x row against group g, ROWS_AT_ONCE x rows a pass (a constant `rows` per call below). */
-static void product_group(const product *j, int64_t g) {
+/* Every x row against group g, ROWS_AT_ONCE x rows a pass (a constant `rows` and `type` per call below). */
+INLINE void group_of(const product *j, int64_t g, int type) {
     int64_t nb = j->k / QK;
-    const uint8_t *gw = j->w + g * GROUP * nb * BLOCK_BYTES;
+    const uint8_t *gw = j->w + g * GROUP * nb * block_bytes(type);
     for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
         int rows = j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE;
         float *y = j->y + i * j->n + g * GROUP;
@@ -291,21 +376,28 @@ static void product_group(const product *j, int64_t g) {
             const int16_t *q = j->q + i * j->k;
             const float *d = j->d + i * nb;
             switch (rows) {
-            case 1: group_int(gw, nb, q, d, j->k, 1, y, j->n); break;
-            case 2: group_int(gw, nb, q, d, j->k, 2, y, j->n); break;
-            case 3: group_int(gw, nb, q, d, j->k, 3, y, j->n); break;
-            default: group_int(gw, nb, q, d, j->k, 4, y, j->n); break;
+            case 1: group_int(type, gw, nb, q, d, j->k, 1, y, j->n); break;
+            case 2: group_int(type, gw, nb, q, d, j->k, 2, y, j->n); break;
+            case 3: group_int(type, gw, nb, q, d, j->k, 3, y, j->n); break;
+            default: group_int(type, gw, nb, q, d, j->k, 4, y, j->n); break;
             }
         } else {
             const float *x = j->x + i * j->k;
             switch (rows) {
-            case 1: group_float(gw, nb, x, j->k, 1, y, j->n); break;
-            case 2: group_float(gw, nb, x, j->k, 2, y, j->n); break;
-            case 3: group_float(gw, nb, x, j->k, 3, y, j->n); break;
-            default: group_float(gw, nb, x, j->k, 4, y, j->n); break;
+            case 1: group_float(type, gw, nb, x, j->k, 1, y, j->n); break;
+            case 2: group_float(type, gw, nb, x, j->k, 2, y, j->n); break;
+            case 3: group_float(type, gw, nb, x, j->k, 3, y, j->n); break;
+            default: group_float(type, gw, nb, x, j->k, 4, y, j->n); break;
             }
         }
     }
+}
+
+static void product_group(const product *j, int64_t g) {
+    if (j->type == T_Q5_0)
+        group_of(j, g, T_Q5_0);
+    else
+        group_of(j, g, T_Q8_0);
 }
 
 /* Work item s: groups s * set .. (s + 1) * set - 1 (fewer at the end), a whole set at once in the integer modes. */
@@ -313,12 +405,12 @@ static void product_set(void *ctx, int64_t s, int thread) {
     const product *j = ctx;
     int64_t g0 = s * j->set, g1 = g0 + j->set < j->n / GROUP ? g0 + j->set : j->n / GROUP;
     (void)thread;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef SD_WIDE
     if (j->q && j->set > 1 && g1 - g0 == j->set) {
-        int64_t nb = j->k / QK, gs = GROUP * nb * BLOCK_BYTES;
+        int64_t nb = j->k / QK, gs = GROUP * nb * block_bytes(j->type);
         for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
             int rows = j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE;
-            groups_pass(j->w + g0 * gs, gs, (int)j->set, nb, j->q + i * j->k, j->d + i * nb, j->k, rows,
+            groups_pass(j->type, j->w + g0 * gs, gs, (int)j->set, nb, j->q + i * j->k, j->d + i * nb, j->k, rows,
                         j->y + i * j->n + g0 * GROUP, j->n);
         }
         return;
@@ -336,7 +428,7 @@ int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const flo
     if (!sd_packs(type) || n % GROUP || k % QK || activations < X_FLOAT || activations > X_INT8) return -1;
     if (n <= 0 || m <= 0) return 0;
 #ifdef SD_AVX2
-    product j = {.w = w, .n = n, .k = k, .m = m, .x = x, .y = y};
+    product j = {.type = type, .w = w, .n = n, .k = k, .m = m, .x = x, .y = y};
     void *mem = NULL;
     if (activations != X_FLOAT) {
         size_t values = (size_t)(m * k);
