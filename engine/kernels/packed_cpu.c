@@ -31,7 +31,7 @@
 #define GROUP 16
 #define QK 32
 #define ROWS_AT_ONCE 4 /* x rows a pass over a group */
-#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__BMI2__)
+#if defined(SD_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__BMI2__)
 #define SD_WIDE 1 /* 16 rows' int16 pairs in one register, mask registers */
 #endif
 
