@@ -1,7 +1,7 @@
-"""Packed Q8_0 and Q5_0 matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and ranges equal
-to gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of the
-batch and the threads, the AVX2 build equal to the AVX-512 one (Q8_0; Q5_0 packs on AVX-512 builds only),
-and the store's policy."""
+"""Packed Q8_0, Q5_0 and Q4_K matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and ranges
+equal to gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of the
+batch and the threads, the AVX2 build equal to the AVX-512 one (Q8_0; Q5_0 and Q4_K pack on AVX-512 builds
+only), and the store's policy."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels unavail
 N, K, M = 96, 256, 16  # M > 4: the kernel's passes of 4 x rows
 
 
-@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q5_0, Q.Q4_K], ids=lambda q: q.name)
 def qtype(request) -> Q:
     if not cpu.packs(request.param, 16):
         pytest.skip(f"{request.param.name} has no packed layout here")
@@ -65,7 +65,7 @@ def test_products_are_as_accurate_as_the_file_layout(qtype, blocks, packed, mode
         step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, K) / (2 * levels)
         bound += step @ w.abs().T * 1.001
     assert ((y - exact).abs() <= bound).all()
-    if levels:  # the same x rounding as the file layout's integer products: the same int32 sums per block
+    if levels and qtype != Q.Q4_K:  # the file layout's x rounding (Q4_K's: per 256), the same int32 sums a block
         assert torch.allclose(y, cpu.matmul(qtype, blocks, K, x, activations=mode).double(), rtol=1e-5, atol=1e-4)
 
 
@@ -106,7 +106,7 @@ def avx512() -> bool:
 def test_the_avx2_build_gives_the_same_bits(qtype, blocks, mode):
     """AVX-512 takes 16 rows a register where AVX2 takes 8: the same arithmetic per row, the same bits."""
     if qtype != Q.Q8_0:
-        pytest.skip("Q5_0 packs on AVX-512 builds only")
+        pytest.skip("Q5_0 and Q4_K pack on AVX-512 builds only")
     avx2 = cpu._open(("-mno-avx512f",))
     native = cpu.library()
     wide = np.concatenate([blocks.numpy()] * 22)  # 132 groups: AVX-512's sets of several groups
@@ -126,7 +126,8 @@ def test_the_avx2_build_gives_the_same_bits(qtype, blocks, mode):
 
 def test_what_packs_and_bad_input(qtype, blocks):
     assert cpu.packs(qtype, 32) and not cpu.packs(qtype, 24) and not cpu.packs(Q.Q4_0, 32)
-    assert cpu.packs(Q.Q5_0, 32) == all(flag in cpu_flags() for flag in ("avx512bw", "avx512vl", "avx512_vnni", "bmi2"))
+    wide = all(flag in cpu_flags() for flag in ("avx512bw", "avx512vl", "avx512_vnni", "bmi2"))
+    assert cpu.packs(Q.Q5_0, 32) == wide and cpu.packs(Q.Q4_K, 32) == wide
     with pytest.raises(ValueError, match="no packed layout"):
         cpu.pack(qtype, blocks[:24], K)
     with pytest.raises(ValueError, match="no packed layout"):

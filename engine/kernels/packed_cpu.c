@@ -35,12 +35,13 @@
 #define SD_WIDE 1 /* 16 rows' int16 pairs in one register, mask registers */
 #endif
 
-/* Bytes of one row's block of 32 values. */
-static int64_t block_bytes(int type) { return type == T_Q5_0 ? 22 : 34; }
+/* Values and bytes of one row's block (Q4_K: a super-block of 256). */
+static int64_t block_values(int type) { return type == T_Q4_K ? 256 : QK; }
+static int64_t block_bytes(int type) { return type == T_Q4_K ? 144 : type == T_Q5_0 ? 22 : 34; }
 
 int sd_packs(int type) {
 #ifdef SD_WIDE
-    return type == T_Q8_0 || type == T_Q5_0;
+    return type == T_Q8_0 || type == T_Q5_0 || type == T_Q4_K;
 #elif defined(SD_AVX2)
     return type == T_Q8_0;
 #else
@@ -63,9 +64,16 @@ static void pack_q5_0(const uint8_t *src, int r, uint8_t *o) {
     for (int q = 0; q < 8; q++) memcpy(o + 96 + 32 * q + 2 * r, src + 6 + 2 * q, 2);
 }
 
+static void pack_q4_k(const uint8_t *src, int r, uint8_t *o) {
+    memcpy(o + 32 + 2 * r, src + 2, 2);
+    for (int w = 0; w < 3; w++) memcpy(o + 64 + 64 * w + 4 * r, src + 4 + 4 * w, 4);
+    for (int j = 0; j < 4; j++)
+        for (int p = 0; p < 16; p++) memcpy(o + 256 + 32 * (16 * j + p) + 2 * r, src + 16 + 32 * j + 2 * p, 2);
+}
+
 static void pack_group(void *ctx, int64_t g, int thread) {
     const pack_job *j = ctx;
-    int64_t bb = block_bytes(j->type), nb = j->k / QK, rb = nb * bb;
+    int64_t bb = block_bytes(j->type), nb = j->k / block_values(j->type), rb = nb * bb;
     (void)thread;
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *o = j->out + g * GROUP * rb + b * GROUP * bb;
@@ -75,16 +83,18 @@ static void pack_group(void *ctx, int64_t g, int thread) {
             memcpy(o + 2 * r, src, 2);
             if (j->type == T_Q5_0)
                 pack_q5_0(src, r, o);
+            else if (j->type == T_Q4_K)
+                pack_q4_k(src, r, o);
             else
                 for (int p = 0; p < QK / 2; p++) memcpy(o + 32 + 32 * p + 2 * r, src + 2 + 2 * p, 2);
         }
     }
 }
 
-/* n rows of Q8_0 or Q5_0 blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
- * Returns -1 when the type has no packed layout here, n is not a multiple of 16 or k of 32. */
+/* n rows of Q8_0, Q5_0 or Q4_K blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
+ * Returns -1 when the type has no packed layout here, n is not a multiple of 16 or k of a block. */
 int sd_pack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
-    if (!sd_packs(type) || n % GROUP || k % QK || n < 0 || k < 0) return -1;
+    if (!sd_packs(type) || n % GROUP || k % block_values(type) || n < 0 || k < 0) return -1;
     pack_job j = {.type = type, .w = w, .out = out, .k = k};
     sd_parallel(threads, n / GROUP, n / GROUP / (8 * (threads > 0 ? threads : 1)) + 1, pack_group, &j);
     return 0;
@@ -112,20 +122,43 @@ static void unpack_q5_0(const uint8_t *g, int lane, float d, float *out) {
 }
 #endif
 
+/* Row `lane` of a group's Q4_K super-block: (d * scale) * q - dmin * minimum, as gguf-py. */
+static void unpack_q4_k(const uint8_t *g, int lane, float d, float *out) {
+    float dmin = sd_f16((uint16_t)(g[32 + 2 * lane] | g[33 + 2 * lane] << 8));
+    uint8_t words[12], sc[8], mn[8];
+    for (int w = 0; w < 3; w++) memcpy(words + 4 * w, g + 64 + 64 * w + 4 * lane, 4);
+    sd_k4_scales_mins(words, sc, mn);
+    for (int j = 0; j < 4; j++) {
+        uint8_t bytes[32]; /* values 64j + v, v < 32, in the low nibbles; 64j + 32 + v in the high ones */
+        for (int p = 0; p < 16; p++) memcpy(bytes + 2 * p, g + 256 + 32 * (16 * j + p) + 2 * lane, 2);
+        for (int h = 0; h < 2; h++) {
+            float dsc = d * (float)sc[2 * j + h], dm = dmin * (float)mn[2 * j + h];
+            for (int v = 0; v < 32; v++)
+                out[64 * j + 32 * h + v] = dsc * (float)(h ? bytes[v] >> 4 : bytes[v] & 15) - dm;
+        }
+    }
+}
+
 /* Row r (any r < n) of a packed matrix, dequantized as gguf-py does (float(d) * q). */
 static void unpack_row(int type, const uint8_t *w, int64_t k, int64_t r, float *out) {
-    int64_t bb = block_bytes(type), nb = k / QK, rb = nb * bb;
+    int64_t bb = block_bytes(type), bv = block_values(type), nb = k / bv, rb = nb * bb;
     const uint8_t *g = w + r / GROUP * GROUP * rb;
     int lane = (int)(r % GROUP);
     for (int64_t b = 0; b < nb; b++, g += GROUP * bb) {
         float d = sd_f16((uint16_t)(g[2 * lane] | g[2 * lane + 1] << 8));
+        if (type == T_Q4_K) {
+            unpack_q4_k(g, lane, d, out + b * bv);
+            continue;
+        }
 #ifdef SD_WIDE
         if (type == T_Q5_0) {
             unpack_q5_0(g, lane, d, out + b * QK);
             continue;
         }
 #endif
-        for (int v = 0; v < QK; v++) out[b * QK + v] = d * (float)(int8_t)g[32 + 32 * (v / 2) + 2 * lane + v % 2];
+        int8_t q[QK];
+        for (int p = 0; p < QK / 2; p++) memcpy(q + 2 * p, g + 32 + 32 * p + 2 * lane, 2);
+        for (int v = 0; v < QK; v++) out[b * QK + v] = d * (float)q[v];
     }
 }
 
@@ -186,6 +219,68 @@ INLINE __m512i pair16(int type, const uint8_t *blk, int p) {
 
 /* Integer modes: x rows as int16 values q [rows, k] with a scale per 32, d [rows, k / 32]. */
 #ifdef SD_WIDE
+/* Q4_K: a sub-block's int32 sum of q * x exactly (one int32 can't hold a super-block's at int16 x), then per
+ * row f += float(sum) * (d * scale * dx) and f -= (dmin * minimum) * (dx * float(sum of x)), sub-blocks in order. */
+INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, const int16_t *q, const float *dx,
+                       const int32_t *xs, int64_t k, int rows, float *y, int64_t ys) {
+    const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f),
+                  two = _mm512_set1_epi32(0x03030303), byte = _mm512_set1_epi32(0xff), nibble = _mm512_set1_epi16(15);
+    __m512 f[8]; /* row r, group g at r * groups + g */
+    for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * 144) {
+        __m512i words[8][4];
+        __m512 d[8], dmin[8];
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *blk = gw + g * gs;
+            d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            dmin[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            __m512i w0 = _mm512_loadu_si512(blk + 64), w1 = _mm512_loadu_si512(blk + 128), w2 = _mm512_loadu_si512(blk + 192);
+            words[g][0] = _mm512_and_si512(w0, six);
+            words[g][1] = _mm512_or_si512(_mm512_and_si512(w2, four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), two), 4));
+            words[g][2] = _mm512_and_si512(w1, six);
+            words[g][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), four),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), two), 4));
+        }
+        for (int j = 0; j < 4; j++) {
+            __m512i a[2][8];
+            for (int i = 0; i < rows * groups; i++) a[0][i] = a[1][i] = _mm512_setzero_si512();
+            for (int p = 0; p < 16; p++) {
+                __m512i xl[ROWS_AT_ONCE], xh[ROWS_AT_ONCE];
+                for (int r = 0; r < rows; r++) {
+                    const int16_t *xr = q + r * k + b * 256 + 64 * j + 2 * p;
+                    xl[r] = _mm512_set1_epi32(x_pair(xr));
+                    xh[r] = _mm512_set1_epi32(x_pair(xr + 32));
+                }
+                for (int g = 0; g < groups; g++) {
+                    __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(gw + g * gs + 256 + 32 * (16 * j + p))));
+                    __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_srli_epi16(raw, 4);
+                    for (int r = 0; r < rows; r++) {
+                        a[0][r * groups + g] = _mm512_dpwssd_epi32(a[0][r * groups + g], lo, xl[r]);
+                        a[1][r * groups + g] = _mm512_dpwssd_epi32(a[1][r * groups + g], hi, xh[r]);
+                    }
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                int sb = 2 * j + h;
+                for (int g = 0; g < groups; g++) {
+                    __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[g][sb / 4], 8 * (sb % 4)), byte));
+                    __m512 mn = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[g][2 + sb / 4], 8 * (sb % 4)), byte));
+                    __m512 dsc = _mm512_mul_ps(d[g], sc), dmn = _mm512_mul_ps(dmin[g], mn);
+                    for (int r = 0; r < rows; r++) {
+                        int64_t at = r * (k / QK) + b * 8 + sb;
+                        float dxs = dx[at], xsum = (float)(xs[2 * at] + xs[2 * at + 1]);
+                        int i = r * groups + g;
+                        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[h][i]), _mm512_mul_ps(dsc, _mm512_set1_ps(dxs)), f[i]);
+                        f[i] = _mm512_fnmadd_ps(dmn, _mm512_set1_ps(dxs * xsum), f[i]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < groups; g++) _mm512_storeu_ps(y + r * ys + g * GROUP, f[r * groups + g]);
+}
+
 /* `groups` groups at once (gs bytes apart), a block of each in turn, rows * groups <= STREAMS:
  * as many streams from memory. A core reading one group at a time keeps too few reads in flight: with 16
  * the demo's head takes ~0.8x the time. A row's arithmetic does not depend on the groups beside it (the same
@@ -362,8 +457,53 @@ typedef struct {
     const float *x;
     const int16_t *q; /* integer modes: x rounded */
     const float *d;
+    const int32_t *s; /* the sum of each 16 rounded values */
     float *y;
 } product;
+
+#ifdef SD_WIDE
+/* A Q4_K group in float mode: each super-block's 16 rows unpacked as gguf-py does, each x row dotted with them
+ * (one chain of FMAs a row, 16 values a step), the super-blocks' dots added in order. */
+static void group_q4_k_float(const product *j, int64_t g) {
+    float tile[GROUP][256];
+    int64_t nb = j->k / 256;
+    const uint8_t *gw = j->w + g * GROUP * nb * 144;
+    for (int64_t i = 0; i < j->m; i++) memset(j->y + i * j->n + g * GROUP, 0, GROUP * sizeof(float));
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * 144) {
+        for (int r = 0; r < GROUP; r++) unpack_q4_k(gw, r, sd_f16((uint16_t)(gw[2 * r] | gw[2 * r + 1] << 8)), tile[r]);
+        for (int64_t i = 0; i < j->m; i++) {
+            const float *x = j->x + i * j->k + b * 256;
+            for (int r = 0; r < GROUP; r++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int v = 0; v < 256; v += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(tile[r] + v), _mm512_loadu_ps(x + v), acc);
+                j->y[i * j->n + g * GROUP + r] += _mm512_reduce_add_ps(acc);
+            }
+        }
+    }
+}
+
+static void group_q4_k_of(const product *j, int64_t g) {
+    if (!j->q) {
+        group_q4_k_float(j, g);
+        return;
+    }
+    int64_t nb = j->k / 256;
+    const uint8_t *gw = j->w + g * GROUP * nb * 144;
+    for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
+        int rows = j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE;
+        const int16_t *q = j->q + i * j->k;
+        const float *d = j->d + i * (j->k / QK);
+        const int32_t *s = j->s + i * (j->k / 16);
+        float *y = j->y + i * j->n + g * GROUP;
+        switch (rows) {
+        case 1: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 1, y, j->n); break;
+        case 2: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 2, y, j->n); break;
+        case 3: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 3, y, j->n); break;
+        default: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 4, y, j->n); break;
+        }
+    }
+}
+#endif
 
 /* Every x row against group g, ROWS_AT_ONCE x rows a pass (a constant `rows` and `type` per call below). */
 INLINE void group_of(const product *j, int64_t g, int type) {
@@ -394,6 +534,12 @@ INLINE void group_of(const product *j, int64_t g, int type) {
 }
 
 static void product_group(const product *j, int64_t g) {
+#ifdef SD_WIDE
+    if (j->type == T_Q4_K) {
+        group_q4_k_of(j, g);
+        return;
+    }
+#endif
     if (j->type == T_Q5_0)
         group_of(j, g, T_Q5_0);
     else
@@ -406,6 +552,11 @@ static void product_set(void *ctx, int64_t s, int thread) {
     int64_t g0 = s * j->set, g1 = g0 + j->set < j->n / GROUP ? g0 + j->set : j->n / GROUP;
     (void)thread;
 #ifdef SD_WIDE
+    if (j->type == T_Q4_K && j->q && j->set == 4 && j->m == 1 && g1 - g0 == 4) {
+        int64_t nb = j->k / 256, gs = GROUP * nb * 144;
+        group_q4_k(j->w + g0 * gs, gs, 4, nb, j->q, j->d, j->s, j->k, 1, j->y + g0 * GROUP, j->n);
+        return;
+    }
     if (j->q && j->set > 1 && g1 - g0 == j->set) {
         int64_t nb = j->k / QK, gs = GROUP * nb * block_bytes(j->type);
         for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
@@ -425,7 +576,8 @@ static void product_set(void *ctx, int64_t s, int thread) {
  * type without a packed layout, a bad shape or activations, or no memory. */
 int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                      int threads, int activations) {
-    if (!sd_packs(type) || n % GROUP || k % QK || activations < X_FLOAT || activations > X_INT8) return -1;
+    if (!sd_packs(type) || n % GROUP || k % block_values(type) || activations < X_FLOAT || activations > X_INT8)
+        return -1;
     if (n <= 0 || m <= 0) return 0;
 #ifdef SD_AVX2
     product j = {.type = type, .w = w, .n = n, .k = k, .m = m, .x = x, .y = y};
@@ -435,13 +587,13 @@ int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const flo
         mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + 63) / 64 * 64);
         if (!mem) return -1;
         int16_t *q = mem;
-        int32_t *sums = (int32_t *)(q + values); /* sd_quantize_rows writes them; unused here */
+        int32_t *sums = (int32_t *)(q + values);
         float *d = (float *)(sums + values / 16);
         sd_quantize_rows(x, m, k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
-        j.q = q, j.d = d;
+        j.q = q, j.d = d, j.s = sums;
     }
     if (threads < 1 || n * k < 65536) threads = 1;
-    j.set = activations == X_FLOAT ? 1 : set_size(m);
+    j.set = activations == X_FLOAT ? 1 : type == T_Q4_K ? (m == 1 ? 4 : 1) : set_size(m);
     int64_t sets = (n / GROUP + j.set - 1) / j.set;
     for (; j.set > 4 && sets < 4 * threads; sets = (n / GROUP + j.set - 1) / j.set) j.set /= 2; /* work for all */
     sd_parallel(threads, sets, sets / (8 * threads) + 1, product_set, &j);

@@ -42,21 +42,6 @@ static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-/* The 6-bit scales and minimums of a Q4_K / Q5_K block's 8 sub-blocks, four per 32-bit word:
- * sub-blocks 0-3 keep 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take a nibble of bytes
- * 8-11 (low: scales, high: minimums) and the top 2 bits of bytes 0-3 (scales) or 4-7 (minimums)
- * above it. */
-static inline void k4_scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    uint32_t w[3], out[4];
-    memcpy(w, s, 12);
-    out[0] = w[0] & 0x3f3f3f3fu;
-    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
-    out[2] = w[1] & 0x3f3f3f3fu;
-    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-    memcpy(sc, out, 8);
-    memcpy(mn, out + 2, 8);
-}
-
 /* ---- 32 int8 lanes ------------------------------------------------------------------------------
  * Every block type is unpacked 32 values at a time into int8 lanes (q32), then scaled. */
 
@@ -328,7 +313,7 @@ INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_by
     int rows = ROWS(mode);
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
     uint8_t sc[8], mn[8];
-    k4_scales_mins(src + 4, sc, mn);
+    sd_k4_scales_mins(src + 4, sc, mn);
     __m256i acc[MAX_ROWS];
     q32 qh = qh_bytes ? load32(qh_bytes) : bytes32(0);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
@@ -479,7 +464,7 @@ INLINE void blk_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_b
     float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
     q32 qh = qh_bytes ? load32(qh_bytes) : bytes32(0);
     uint8_t sc[8], mn[8];
-    k4_scales_mins(src + 4, sc, mn);
+    sd_k4_scales_mins(src + 4, sc, mn);
     for (int j = 0; j < 8; j++) {
         float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
         emit_affine(s, mode, k45_values(qs, qh_bytes ? &qh : NULL, j), 1, ds, dm, ds, dm, o + 32 * j);

@@ -3,6 +3,7 @@
 #define SD_QUANT_CPU_H
 
 #include <stdint.h>
+#include <string.h>
 
 /* GGUF type codes (ggml's) */
 enum {
@@ -32,5 +33,20 @@ int sd_matmul_many(const sd_product *p, int64_t count, int threads, int activati
  * per block in d, the sum of each 16 rounded values in s (AVX2 builds only). */
 void sd_quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int limit, int16_t *q, int8_t *q8,
                       float *d, int32_t *s);
+
+/* The 6-bit scales and minimums of a Q4_K / Q5_K block's 8 sub-blocks, four per 32-bit word:
+ * sub-blocks 0-3 keep 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take a nibble of bytes
+ * 8-11 (low: scales, high: minimums) and the top 2 bits of bytes 0-3 (scales) or 4-7 (minimums)
+ * above it. */
+static inline void sd_k4_scales_mins(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t w[3], out[4];
+    memcpy(w, s, 12);
+    out[0] = w[0] & 0x3f3f3f3fu;
+    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    out[2] = w[1] & 0x3f3f3f3fu;
+    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(mn, out + 2, 8);
+}
 
 #endif
