@@ -1,5 +1,5 @@
-/* Q8_0 and Q5_0 matrices with their rows interleaved in groups of 16 (`R16`), for decode products that
- * run at the memory's speed.
+/* Q8_0, Q5_0 and Q4_K matrices with their rows interleaved in groups of 16 (`R16`), for decode products
+ * that run at the memory's speed.
  *
  * Why: a product straight from the file's blocks spends ~13 cycles a block on one row at a time
  * (the scale, the widening, one reduction per row), so a 2-core machine reads the 178 MB head of
@@ -15,6 +15,10 @@
  * the 16 scales (32 bytes), then for each pair p = 0..15 a 32-bit mask whose bit 2r + e is the fifth bit of
  * row r's value 2p + e (64 bytes), then for q = 0..7 the 16 rows' quant bytes q and q + 1 of the file's
  * (32 bytes each: low nibbles values 2q, 2q + 1, high nibbles values 16 + 2q, 17 + 2q).
+ * Q4_K (144 bytes a super-block of 256; AVX-512 builds only): per super-block the 16 rows' d (32 bytes),
+ * dmin (32), scale words 0, 1 and 2 (64 each), then for each run j = 0..3 of 64 values and pair p = 0..15 the
+ * 16 rows' quant bytes 32j + 2p, 32j + 2p + 1 (32 bytes: low nibbles values 64j + 2p + e of sub-block 2j,
+ * high nibbles values 64j + 32 + 2p + e of sub-block 2j + 1).
  *
  * Results are exact per row, as the file layout's products (quant_cpu.c): y[i, j] depends on W[j]
  * and x[i] only. Integer modes: per block, the int32 sum of q * x exactly, then f += float(sum) *
@@ -225,7 +229,7 @@ INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
                        const int32_t *xs, int64_t k, int rows, float *y, int64_t ys) {
     const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f),
                   two = _mm512_set1_epi32(0x03030303), byte = _mm512_set1_epi32(0xff), nibble = _mm512_set1_epi16(15);
-    __m512 f[8]; /* row r, group g at r * groups + g */
+    __m512 f[8]; /* row r, group g at r * groups + g; rows * groups <= 8 */
     for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, gw += GROUP * 144) {
         __m512i words[8][4];
@@ -552,7 +556,7 @@ static void product_set(void *ctx, int64_t s, int thread) {
     int64_t g0 = s * j->set, g1 = g0 + j->set < j->n / GROUP ? g0 + j->set : j->n / GROUP;
     (void)thread;
 #ifdef SD_WIDE
-    if (j->type == T_Q4_K && j->q && j->set == 4 && j->m == 1 && g1 - g0 == 4) {
+    if (j->type == T_Q4_K && j->set == 4 && g1 - g0 == 4) { /* one x row, integer mode: 4 groups side by side */
         int64_t nb = j->k / 256, gs = GROUP * nb * 144;
         group_q4_k(j->w + g0 * gs, gs, 4, nb, j->q, j->d, j->s, j->k, 1, j->y + g0 * GROUP, j->n);
         return;
