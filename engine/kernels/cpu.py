@@ -246,8 +246,8 @@ PACKED_GROUP = 16  # rows interleaved together in a packed matrix (packed_cpu.c)
 
 
 def packs(qtype: Q, n: int) -> bool:
-    """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, Q5_0 on
-    AVX-512 (BW, VNNI) ones, n a multiple of 16."""
+    """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, Q5_0 and Q4_K
+    on AVX-512 (BW, VL, VNNI) ones, n a multiple of 16."""
     return n > 0 and n % PACKED_GROUP == 0 and bool(library().sd_packs(int(qtype)))
 
 
@@ -313,8 +313,8 @@ class Matrix:
             raise IndexError(f"row ids must be in [0, {self.n})")
         ids = ids.contiguous()
         out = torch.empty((ids.numel(), self.k), dtype=torch.float32)
-        self._lib.sd_unpack_rows(self.qtype, self.blocks.data_ptr(), self.k, ids.data_ptr(), ids.numel(), out.data_ptr(),
-                                 threads())
+        self._lib.sd_unpack_rows(self.qtype, self.blocks.data_ptr(), self.k, ids.data_ptr(), ids.numel(),
+                                 out.data_ptr(), threads())
         return out
 
 
