@@ -1,6 +1,6 @@
-"""Packed Q8_0, Q5_0 and Q4_K matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and ranges
-equal to gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of the
-batch and the threads, the AVX2 build equal to the AVX-512 one (Q8_0; Q5_0 and Q4_K pack on AVX-512 builds
+"""Packed Q8_0, Q5_0, Q4_K and Q6_K matrices (engine/kernels/packed_cpu.c: rows interleaved by 16): lookups and
+ranges equal to gguf-py's dequantizer bit for bit, products as accurate as the file layout's, rows independent of
+the batch and the threads, the AVX2 build equal to the AVX-512 one (Q8_0; the others pack on AVX-512 builds
 only), and the store's policy."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels unavail
 N, K, M = 96, 256, 16  # M > 4: the kernel's passes of 4 x rows
 
 
-@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q5_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def qtype(request) -> Q:
     if not cpu.packs(request.param, 16):
         pytest.skip(f"{request.param.name} has no packed layout here")
@@ -65,7 +65,7 @@ def test_products_are_as_accurate_as_the_file_layout(qtype, blocks, packed, mode
         step = x.double().abs().view(M, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(M, K) / (2 * levels)
         bound += step @ w.abs().T * 1.001
     assert ((y - exact).abs() <= bound).all()
-    if levels and qtype != Q.Q4_K:  # the file layout's x rounding (Q4_K's: per 256), the same int32 sums a block
+    if levels and qtype in (Q.Q8_0, Q.Q5_0):  # the file layout's x rounding (the K types' is per 256): its sums
         assert torch.allclose(y, cpu.matmul(qtype, blocks, K, x, activations=mode).double(), rtol=1e-5, atol=1e-4)
 
 
@@ -106,7 +106,7 @@ def avx512() -> bool:
 def test_the_avx2_build_gives_the_same_bits(qtype, blocks, mode):
     """AVX-512 takes 16 rows a register where AVX2 takes 8: the same arithmetic per row, the same bits."""
     if qtype != Q.Q8_0:
-        pytest.skip("Q5_0 and Q4_K pack on AVX-512 builds only")
+        pytest.skip("only Q8_0 packs on AVX2 builds")
     avx2 = cpu._open(("-mno-avx512f",))
     native = cpu.library()
     wide = np.concatenate([blocks.numpy()] * 22)  # 132 groups: AVX-512's sets of several groups
@@ -127,7 +127,7 @@ def test_the_avx2_build_gives_the_same_bits(qtype, blocks, mode):
 def test_what_packs_and_bad_input(qtype, blocks):
     assert cpu.packs(qtype, 32) and not cpu.packs(qtype, 24) and not cpu.packs(Q.Q4_0, 32)
     wide = all(flag in cpu_flags() for flag in ("avx512bw", "avx512vl", "avx512_vnni", "bmi2"))
-    assert cpu.packs(Q.Q5_0, 32) == wide and cpu.packs(Q.Q4_K, 32) == wide
+    assert all(cpu.packs(q, 32) == wide for q in (Q.Q5_0, Q.Q4_K, Q.Q6_K))
     with pytest.raises(ValueError, match="no packed layout"):
         cpu.pack(qtype, blocks[:24], K)
     with pytest.raises(ValueError, match="no packed layout"):

@@ -246,8 +246,8 @@ PACKED_GROUP = 16  # rows interleaved together in a packed matrix (packed_cpu.c)
 
 
 def packs(qtype: Q, n: int) -> bool:
-    """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, Q5_0 and Q4_K
-    on AVX-512 (BW, VL, VNNI) ones, n a multiple of 16."""
+    """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, Q5_0, Q4_K
+    and Q6_K on AVX-512 (BW, VL, VNNI) ones, n a multiple of 16."""
     return n > 0 and n % PACKED_GROUP == 0 and bool(library().sd_packs(int(qtype)))
 
 

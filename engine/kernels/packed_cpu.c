@@ -1,5 +1,5 @@
-/* Q8_0, Q5_0 and Q4_K matrices with their rows interleaved in groups of 16 (`R16`), for decode products
- * that run at the memory's speed.
+/* Q8_0, Q5_0, Q4_K and Q6_K matrices with their rows interleaved in groups of 16 (`R16`), for decode
+ * products that run at the memory's speed.
  *
  * Why: a product straight from the file's blocks spends ~13 cycles a block on one row at a time
  * (the scale, the widening, one reduction per row), so a 2-core machine reads the 178 MB head of
@@ -19,6 +19,10 @@
  * dmin (32), scale words 0, 1 and 2 (64 each), then for each run j = 0..3 of 64 values and pair p = 0..15 the
  * 16 rows' quant bytes 32j + 2p, 32j + 2p + 1 (32 bytes: low nibbles values 64j + 2p + e of sub-block 2j,
  * high nibbles values 64j + 32 + 2p + e of sub-block 2j + 1).
+ * Q6_K (210 bytes a super-block; AVX-512 builds only): per super-block the 16 rows' d (32 bytes), their 16 int8
+ * scales by sub-block (16 bytes a sub-block), then for each half h and pair p = 0..15 96 bytes: the 16 rows' qh
+ * bytes 32h + 2p + e, ql bytes 64h + 2p + e and ql bytes 64h + 32 + 2p + e (the file's bytes, so one chunk holds the
+ * values 128h + 32i + 2p + e for i = 0..3).
  *
  * Results are exact per row, as the file layout's products (quant_cpu.c): y[i, j] depends on W[j]
  * and x[i] only. Integer modes: per block, the int32 sum of q * x exactly, then f += float(sum) *
@@ -40,12 +44,14 @@
 #endif
 
 /* Values and bytes of one row's block (Q4_K: a super-block of 256). */
-static int64_t block_values(int type) { return type == T_Q4_K ? 256 : QK; }
-static int64_t block_bytes(int type) { return type == T_Q4_K ? 144 : type == T_Q5_0 ? 22 : 34; }
+static int64_t block_values(int type) { return type == T_Q4_K || type == T_Q6_K ? 256 : QK; }
+static int64_t block_bytes(int type) {
+    return type == T_Q6_K ? 210 : type == T_Q4_K ? 144 : type == T_Q5_0 ? 22 : 34;
+}
 
 int sd_packs(int type) {
 #ifdef SD_WIDE
-    return type == T_Q8_0 || type == T_Q5_0 || type == T_Q4_K;
+    return type == T_Q8_0 || type == T_Q5_0 || type == T_Q4_K || type == T_Q6_K;
 #elif defined(SD_AVX2)
     return type == T_Q8_0;
 #else
@@ -75,6 +81,19 @@ static void pack_q4_k(const uint8_t *src, int r, uint8_t *o) {
         for (int p = 0; p < 16; p++) memcpy(o + 256 + 32 * (16 * j + p) + 2 * r, src + 16 + 32 * j + 2 * p, 2);
 }
 
+/* The file's Q6_K: ql[128], qh[64], 16 int8 scales, d at 208. */
+static void pack_q6_k(const uint8_t *src, int r, uint8_t *o) {
+    memcpy(o + 2 * r, src + 208, 2);
+    for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = src[192 + s];
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 16; p++) {
+            uint8_t *c = o + 288 + 96 * (16 * h + p) + 2 * r;
+            memcpy(c, src + 128 + 32 * h + 2 * p, 2);
+            memcpy(c + 32, src + 64 * h + 2 * p, 2);
+            memcpy(c + 64, src + 64 * h + 32 + 2 * p, 2);
+        }
+}
+
 static void pack_group(void *ctx, int64_t g, int thread) {
     const pack_job *j = ctx;
     int64_t bb = block_bytes(j->type), nb = j->k / block_values(j->type), rb = nb * bb;
@@ -84,8 +103,10 @@ static void pack_group(void *ctx, int64_t g, int thread) {
         if (j->type == T_Q5_0) memset(o + 32, 0, 64);
         for (int r = 0; r < GROUP; r++) {
             const uint8_t *src = j->w + (g * GROUP + r) * rb + b * bb;
-            memcpy(o + 2 * r, src, 2);
-            if (j->type == T_Q5_0)
+            memcpy(o + 2 * r, src, 2); /* Q6_K's d is at its end: pack_q6_k puts it here */
+            if (j->type == T_Q6_K)
+                pack_q6_k(src, r, o);
+            else if (j->type == T_Q5_0)
                 pack_q5_0(src, r, o);
             else if (j->type == T_Q4_K)
                 pack_q4_k(src, r, o);
@@ -143,6 +164,26 @@ static void unpack_q4_k(const uint8_t *g, int lane, float d, float *out) {
     }
 }
 
+/* Row `lane` of a group's Q6_K super-block: (d * scale) * (q - 32), as gguf-py. */
+static void unpack_q6_k(const uint8_t *g, int lane, float d, float *out) {
+    for (int h = 0; h < 2; h++) {
+        uint8_t hi[32], a[32], b[32]; /* qh, ql 64h.., ql 64h + 32.. of the file's row */
+        for (int p = 0; p < 16; p++) {
+            const uint8_t *c = g + 288 + 96 * (16 * h + p) + 2 * lane;
+            memcpy(hi + 2 * p, c, 2), memcpy(a + 2 * p, c + 32, 2), memcpy(b + 2 * p, c + 64, 2);
+        }
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *low = i % 2 ? b : a;
+            for (int l0 = 0; l0 < 32; l0 += 16) {
+                int v = 128 * h + 32 * i + l0;
+                float ds = d * (float)(int8_t)g[32 + 16 * (v / 16) + lane];
+                for (int l = l0; l < l0 + 16; l++)
+                    out[v + l - l0] = ds * (float)(((i < 2 ? low[l] & 15 : low[l] >> 4) | (hi[l] >> 2 * i & 3) << 4) - 32);
+            }
+        }
+    }
+}
+
 /* Row r (any r < n) of a packed matrix, dequantized as gguf-py does (float(d) * q). */
 static void unpack_row(int type, const uint8_t *w, int64_t k, int64_t r, float *out) {
     int64_t bb = block_bytes(type), bv = block_values(type), nb = k / bv, rb = nb * bb;
@@ -150,8 +191,8 @@ static void unpack_row(int type, const uint8_t *w, int64_t k, int64_t r, float *
     int lane = (int)(r % GROUP);
     for (int64_t b = 0; b < nb; b++, g += GROUP * bb) {
         float d = sd_f16((uint16_t)(g[2 * lane] | g[2 * lane + 1] << 8));
-        if (type == T_Q4_K) {
-            unpack_q4_k(g, lane, d, out + b * bv);
+        if (type == T_Q4_K || type == T_Q6_K) {
+            (type == T_Q4_K ? unpack_q4_k : unpack_q6_k)(g, lane, d, out + b * bv);
             continue;
         }
 #ifdef SD_WIDE
@@ -280,6 +321,58 @@ INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
                 }
             }
         }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < groups; g++) _mm512_storeu_ps(y + r * ys + g * GROUP, f[r * groups + g]);
+}
+
+/* Q6_K: a sub-block's (16 values) int32 sum of (q - 32) * x exactly, then per row f += float(sum) * (d * scale * dx),
+ * each half's sub-blocks in the order 2i + ph (i the run of 32 values, ph its half). */
+INLINE void group_q6_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, const int16_t *q, const float *dx,
+                       int64_t k, int rows, float *y, int64_t ys) {
+    const __m512i nibble = _mm512_set1_epi16(15), bits = _mm512_set1_epi16(3), off = _mm512_set1_epi16(32);
+    __m512 f[4]; /* row r, group g at r * groups + g; rows * groups <= 4 */
+    for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * 210) {
+        for (int h = 0; h < 2; h++)
+            for (int ph = 0; ph < 2; ph++) {
+                __m512i a[4][4]; /* run i; row r, group g at r * groups + g */
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < rows * groups; c++) a[i][c] = _mm512_setzero_si512();
+                for (int p = 8 * ph; p < 8 * ph + 8; p++) {
+                    __m512i x[4][ROWS_AT_ONCE];
+                    for (int i = 0; i < 4; i++)
+                        for (int r = 0; r < rows; r++)
+                            x[i][r] = _mm512_set1_epi32(x_pair(q + r * k + b * 256 + 128 * h + 32 * i + 2 * p));
+                    for (int g = 0; g < groups; g++) {
+                        const uint8_t *c = gw + g * gs + 288 + 96 * (16 * h + p);
+                        __m512i hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)c));
+                        __m512i la = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32)));
+                        __m512i lb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 64)));
+                        __m512i w[4] = {_mm512_and_si512(la, nibble), _mm512_and_si512(lb, nibble), _mm512_srli_epi16(la, 4),
+                                        _mm512_srli_epi16(lb, 4)};
+                        for (int i = 0; i < 4; i++) {
+                            __m512i top = _mm512_and_si512(_mm512_srli_epi16(hi, 2 * i), bits);
+                            w[i] = _mm512_sub_epi16(_mm512_or_si512(w[i], _mm512_slli_epi16(top, 4)), off);
+                            for (int r = 0; r < rows; r++)
+                                a[i][r * groups + g] = _mm512_dpwssd_epi32(a[i][r * groups + g], w[i], x[i][r]);
+                        }
+                    }
+                }
+                for (int g = 0; g < groups; g++) {
+                    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gw + g * gs)));
+                    for (int i = 0; i < 4; i++) {
+                        int sb = 8 * h + 2 * i + ph;
+                        __m512 ds = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                         _mm_loadu_si128((const __m128i *)(gw + g * gs + 32 + 16 * sb)))));
+                        for (int r = 0; r < rows; r++) {
+                            int c = r * groups + g;
+                            f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][c]),
+                                                   _mm512_mul_ps(ds, _mm512_set1_ps(dx[r * (k / QK) + b * 8 + 4 * h + i])), f[c]);
+                        }
+                    }
+                }
+            }
     }
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < groups; g++) _mm512_storeu_ps(y + r * ys + g * GROUP, f[r * groups + g]);
@@ -468,13 +561,15 @@ typedef struct {
 #ifdef SD_WIDE
 /* A Q4_K group in float mode: each super-block's 16 rows unpacked as gguf-py does, each x row dotted with them
  * (one chain of FMAs a row, 16 values a step), the super-blocks' dots added in order. */
-static void group_q4_k_float(const product *j, int64_t g) {
+static void group_k_float(const product *j, int64_t g) {
     float tile[GROUP][256];
-    int64_t nb = j->k / 256;
-    const uint8_t *gw = j->w + g * GROUP * nb * 144;
+    int64_t bb = block_bytes(j->type), nb = j->k / 256;
+    const uint8_t *gw = j->w + g * GROUP * nb * bb;
     for (int64_t i = 0; i < j->m; i++) memset(j->y + i * j->n + g * GROUP, 0, GROUP * sizeof(float));
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * 144) {
-        for (int r = 0; r < GROUP; r++) unpack_q4_k(gw, r, sd_f16((uint16_t)(gw[2 * r] | gw[2 * r + 1] << 8)), tile[r]);
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * bb) {
+        for (int r = 0; r < GROUP; r++)
+            (j->type == T_Q4_K ? unpack_q4_k : unpack_q6_k)(gw, r, sd_f16((uint16_t)(gw[2 * r] | gw[2 * r + 1] << 8)),
+                                                              tile[r]);
         for (int64_t i = 0; i < j->m; i++) {
             const float *x = j->x + i * j->k + b * 256;
             for (int r = 0; r < GROUP; r++) {
@@ -486,26 +581,32 @@ static void group_q4_k_float(const product *j, int64_t g) {
     }
 }
 
-static void group_q4_k_of(const product *j, int64_t g) {
+/* x rows i..i + rows - 1 against Q4_K or Q6_K groups g0..g0 + groups - 1 (integer modes), their type's kernel. */
+static void group_k(const product *j, int64_t g0, int groups, int64_t i, int rows) {
+    const int16_t *q = j->q + i * j->k;
+    const float *d = j->d + i * (j->k / QK);
+    const int32_t *s = j->s + i * (j->k / 16);
+    float *y = j->y + i * j->n + g0 * GROUP;
+    int64_t nb = j->k / 256, gs = GROUP * nb * block_bytes(j->type);
+    const uint8_t *gw = j->w + g0 * gs;
+#define K_PASS(R, G) case R * 8 + G:                                                                          \
+    if (j->type == T_Q4_K) group_q4_k(gw, gs, G, nb, q, d, s, j->k, R, y, j->n);                          \
+    else group_q6_k(gw, gs, G, nb, q, d, j->k, R, y, j->n);                                               \
+    break;
+    switch (rows * 8 + groups) {
+    K_PASS(1, 1) K_PASS(2, 1) K_PASS(3, 1) K_PASS(4, 1) K_PASS(1, 4)
+    default: /* not a pass sd_matmul_packed makes */
+        for (int g = 0; g < groups; g++) group_k(j, g0 + g, 1, i, rows);
+    }
+#undef K_PASS
+}
+
+static void group_k_of(const product *j, int64_t g) {
     if (!j->q) {
-        group_q4_k_float(j, g);
+        group_k_float(j, g);
         return;
     }
-    int64_t nb = j->k / 256;
-    const uint8_t *gw = j->w + g * GROUP * nb * 144;
-    for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
-        int rows = j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE;
-        const int16_t *q = j->q + i * j->k;
-        const float *d = j->d + i * (j->k / QK);
-        const int32_t *s = j->s + i * (j->k / 16);
-        float *y = j->y + i * j->n + g * GROUP;
-        switch (rows) {
-        case 1: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 1, y, j->n); break;
-        case 2: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 2, y, j->n); break;
-        case 3: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 3, y, j->n); break;
-        default: group_q4_k(gw, 0, 1, nb, q, d, s, j->k, 4, y, j->n); break;
-        }
-    }
+    for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) group_k(j, g, 1, i, j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE);
 }
 #endif
 
@@ -539,8 +640,8 @@ INLINE void group_of(const product *j, int64_t g, int type) {
 
 static void product_group(const product *j, int64_t g) {
 #ifdef SD_WIDE
-    if (j->type == T_Q4_K) {
-        group_q4_k_of(j, g);
+    if (j->type == T_Q4_K || j->type == T_Q6_K) {
+        group_k_of(j, g);
         return;
     }
 #endif
@@ -556,9 +657,8 @@ static void product_set(void *ctx, int64_t s, int thread) {
     int64_t g0 = s * j->set, g1 = g0 + j->set < j->n / GROUP ? g0 + j->set : j->n / GROUP;
     (void)thread;
 #ifdef SD_WIDE
-    if (j->type == T_Q4_K && j->set == 4 && g1 - g0 == 4) { /* one x row, integer mode: 4 groups side by side */
-        int64_t nb = j->k / 256, gs = GROUP * nb * 144;
-        group_q4_k(j->w + g0 * gs, gs, 4, nb, j->q, j->d, j->s, j->k, 1, j->y + g0 * GROUP, j->n);
+    if (block_values(j->type) == 256 && j->set == 4 && g1 - g0 == 4) { /* one x row, integer mode: 4 groups */
+        group_k(j, g0, 4, 0, 1);
         return;
     }
     if (j->q && j->set > 1 && g1 - g0 == j->set) {
@@ -597,7 +697,7 @@ int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const flo
         j.q = q, j.d = d, j.s = sums;
     }
     if (threads < 1 || n * k < 65536) threads = 1;
-    j.set = activations == X_FLOAT ? 1 : type == T_Q4_K ? (m == 1 ? 4 : 1) : set_size(m);
+    j.set = activations == X_FLOAT ? 1 : block_values(type) == 256 ? (m == 1 ? 4 : 1) : set_size(m);
     int64_t sets = (n / GROUP + j.set - 1) / j.set;
     for (; j.set > 4 && sets < 4 * threads; sets = (n / GROUP + j.set - 1) / j.set) j.set /= 2; /* work for all */
     sd_parallel(threads, sets, sets / (8 * threads) + 1, product_set, &j);
