@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[Figures] = []
     peers: list[Peer] = []
     peer_failed: str | None = None
+    peer_args = tuple(shlex.split(args.llama_bench_args))
     threads = torch.get_num_threads()
     prompt = min(args.prompt, args.context // 2)
     chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.llama_bench and peer_failed is None:
             try:
                 peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
-                                         reps=1 if args.rounds > 1 else 5, extra=tuple(shlex.split(args.llama_bench_args))))
+                                         reps=1 if args.rounds > 1 else 5, extra=peer_args))
             except PeerFailed as exc:  # our figures stand: print them, then say what failed
                 peer_failed, peers = str(exc), []
     r = rounds[-1]

@@ -61,4 +61,7 @@ static inline float sd_f16(uint16_t h) {
 }
 #endif
 
+/* The little-endian half at p, as a float. */
+static inline float sd_f16_at(const uint8_t *p) { return sd_f16((uint16_t)(p[0] | p[1] << 8)); }
+
 #endif

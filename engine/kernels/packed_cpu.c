@@ -25,9 +25,9 @@
  * values 128h + 32i + 2p + e for i = 0..3).
  *
  * Results are exact per row, as the file layout's products (quant_cpu.c): y[i, j] depends on W[j]
- * and x[i] only. Integer modes: per block, the int32 sum of q * x exactly, then f += float(sum) *
- * (d * dx) in block order. Float mode: per block, the products summed in two chains (even and odd
- * values) of FMAs, the chains added, then f += sum * d. */
+ * and x[i] only. Integer modes: per block (per sub-block for Q4_K and Q6_K), the int32 sum of q * x exactly,
+ * then f += float(sum) * (d * dx) in order. Float mode: per block, the products summed in two chains (even and
+ * odd values) of FMAs, the chains added, then f += sum * d (Q4_K and Q6_K: rows unpacked, then dotted). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -81,9 +81,8 @@ static void pack_q4_k(const uint8_t *src, int r, uint8_t *o) {
         for (int p = 0; p < 16; p++) memcpy(o + 256 + 32 * (16 * j + p) + 2 * r, src + 16 + 32 * j + 2 * p, 2);
 }
 
-/* The file's Q6_K: ql[128], qh[64], 16 int8 scales, d at 208. */
+/* The file's Q6_K: ql[128], qh[64], 16 int8 scales, d. */
 static void pack_q6_k(const uint8_t *src, int r, uint8_t *o) {
-    memcpy(o + 2 * r, src + 208, 2);
     for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = src[192 + s];
     for (int h = 0; h < 2; h++)
         for (int p = 0; p < 16; p++) {
@@ -103,7 +102,7 @@ static void pack_group(void *ctx, int64_t g, int thread) {
         if (j->type == T_Q5_0) memset(o + 32, 0, 64);
         for (int r = 0; r < GROUP; r++) {
             const uint8_t *src = j->w + (g * GROUP + r) * rb + b * bb;
-            memcpy(o + 2 * r, src, 2); /* Q6_K's d is at its end: pack_q6_k puts it here */
+            memcpy(o + 2 * r, src + (j->type == T_Q6_K ? 208 : 0), 2); /* d: first in a group's block */
             if (j->type == T_Q6_K)
                 pack_q6_k(src, r, o);
             else if (j->type == T_Q5_0)
@@ -116,7 +115,7 @@ static void pack_group(void *ctx, int64_t g, int thread) {
     }
 }
 
-/* n rows of Q8_0, Q5_0 or Q4_K blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
+/* n rows of Q8_0, Q5_0, Q4_K or Q6_K blocks (k values each) into `out` (as many bytes), rows interleaved by 16.
  * Returns -1 when the type has no packed layout here, n is not a multiple of 16 or k of a block. */
 int sd_pack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
     if (!sd_packs(type) || n % GROUP || k % block_values(type) || n < 0 || k < 0) return -1;
@@ -149,7 +148,7 @@ static void unpack_q5_0(const uint8_t *g, int lane, float d, float *out) {
 
 /* Row `lane` of a group's Q4_K super-block: (d * scale) * q - dmin * minimum, as gguf-py. */
 static void unpack_q4_k(const uint8_t *g, int lane, float d, float *out) {
-    float dmin = sd_f16((uint16_t)(g[32 + 2 * lane] | g[33 + 2 * lane] << 8));
+    float dmin = sd_f16_at(g + 32 + 2 * lane);
     uint8_t words[12], sc[8], mn[8];
     for (int w = 0; w < 3; w++) memcpy(words + 4 * w, g + 64 + 64 * w + 4 * lane, 4);
     sd_k4_scales_mins(words, sc, mn);
@@ -184,27 +183,30 @@ static void unpack_q6_k(const uint8_t *g, int lane, float d, float *out) {
     }
 }
 
-/* Row r (any r < n) of a packed matrix, dequantized as gguf-py does (float(d) * q). */
-static void unpack_row(int type, const uint8_t *w, int64_t k, int64_t r, float *out) {
-    int64_t bb = block_bytes(type), bv = block_values(type), nb = k / bv, rb = nb * bb;
-    const uint8_t *g = w + r / GROUP * GROUP * rb;
-    int lane = (int)(r % GROUP);
-    for (int64_t b = 0; b < nb; b++, g += GROUP * bb) {
-        float d = sd_f16((uint16_t)(g[2 * lane] | g[2 * lane + 1] << 8));
-        if (type == T_Q4_K || type == T_Q6_K) {
-            (type == T_Q4_K ? unpack_q4_k : unpack_q6_k)(g, lane, d, out + b * bv);
-            continue;
-        }
+static void unpack_q8_0(const uint8_t *g, int lane, float d, float *out) {
+    int8_t q[QK];
+    for (int p = 0; p < QK / 2; p++) memcpy(q + 2 * p, g + 32 + 32 * p + 2 * lane, 2);
+    for (int v = 0; v < QK; v++) out[v] = d * (float)q[v];
+}
+
+/* Row `lane` of a group's block (a super-block for the K types) at g, dequantized as gguf-py does. */
+static void unpack_block(int type, const uint8_t *g, int lane, float *out) {
+    float d = sd_f16_at(g + 2 * lane);
+    switch (type) {
+    case T_Q4_K: unpack_q4_k(g, lane, d, out); break;
+    case T_Q6_K: unpack_q6_k(g, lane, d, out); break;
 #ifdef SD_WIDE
-        if (type == T_Q5_0) {
-            unpack_q5_0(g, lane, d, out + b * QK);
-            continue;
-        }
+    case T_Q5_0: unpack_q5_0(g, lane, d, out); break;
 #endif
-        int8_t q[QK];
-        for (int p = 0; p < QK / 2; p++) memcpy(q + 2 * p, g + 32 + 32 * p + 2 * lane, 2);
-        for (int v = 0; v < QK; v++) out[b * QK + v] = d * (float)q[v];
+    default: unpack_q8_0(g, lane, d, out);
     }
+}
+
+/* Row r (any r < n) of a packed matrix. */
+static void unpack_row(int type, const uint8_t *w, int64_t k, int64_t r, float *out) {
+    int64_t bb = block_bytes(type), bv = block_values(type), nb = k / bv;
+    const uint8_t *g = w + r / GROUP * GROUP * nb * bb;
+    for (int64_t b = 0; b < nb; b++, g += GROUP * bb) unpack_block(type, g, (int)(r % GROUP), out + b * bv);
 }
 
 typedef struct {
@@ -272,7 +274,7 @@ INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
                   two = _mm512_set1_epi32(0x03030303), byte = _mm512_set1_epi32(0xff), nibble = _mm512_set1_epi16(15);
     __m512 f[8]; /* row r, group g at r * groups + g; rows * groups <= 8 */
     for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * 144) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(T_Q4_K)) {
         __m512i words[8][4];
         __m512 d[8], dmin[8];
         for (int g = 0; g < groups; g++) {
@@ -333,7 +335,7 @@ INLINE void group_q6_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
     const __m512i nibble = _mm512_set1_epi16(15), bits = _mm512_set1_epi16(3), off = _mm512_set1_epi16(32);
     __m512 f[4]; /* row r, group g at r * groups + g; rows * groups <= 4 */
     for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * 210) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(T_Q6_K)) {
         for (int h = 0; h < 2; h++)
             for (int ph = 0; ph < 2; ph++) {
                 __m512i a[4][4]; /* run i; row r, group g at r * groups + g */
@@ -416,8 +418,12 @@ INLINE void group_int(int type, const uint8_t *gw, int64_t nb, const int16_t *q,
     groups_int(type, gw, 0, 1, nb, q, d, k, rows, y, ys);
 }
 
-/* Groups a work item takes for m x rows (rows * groups <= STREAMS in every pass). */
-static int64_t set_size(int64_t m) { return m == 1 ? 16 : m == 2 ? 8 : 4; }
+/* Groups a work item takes for m x rows in an integer mode (rows * groups within the type's kernel's
+ * accumulators in every pass: STREAMS for groups_int, 4 a run for the K types' kernels). */
+static int64_t set_size(int type, int64_t m) {
+    if (block_values(type) == 256) return m == 1 ? 4 : 1;
+    return m == 1 ? 16 : m == 2 ? 8 : 4;
+}
 
 /* groups_int with its type, rows and groups constant (a pass of `rows` x rows over a whole set). */
 static void groups_pass(int type, const uint8_t *gw, int64_t gs, int set, int64_t nb, const int16_t *q, const float *d,
@@ -433,13 +439,13 @@ static void groups_pass(int type, const uint8_t *gw, int64_t gs, int set, int64_
 #undef PASS
 }
 #else
-/* Q8_0 only (no Q5_0 layout on AVX2 builds). */
+/* Q8_0 only (the one type that packs on AVX2 builds). */
 INLINE void group_int(int type, const uint8_t *gw, int64_t nb, const int16_t *q, const float *d, int64_t k, int rows,
                       float *y, int64_t ys) {
     __m256 f[ROWS_AT_ONCE][2];
     (void)type;
     for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * 34) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(T_Q8_0)) {
         __m256i a[ROWS_AT_ONCE][2];
         for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
         for (int p = 0; p < QK / 2; p++) {
@@ -508,13 +514,13 @@ INLINE void group_float(int type, const uint8_t *gw, int64_t nb, const float *x,
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ys, f[r]);
 }
 #else
-/* Q8_0 only (no Q5_0 layout on AVX2 builds). */
+/* Q8_0 only (the one type that packs on AVX2 builds). */
 INLINE void group_float(int type, const uint8_t *gw, int64_t nb, const float *x, int64_t k, int rows, float *y,
                         int64_t ys) {
     __m256 f[ROWS_AT_ONCE][2];
     (void)type;
     for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, gw += GROUP * 34) {
+    for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(T_Q8_0)) {
         __m256 a[ROWS_AT_ONCE][4]; /* rows 4h..4h+3, lanes (row, parity) */
         for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
         for (int p = 0; p < QK / 2; p++) {
@@ -544,7 +550,7 @@ INLINE void group_float(int type, const uint8_t *gw, int64_t nb, const float *x,
 #endif
 
 #ifndef SD_WIDE
-static int64_t set_size(int64_t m) { return (void)m, 1; }
+static int64_t set_size(int type, int64_t m) { return (void)type, (void)m, 1; }
 #endif
 
 typedef struct {
@@ -559,17 +565,15 @@ typedef struct {
 } product;
 
 #ifdef SD_WIDE
-/* A Q4_K group in float mode: each super-block's 16 rows unpacked as gguf-py does, each x row dotted with them
- * (one chain of FMAs a row, 16 values a step), the super-blocks' dots added in order. */
+/* A Q4_K or Q6_K group in float mode: each super-block's 16 rows unpacked as gguf-py does, each x row dotted with
+ * them (one chain of FMAs a row, 16 values a step), the super-blocks' dots added in order. */
 static void group_k_float(const product *j, int64_t g) {
     float tile[GROUP][256];
     int64_t bb = block_bytes(j->type), nb = j->k / 256;
     const uint8_t *gw = j->w + g * GROUP * nb * bb;
     for (int64_t i = 0; i < j->m; i++) memset(j->y + i * j->n + g * GROUP, 0, GROUP * sizeof(float));
     for (int64_t b = 0; b < nb; b++, gw += GROUP * bb) {
-        for (int r = 0; r < GROUP; r++)
-            (j->type == T_Q4_K ? unpack_q4_k : unpack_q6_k)(gw, r, sd_f16((uint16_t)(gw[2 * r] | gw[2 * r + 1] << 8)),
-                                                              tile[r]);
+        for (int r = 0; r < GROUP; r++) unpack_block(j->type, gw, r, tile[r]);
         for (int64_t i = 0; i < j->m; i++) {
             const float *x = j->x + i * j->k + b * 256;
             for (int r = 0; r < GROUP; r++) {
@@ -606,7 +610,19 @@ static void group_k_of(const product *j, int64_t g) {
         group_k_float(j, g);
         return;
     }
-    for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) group_k(j, g, 1, i, j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE);
+    for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE)
+        group_k(j, g, 1, i, j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE);
+}
+
+/* x rows i..i + rows - 1 against the whole set of groups from g0 (integer modes), the type's kernel. */
+static void pass_int(const product *j, int64_t g0, int64_t i, int rows) {
+    if (block_values(j->type) == 256) {
+        group_k(j, g0, (int)j->set, i, rows);
+        return;
+    }
+    int64_t nb = j->k / QK, gs = GROUP * nb * block_bytes(j->type);
+    groups_pass(j->type, j->w + g0 * gs, gs, (int)j->set, nb, j->q + i * j->k, j->d + i * nb, j->k, rows,
+                j->y + i * j->n + g0 * GROUP, j->n);
 }
 #endif
 
@@ -657,17 +673,9 @@ static void product_set(void *ctx, int64_t s, int thread) {
     int64_t g0 = s * j->set, g1 = g0 + j->set < j->n / GROUP ? g0 + j->set : j->n / GROUP;
     (void)thread;
 #ifdef SD_WIDE
-    if (block_values(j->type) == 256 && j->set == 4 && g1 - g0 == 4) { /* one x row, integer mode: 4 groups */
-        group_k(j, g0, 4, 0, 1);
-        return;
-    }
     if (j->q && j->set > 1 && g1 - g0 == j->set) {
-        int64_t nb = j->k / QK, gs = GROUP * nb * block_bytes(j->type);
-        for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE) {
-            int rows = j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE;
-            groups_pass(j->type, j->w + g0 * gs, gs, (int)j->set, nb, j->q + i * j->k, j->d + i * nb, j->k, rows,
-                        j->y + i * j->n + g0 * GROUP, j->n);
-        }
+        for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE)
+            pass_int(j, g0, i, j->m - i < ROWS_AT_ONCE ? (int)(j->m - i) : ROWS_AT_ONCE);
         return;
     }
 #endif
@@ -697,7 +705,7 @@ int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const flo
         j.q = q, j.d = d, j.s = sums;
     }
     if (threads < 1 || n * k < 65536) threads = 1;
-    j.set = activations == X_FLOAT ? 1 : block_values(type) == 256 ? (m == 1 ? 4 : 1) : set_size(m);
+    j.set = activations == X_FLOAT ? 1 : set_size(type, m);
     int64_t sets = (n / GROUP + j.set - 1) / j.set;
     for (; j.set > 4 && sets < 4 * threads; sets = (n / GROUP + j.set - 1) / j.set) j.set /= 2; /* work for all */
     sd_parallel(threads, sets, sets / (8 * threads) + 1, product_set, &j);

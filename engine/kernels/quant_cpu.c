@@ -36,7 +36,6 @@
 
 /* ---- scalar helpers ---------------------------------------------------------------------------- */
 
-static inline float f16_to_f32(const uint8_t *p) { return sd_f16((uint16_t)(p[0] | (p[1] << 8))); }
 
 static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -311,7 +310,7 @@ INLINE __m256i x_sums32(const xrows *x, int r, int64_t off) {
 INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_bytes, sink *s, int mode, int64_t o) {
     const xrows *x = s->x;
     int rows = ROWS(mode);
-    float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    float d = sd_f16_at(src), dmin = sd_f16_at(src + 2);
     uint8_t sc[8], mn[8];
     sd_k4_scales_mins(src + 4, sc, mn);
     __m256i acc[MAX_ROWS];
@@ -341,7 +340,7 @@ INLINE void sb_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_by
 INLINE void sb_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     const xrows *x = s->x;
     int rows = ROWS(mode);
-    float d = f16_to_f32(src + 208);
+    float d = sd_f16_at(src + 208);
     /* the 16 scales as int16; a pair of them (sub-blocks j, j + 1) is 32-bit word j / 2 */
     __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + 192)));
     const __m256i first = _mm256_set1_epi16(0x0100), second = _mm256_set1_epi16(0x0302);
@@ -380,7 +379,7 @@ INLINE void sb_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
 
 /* Q8_0: f16 d, int8 q[32]; w = d*q. */
 INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
-    float d = f16_to_f32(src);
+    float d = sd_f16_at(src);
 #ifdef SD_AVX2 /* widening straight from memory saves the shuffles of emit_scale's to_float32 */
     if (INTEGER(mode)) {
         emit_scale(s, mode, load32(src + 2), 1, d, d, o);
@@ -399,33 +398,33 @@ INLINE void blk_q8_0(const uint8_t *src, sink *s, int mode, int64_t o) {
 
 /* Q4_0: f16 d, qs[16] nibbles; w = d*(q-8). */
 INLINE void blk_q4_0(const uint8_t *src, sink *s, int mode, int64_t o) {
-    float d = f16_to_f32(src);
+    float d = sd_f16_at(src);
     emit_scale(s, mode, sub32(nibbles32(src + 2), bytes32(8)), 1, d, d, o);
 }
 
 /* Q4_1: f16 d, f16 m, qs[16]; w = d*q + m. */
 INLINE void blk_q4_1(const uint8_t *src, sink *s, int mode, int64_t o) {
-    float d = f16_to_f32(src), m = -f16_to_f32(src + 2);
+    float d = sd_f16_at(src), m = -sd_f16_at(src + 2);
     emit_affine(s, mode, nibbles32(src + 4), 1, d, m, d, m, o);
 }
 
 /* Q5_0: f16 d, qh (bit l: bit 4 of value l), qs[16]; w = d*(q-16). */
 INLINE void blk_q5_0(const uint8_t *src, sink *s, int mode, int64_t o) {
-    float d = f16_to_f32(src);
+    float d = sd_f16_at(src);
     q32 q = or32(nibbles32(src + 6), high_bits32(le32(src + 2)));
     emit_scale(s, mode, sub32(q, bytes32(16)), 1, d, d, o);
 }
 
 /* Q5_1: f16 d, f16 m, qh, qs[16]; w = d*q + m. */
 INLINE void blk_q5_1(const uint8_t *src, sink *s, int mode, int64_t o) {
-    float d = f16_to_f32(src), m = -f16_to_f32(src + 2);
+    float d = sd_f16_at(src), m = -sd_f16_at(src + 2);
     emit_affine(s, mode, or32(nibbles32(src + 8), high_bits32(le32(src + 4))), 1, d, m, d, m, o);
 }
 
 /* Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], f16 d, f16 dmin.
  * Values g*32 + l (g < 8) are bits 2(g%4).. of qs[(g/4)*32 + l]; a scale and min per 16 values. */
 INLINE void blk_q2_k(const uint8_t *src, sink *s, int mode, int64_t o) {
-    float d = f16_to_f32(src + 80), dmin = f16_to_f32(src + 82);
+    float d = sd_f16_at(src + 80), dmin = sd_f16_at(src + 82);
     for (int g = 0; g < 8; g++) {
         q32 q = and32(shr32(load32(src + 16 + (g / 4) * 32), 2 * (g % 4)), bytes32(3));
         uint8_t s0 = src[2 * g], s1 = src[2 * g + 1];
@@ -438,7 +437,7 @@ INLINE void blk_q2_k(const uint8_t *src, sink *s, int mode, int64_t o) {
  * Values g*32 + l: 2 bits as in Q2_K, minus 4 unless bit g of hmask[l] is set. */
 INLINE void blk_q3_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     const uint8_t *sc = src + 96;
-    float d = f16_to_f32(src + 108), dl[16];
+    float d = sd_f16_at(src + 108), dl[16];
     for (int i = 0; i < 16; i++) {
         int lo = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4;
         int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
@@ -461,7 +460,7 @@ INLINE void blk_q45_k(const uint8_t *src, const uint8_t *qs, const uint8_t *qh_b
         return;
     }
 #endif
-    float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+    float d = sd_f16_at(src), dmin = sd_f16_at(src + 2);
     q32 qh = qh_bytes ? load32(qh_bytes) : bytes32(0);
     uint8_t sc[8], mn[8];
     sd_k4_scales_mins(src + 4, sc, mn);
@@ -489,7 +488,7 @@ INLINE void blk_q6_k(const uint8_t *src, sink *s, int mode, int64_t o) {
     }
 #endif
     const int8_t *sc = (const int8_t *)(src + 192);
-    float d = f16_to_f32(src + 208);
+    float d = sd_f16_at(src + 208);
     for (int h = 0; h < 2; h++) {
         q32 qh = load32(src + 128 + h * 32);
         for (int g = 0; g < 4; g++) {
@@ -510,7 +509,7 @@ static void dq_f16(const uint8_t *src, float *dst, int64_t k) {
     for (; i + 8 <= k; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
 #endif
-    for (; i < k; i++) dst[i] = f16_to_f32(src + 2 * i);
+    for (; i < k; i++) dst[i] = sd_f16_at(src + 2 * i);
 }
 
 static void dq_bf16(const uint8_t *src, float *dst, int64_t k) {
