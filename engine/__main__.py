@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "logits move more); or float32 (the reference's arithmetic)")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                    help="replay decode windows from CUDA graphs (one launch a window; CUDA, no layer split)")
+    p.add_argument("--cpu-plans", choices=("on", "off"), default="on",
+                   help="replay decode windows from CPU plans (the step's kernel calls in one; CPU, dense models)")
     p.add_argument("--batch-groups", default="auto",
                    help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")
@@ -157,8 +159,10 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
         info.update(batch_slots=slots, slot_cache=1, batch_groups=groups)
     share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", "0.5"))
     parking = ParkingStore(args.conversation_cache_mib * MIB, args.conversation_cache_slots, pin=device.type == "cuda")
-    runner = make_runner(model, slots, args.exact, groups, graphs=args.cuda_graphs == "on")
+    runner = make_runner(model, slots, args.exact, groups, graphs=args.cuda_graphs == "on",
+                         plans=args.cpu_plans == "on")
     info["cuda_graphs"] = "on" if runner.graphs is not None else "off"
+    info["cpu_plans"] = "on" if runner.plans is not None else "off"
     try:
         runner.chunk, why = choose_prefill(runner, args.prefill)
         if args.prefill.auto:

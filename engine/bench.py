@@ -104,9 +104,9 @@ def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
 
 
 def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots: int, chunk: int, warmup: int = 3,
-        graphs: bool = True, ahead: bool | None = None, distinct: bool = False) -> Figures:
+        graphs: bool = True, ahead: bool | None = None, distinct: bool = False, plans: bool = True) -> Figures:
     """`distinct`: the batch rows read prompts of their own instead of copying the one-row session."""
-    runner = Runner(model, slots, exact=False, graphs=graphs, ahead=ahead)
+    runner = Runner(model, slots, exact=False, graphs=graphs, ahead=ahead, plans=plans)
     runner.chunk = chunk
     vocab = model.hyper.vocab
 
@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU decode products: int16, int8 or float32 activations")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="decode windows replayed from CUDA "
                    "graphs, as the engine's")
+    p.add_argument("--cpu-plans", choices=("on", "off"), default="on", help="decode windows replayed from CPU "
+                   "plans, as the engine's")
     p.add_argument("--ahead", choices=("on", "off"), default="on", help="decode windows queued on the last "
                    "one's tokens before the host reads them, as the engine's loop does (CUDA)")
     p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         rounds.append(run(model, device, prompt, args.decode, args.slots, chunk, args.warmup,
                           graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False,
-                          distinct=args.distinct))
+                          distinct=args.distinct, plans=args.cpu_plans == "on"))
         if args.llama_bench and peer_failed is None:
             try:
                 peers.append(llama_bench(args.llama_bench, args.model, threads, args.prompt, args.decode,
@@ -341,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         if r.replay_ms is not None:
             print(f"one row      {1000 / decode_tok_s:.3f} ms a window, {r.replay_ms:.3f} ms of it the graph's "
                   f"replay (the GPU's work; the rest is the host's)")
+    if r.runner.plans is not None:
+        plans = r.runner.plans
+        print(f"cpu plans    {plans.captures} recorded, {plans.replays} windows replayed"
+              + (f"; off: {plans.failed}" if plans.failed else ""))
     if model.tier is not None:
         s, tier = r.served, model.tier
         n = max(s.lookups, 1)

@@ -52,8 +52,39 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
         from engine.kernels import triton_rows  # imports Triton, so only when a CUDA tensor comes
 
         return triton_rows.add_rms_norm(x, r, weight, eps)
+    if cpu_ops.usable(x):
+        return cpu_ops.add_rms_norm(x, r, weight, eps)
     s = x + r
     return s, rms_norm(s, weight, eps)
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.gelu(gate, approximate="tanh") * up (a GELU-gated FFN)."""
+    if cpu_ops.usable(gate):
+        return cpu_ops.gated("gelu_tanh", gate, up)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up (SwiGLU)."""
+    if cpu_ops.usable(gate):
+        return cpu_ops.gated("silu", gate, up)
+    return F.silu(gate) * up
+
+
+def add(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x + r (a residual add)."""
+    if cpu_ops.usable(x):
+        return cpu_ops.add(x, r)
+    return x + r
+
+
+def scale(x: torch.Tensor, s: float | torch.Tensor) -> torch.Tensor:
+    """x * s; s a float (the C op's, for float32 CPU tensors) or a 0-dim tensor (multiplied as it is: a value
+    rounded to a model's dtype)."""
+    if isinstance(s, float) and cpu_ops.usable(x):
+        return cpu_ops.scale(x, s)
+    return x * s
 
 
 class Rope:
@@ -128,6 +159,8 @@ def attend(
     """
     if rows.single_rows and q.is_cuda:  # one launch, of a shape a CUDA graph keeps; on the CPU padding costs more
         return _attend_rows(q, k, v, k_cache, v_cache, rows, scale, window)
+    if rows.single_rows and cpu_ops.usable(q):  # one call, which reads the rows' sessions and positions itself
+        return cpu_ops.attend_rows(q, k, v, k_cache, v_cache, rows.sessions, rows.positions, window, scale)
     out = []
     row = 0
     n_rep = q.shape[1] // k.shape[1]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batch import BatchBuilder, Span, to_device
+from engine.cpu_plans import DecodePlans
 from engine.cuda_graphs import DecodeGraphs
 from engine.experts import ExpertStats
 from engine.kernels import cpu as cpu_kernels
@@ -75,10 +76,11 @@ class Queued:
 class Runner:
     """`groups`: the slots in that many groups of consecutive slots (`--batch-groups`), each decoded in
     its own window; the solo session goes with the last group. `graphs`: decode windows replayed from
-    CUDA graphs where the model allows (engine/cuda_graphs.py)."""
+    CUDA graphs where the model allows (engine/cuda_graphs.py); `plans`: from CPU plans
+    (engine/cpu_plans.py)."""
 
     def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True,
-                 ahead: bool | None = None):
+                 ahead: bool | None = None, plans: bool = True):
         if groups < 1 or (n_slots and n_slots % groups):
             raise ValueError(f"{groups} groups do not divide {n_slots} slots")
         self.model = model
@@ -90,6 +92,7 @@ class Runner:
         self.chunk = model.kv.max_chunk  # the rows a prompt forward takes at most (`read`): --prefill
         cpu_kernels.set_threads(torch.get_num_threads())
         self.graphs = DecodeGraphs(model) if graphs and DecodeGraphs.usable(model) else None
+        self.plans = DecodePlans(model) if plans and DecodePlans.usable(model) else None
         # windows queued on the last one's tokens before the host reads them (`queue`): where the device
         # runs apart from the host (None: on CUDA)
         self.ahead = model.device.type == "cuda" if ahead is None else ahead
@@ -186,7 +189,8 @@ class Runner:
         if logits is not None:
             return logits
         with self._torch_threads(len(tokens)):
-            return self.model.logits(self.model.forward(batch))
+            logits = self.plans.run(batch) if self.plans is not None else None
+            return logits if logits is not None else self.model.logits(self.model.forward(batch))
 
     @contextmanager
     def _torch_threads(self, rows: int) -> Iterator[None]:

@@ -113,6 +113,38 @@ def test_attend_row_is_the_same_on_any_number_of_threads():
     assert torch.equal(results[0], results[1])
 
 
+def test_rows_of_a_split_product_are_normed_and_rotated_in_place():
+    """q and k as a joined product's split outputs (rows strided, each row contiguous): the same bits as from
+    contiguous copies."""
+    y = torch.randn(3, 4 * 64 + 2 * 64, generator=gen(12))
+    q, k = (part.reshape(3, -1, 64) for part in y.split([4 * 64, 2 * 64], dim=-1))
+    assert not q.is_contiguous()
+    w = torch.randn(64, generator=gen(13))
+    assert torch.equal(ops.rms_norm(q, w, 1e-6), ops.rms_norm(q.contiguous(), w, 1e-6))
+    cos, sin = rope_tables(64, 10)
+    pos = torch.tensor([1, 5, 9])
+    for neox in (True, False):
+        assert torch.equal(ops.rope(k, pos, cos, sin, neox), ops.rope(k.contiguous(), pos, cos, sin, neox))
+
+
+@pytest.mark.parametrize("window", (None, 5))
+def test_attend_rows_is_attend_row_for_each_row(window):
+    """A decode step's rows, each from its session and position in the batch's tensors, as attend_row computes
+    each alone (q, k and v strided as split outputs), the new keys and values stored in their sessions."""
+    sessions_n, heads, kv_heads, dim, ring = 4, 4, 2, 64, 8
+    caches = [torch.randn(sessions_n, kv_heads, ring, dim, generator=gen(20 + i)) for i in range(2)]
+    y = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen(22))
+    q, k, v = (p.reshape(3, -1, dim) for p in y.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    sessions, positions = torch.tensor([2, 0, 3]), torch.tensor([3, 6 if window is None else 11, 0])  # 11: a ring's wrap
+    expected_caches = [c.clone() for c in caches]
+    expected = torch.cat([ops.attend_row(q[r], k[r], v[r], expected_caches[0][s], expected_caches[1][s],
+                                         0 if window is None else max(0, p - window + 1), p + 1, 0.125)
+                          for r, (s, p) in enumerate(zip(sessions.tolist(), positions.tolist(), strict=True))])
+    got = ops.attend_rows(q, k, v, *caches, sessions, positions, window, 0.125)
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches, strict=True))
+
+
 def test_argmax_is_the_first_largest():
     x = torch.randn(3, 262_147, generator=gen(11))
     x[1, 5], x[1, 900] = 50.0, 50.0  # a tie: the first

@@ -27,15 +27,20 @@ import tempfile
 import threading
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
 import torch
 from gguf import GGMLQuantizationType as Q
 
+if TYPE_CHECKING:
+    from engine.kernels.plan import Recording
+
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "packed_cpu.c", "ops_cpu.c", "moe_cpu.c",
-                                                            "pool.c", "pool.h", "quant_cpu.h", "simd.h", "f16.h"))
+                                                            "plan_cpu.c", "pool.c", "pool.h", "quant_cpu.h",
+                                                            "ops_cpu.h", "simd.h", "f16.h"))
 # Contraction off: the C code writes its FMAs explicitly and needs plain rounding everywhere else
 # (to match gguf-py exactly, and to keep one summation order).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
@@ -114,16 +119,26 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_integer.argtypes, lib.sd_integer.restype = [c_int], c_int
     lib.sd_packs.argtypes, lib.sd_packs.restype = [c_int], c_int
     lib.sd_pack.argtypes, lib.sd_pack.restype = [c_int, ptr, i64, i64, ptr, c_int], c_int
-    lib.sd_unpack_rows.argtypes, lib.sd_unpack_rows.restype = [c_int, ptr, i64, ptr, i64, ptr, c_int], None
+    lib.sd_unpack_rows.argtypes, lib.sd_unpack_rows.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int], c_int
     lib.sd_matmul_packed.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int]
     lib.sd_matmul_packed.restype = c_int
     lib.sd_x_block.argtypes, lib.sd_x_block.restype = [c_int], c_int
     f32 = ctypes.c_float
-    lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, ptr, ptr, i64, i64, f32], None
-    lib.sd_rope.argtypes, lib.sd_rope.restype = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, c_int], None
+    lib.sd_rms_norm.argtypes, lib.sd_rms_norm.restype = [ptr, i64, ptr, ptr, i64, i64, i64, f32], None
+    lib.sd_rope.argtypes, lib.sd_rope.restype = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ptr, c_int], None
     lib.sd_attend_row.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, c_int, i64, i64, i64, f32, ptr, c_int]
     lib.sd_attend_row.restype = c_int
+    lib.sd_attend_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, c_int, i64,
+                                   i64, f32, ptr, c_int]
+    lib.sd_attend_rows.restype = c_int
+    lib.sd_plan_op.argtypes, lib.sd_plan_op.restype = [ctypes.c_char_p], c_int
+    lib.sd_plan_args.argtypes, lib.sd_plan_args.restype = [], c_int
+    lib.sd_run_plan.argtypes, lib.sd_run_plan.restype = [ptr, i64], i64
     lib.sd_argmax.argtypes, lib.sd_argmax.restype = [ptr, i64, i64, ptr], None
+    lib.sd_gated.argtypes, lib.sd_gated.restype = [c_int, ptr, i64, ptr, i64, ptr, i64, i64], None
+    lib.sd_add.argtypes, lib.sd_add.restype = [ptr, ptr, ptr, i64], None
+    lib.sd_add_rms_norm.argtypes, lib.sd_add_rms_norm.restype = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32], None
+    lib.sd_scale.argtypes, lib.sd_scale.restype = [ptr, f32, ptr, i64], None
     lib.sd_swiglu_experts.argtypes = [c_int, ptr, c_int, ptr, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr,
                                       c_int, c_int]
     lib.sd_swiglu_experts.restype = c_int
@@ -160,6 +175,18 @@ def library() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"CPU quant kernels unavailable: {_reason}")
     return lib
+
+
+recording: Recording | None = None  # the plan being recorded (engine/kernels/plan.py), which `call` tells
+
+
+def call(name: str, *args) -> int | None:
+    """`library().<name>(*args)`: every kernel call that computes goes through here, so that a plan being
+    recorded takes it down (or refuses the step: a call it cannot hold)."""
+    result = getattr(library(), name)(*args)
+    if recording is not None:
+        recording.add(name, args)
+    return result
 
 
 _row_bytes: dict[tuple[int, int], int] = {}
@@ -255,7 +282,7 @@ def pack(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
     """The rows of `blocks` interleaved by 16 (packed_cpu.c's layout): as many bytes, a new tensor."""
     _check_blocks(qtype, blocks, k)
     out = torch.empty_like(blocks)
-    if library().sd_pack(int(qtype), blocks.data_ptr(), blocks.shape[0], k, out.data_ptr(), threads()) != 0:
+    if call("sd_pack", int(qtype), blocks.data_ptr(), blocks.shape[0], k, out.data_ptr(), threads()) != 0:
         raise ValueError(f"{Q(qtype).name} [{blocks.shape[0]}, {k}] has no packed layout here")
     return out
 
@@ -270,7 +297,7 @@ class Matrix:
         if packed and not packs(qtype, blocks.shape[0]):
             raise ValueError(f"{Q(qtype).name} [{blocks.shape[0]}, {k}] has no packed layout here")
         self.qtype, self.blocks, self.k, self.n, self.packed = int(qtype), blocks, k, blocks.shape[0], packed
-        self._lib = library()
+        self._product = "sd_matmul_packed" if packed else "sd_matmul"
         self._label = f"cpu {Q(qtype).name}{' packed' if packed else ''} {self.n}x{k}"
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None,
@@ -286,10 +313,9 @@ class Matrix:
         elif out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous float32 CPU tensor [{m}, {n}], got {out.dtype} "
                              f"{tuple(out.shape)} on {out.device}")
-        product = self._lib.sd_matmul_packed if self.packed else self._lib.sd_matmul
         with profiled(self._label):
-            status = product(self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), threads(),
-                             activation_code(activations))
+            status = call(self._product, self.qtype, self.blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+                          threads(), activation_code(activations))
         if status != 0:
             raise MemoryError("the product could not allocate its buffers")
         return out
@@ -301,7 +327,7 @@ class Matrix:
             return self.rows(torch.arange(lo, hi))
         rows = self.blocks[lo:hi]
         out = torch.empty((rows.shape[0], self.k), dtype=torch.float32)
-        self._lib.sd_dequantize(self.qtype, rows.data_ptr(), rows.shape[0], self.k, out.data_ptr(), threads())
+        call("sd_dequantize", self.qtype, rows.data_ptr(), rows.shape[0], self.k, out.data_ptr(), threads())
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -309,12 +335,11 @@ class Matrix:
         ids = ids.reshape(-1).to(torch.int64)
         if not self.packed:
             return dequantize(Q(self.qtype), self.blocks[ids], self.k)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
-            raise IndexError(f"row ids must be in [0, {self.n})")
         ids = ids.contiguous()
         out = torch.empty((ids.numel(), self.k), dtype=torch.float32)
-        self._lib.sd_unpack_rows(self.qtype, self.blocks.data_ptr(), self.k, ids.data_ptr(), ids.numel(),
-                                 out.data_ptr(), threads())
+        if call("sd_unpack_rows", self.qtype, self.blocks.data_ptr(), self.n, self.k, ids.data_ptr(), ids.numel(),
+                out.data_ptr(), threads()):
+            raise IndexError(f"row ids must be in [0, {self.n})")
         return out
 
 

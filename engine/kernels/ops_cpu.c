@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "f16.h"
+#include "ops_cpu.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -33,26 +34,30 @@ static inline float q8_scale(const uint8_t *block) {
     return sd_f16(h);
 }
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of dim values (out may be x). */
-void sd_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; r++, x += dim, out += dim) {
-        double ss = 0.0;
-        for (int64_t i = 0; i < dim; i++) ss += (double)x[i] * x[i];
-        float scale = (float)(1.0 / sqrt(ss / (double)dim + eps));
-        for (int64_t i = 0; i < dim; i++) out[i] = x[i] * scale * w[i];
-    }
+/* out[r, g] = x[r, g] / sqrt(mean(x[r, g]^2) + eps) * w for `groups` runs of dim values a row (per-head
+ * norms), row r of x at x + r * stride (the rows of a split product are strided), out contiguous. */
+void sd_rms_norm(const float *x, int64_t stride, const float *w, float *out, int64_t rows, int64_t groups,
+                 int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++, out += dim) {
+            const float *a = x + r * stride + g * dim;
+            double ss = 0.0;
+            for (int64_t i = 0; i < dim; i++) ss += (double)a[i] * a[i];
+            float scale = (float)(1.0 / sqrt(ss / (double)dim + eps));
+            for (int64_t i = 0; i < dim; i++) out[i] = a[i] * scale * w[i];
+        }
 }
 
-/* Rotary embedding of x [rows, heads, dim] at pos[r] into out (which may be x), with tables cos/sin
- * [positions, dim/2]. Pair i is (i, i + dim/2) when neox (rotate halves), else (2i, 2i + 1): llama.cpp's
- * "normal" rope, which GGUF llama files expect (their q/k rows are permuted for it). */
-void sd_rope(const float *x, float *out, const int64_t *pos, int64_t rows, int64_t heads, int64_t dim,
-             const float *cos_t, const float *sin_t, int neox) {
+/* Rotary embedding of x [rows, heads, dim] (row r at x + r * stride) at pos[r] into out [rows, heads, dim],
+ * with tables cos/sin [positions, dim/2]. Pair i is (i, i + dim/2) when neox (rotate halves), else (2i, 2i + 1):
+ * llama.cpp's "normal" rope, which GGUF llama files expect (their q/k rows are permuted for it). */
+void sd_rope(const float *x, int64_t stride, float *out, const int64_t *pos, int64_t rows, int64_t heads,
+             int64_t dim, const float *cos_t, const float *sin_t, int neox) {
     int64_t half = dim / 2, step = neox ? 1 : 2, other = neox ? half : 1;
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
         for (int64_t h = 0; h < heads; h++) {
-            const float *a = x + (r * heads + h) * dim;
+            const float *a = x + r * stride + h * dim;
             float *o = out + (r * heads + h) * dim;
             for (int64_t i = 0; i < half; i++) {
                 float x1 = a[i * step], x2 = a[i * step + other];
@@ -77,6 +82,17 @@ void sd_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
 #endif
         for (; i < n; i++)
             if (x[i] > best) best = x[i];
+#ifdef SD_AVX2
+        /* its first index, 8 values a compare (value by value: ~150 us of a 262K vocabulary) */
+        __m256 b = _mm256_set1_ps(best);
+        for (; at + 8 <= n; at += 8) {
+            int lanes = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + at), b, _CMP_GE_OQ));
+            if (lanes) {
+                at += __builtin_ctz((unsigned)lanes);
+                break;
+            }
+        }
+#endif
         while (at < n - 1 && !(x[at] >= best)) at++;
         out[r] = at;
     }
@@ -282,4 +298,123 @@ int sd_attend_row(const float *q, const float *k_new, const float *v_new, int64_
     sd_parallel(chunks > 1 ? threads : 1, heads, 1, attend_merge, &a);
     free(part);
     return 0;
+}
+
+/* A decode step's attention, every row from the batch's buffers (engine/batch.py): row r (q, k, v at
+ * r * q_stride ..., [heads or kv_heads, d] each) is session sessions[r]'s token at position pos[r], over that
+ * session's cache (k, v [sessions, kv_heads, ring, d]) as sd_attend_row computes it alone; `window` > 0 limits
+ * it to the last `window` positions. Nothing here is a host value of the step, so a recorded step replays it
+ * (engine/cpu_plans.py). out [rows, heads * d]. Returns -1 without memory. */
+int sd_attend_rows(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                   int64_t v_stride, int64_t rows, const int64_t *sessions, const int64_t *pos, int64_t heads,
+                   int64_t kv_heads, int64_t d, void *k_cache, void *v_cache, int type, int64_t ring, int64_t window,
+                   float scale, float *out, int threads) {
+    int64_t session_bytes = kv_heads * ring * kv_row_bytes(type, d);
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t lo = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+        if (sd_attend_row(q + r * q_stride, k + r * k_stride, v + r * v_stride, heads, kv_heads, d,
+                          (char *)k_cache + sessions[r] * session_bytes, (char *)v_cache + sessions[r] * session_bytes,
+                          type, ring, lo, pos[r] + 1, scale, out + r * heads * d, threads))
+            return -1;
+    }
+    return 0;
+}
+
+/* ---- elementwise ---------------------------------------------------------------------------------- */
+/* Why in C: each of these replaces a torch call of a few microseconds of dispatch in a decode step (the gated
+ * activation of 2,048 values takes about a microsecond here). Every element's result depends only on its own
+ * inputs: the vector loops and the scalar tails (and builds without SD_AVX2) do the same float operations (fmaf
+ * for each FMA: a library call, ~30x slower, where the CPU has none). */
+
+/* exp(t) for the sigmoids below, Cephes' expf: n = round(t log2 e) (by adding 1.5 * 2^23), r = t - n ln2 in two
+ * parts (|r| <= ln2 / 2), e^r = 1 + r + r^2 p(r), 2^n by its exponent bits. t is clamped to [-87.3, 89] (never NaN):
+ * a normal float from t = -87.3 and inf from t = 88.38 on (2^128: exponent bits all ones), a little before
+ * expf overflows (88.72), harmless in x / (1 + exp(t)), which is then -0 or 0. */
+#define EXP_LO (-87.3f)
+#define EXP_HI 89.0f
+#define EXP_ROUND 12582912.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+/* GELU (tanh) is x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): x / (1 + e^t), t = x (GELU_A + GELU_B x^2). */
+#define GELU_A (-1.59576912160573071f)  /* -2 sqrt(2/pi) */
+#define GELU_B (-0.0713548162726008963f) /* -2 sqrt(2/pi) 0.044715 */
+
+static inline float exp_clamped(float t) {
+    t = t > EXP_LO ? t : EXP_LO; /* _mm256_max_ps, _mm256_min_ps */
+    t = t < EXP_HI ? t : EXP_HI;
+    float n = fmaf(t, EXP_LOG2E, EXP_ROUND) - EXP_ROUND;
+    float r = fmaf(n, -EXP_LN2_LO, fmaf(n, -EXP_LN2_HI, t));
+    float p = fmaf(fmaf(fmaf(fmaf(fmaf(EXP_P0, r, EXP_P1), r, EXP_P2), r, EXP_P3), r, EXP_P4), r, EXP_P5);
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return (fmaf(p, r * r, r) + 1.0f) * two_n;
+}
+
+static inline float gated_one(int kind, float x) {
+    return x / (1.0f + exp_clamped(kind ? x * fmaf(GELU_B, x * x, GELU_A) : -x));
+}
+
+#ifdef SD_AVX2
+static inline __m256 exp8_clamped(__m256 t) {
+    const __m256 round = _mm256_set1_ps(EXP_ROUND);
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(t, _mm256_set1_ps(EXP_LOG2E), round), round);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), t);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP_P0), r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline __m256 gated8(int kind, __m256 x) {
+    __m256 t = kind ? _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_set1_ps(GELU_B), _mm256_mul_ps(x, x),
+                                                       _mm256_set1_ps(GELU_A)))
+                    : _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_clamped(t)));
+}
+#endif
+
+/* out[r, i] = act(gate[r * gate_stride + i]) * up[r * up_stride + i] for rows of n values: act SiLU (kind 0) or
+ * GELU with the tanh approximation (kind 1), each as x / (1 + exp(.)): no cancellation for negative x. */
+void sd_gated(int kind, const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, float *out,
+              int64_t rows, int64_t n) {
+    kind = kind != 0;
+    for (int64_t r = 0; r < rows; r++, gate += gate_stride, up += up_stride, out += n) {
+        int64_t i = 0;
+#ifdef SD_AVX2
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(gated8(kind, _mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+#endif
+        for (; i < n; i++) out[i] = gated_one(kind, gate[i]) * up[i];
+    }
+}
+
+/* out = x + r, count values. */
+void sd_add(const float *x, const float *r, float *out, int64_t count) {
+    for (int64_t i = 0; i < count; i++) out[i] = x[i] + r[i];
+}
+
+/* sum = x + r and normed = sd_rms_norm(sum, w), rows of dim values: a residual add and the next layer's norm. */
+void sd_add_rms_norm(const float *x, const float *r, const float *w, float *sum, float *normed, int64_t rows,
+                     int64_t dim, float eps) {
+    sd_add(x, r, sum, rows * dim);
+    sd_rms_norm(sum, dim, w, normed, rows, 1, dim, eps);
+}
+
+/* out = x * s, count values. */
+void sd_scale(const float *x, float s, float *out, int64_t count) {
+    for (int64_t i = 0; i < count; i++) out[i] = x[i] * s;
 }

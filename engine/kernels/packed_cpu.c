@@ -223,12 +223,16 @@ static void unpack_item(void *ctx, int64_t i, int thread) {
     unpack_row(j->type, j->w, j->k, j->rows[i], j->out + i * j->k);
 }
 
-/* out[i] = row rows[i] of the packed matrix of `type`, float32 [count, k]. */
-void sd_unpack_rows(int type, const uint8_t *w, int64_t k, const int64_t *rows, int64_t count, float *out,
-                    int threads) {
+/* out[i] = row rows[i] of the packed matrix of n rows of `type`, float32 [count, k]; -1 (nothing written) for a
+ * row outside [0, n). */
+int sd_unpack_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,
+                   int threads) {
+    for (int64_t i = 0; i < count; i++)
+        if (rows[i] < 0 || rows[i] >= n) return -1;
     unpack_job j = {.type = type, .w = w, .k = k, .rows = rows, .out = out};
     if (count * k < 32768) threads = 1;
     sd_parallel(threads, count, count / (8 * (threads > 0 ? threads : 1)) + 1, unpack_item, &j);
+    return 0;
 }
 
 #ifdef SD_AVX2

@@ -1,4 +1,4 @@
-/* The block products of quant_cpu.c that other kernels call. */
+/* The block products of quant_cpu.c and packed_cpu.c that other kernels call. */
 #ifndef SD_QUANT_CPU_H
 #define SD_QUANT_CPU_H
 
@@ -28,6 +28,10 @@ int64_t sd_row_bytes(int type, int64_t k);
 int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
               int threads, int activations);
 int sd_matmul_many(const sd_product *p, int64_t count, int threads, int activations);
+int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                     int threads, int activations);
+int sd_unpack_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,
+                   int threads);
 
 /* x rows [m, k] rounded per `block` values to integers of at most `limit` (q int16 or q8 int8), a scale
  * per block in d, the sum of each 16 rounded values in s (AVX2 builds only). */

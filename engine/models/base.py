@@ -92,7 +92,7 @@ class Model:
             with stage.active():
                 for i in stage.layers:
                     x = self.block(i, x, rows)
-        return rms_norm(x[rows.last], self.output_norm, self.hyper.eps)
+        return rms_norm(x if rows.single_rows else x[rows.last], self.output_norm, self.hyper.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of `forward`'s rows, [rows, vocab]."""

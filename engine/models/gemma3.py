@@ -7,12 +7,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from engine.batch import Batch
 from engine.gguf_file import GGUFFile
 from engine.hyper import Hyper
-from engine.layers import Rope, add_rms_norm, rms_norm
+from engine.layers import Rope, add, add_rms_norm, gelu_mul, rms_norm, scale
 from engine.models.base import Model
 from engine.placement import Placement
 
@@ -29,10 +28,14 @@ class Gemma3(Model):
         self.rope_full = Rope(h.head_dim, h.rope_base, context, device)
         self.rope_local = Rope(h.head_dim, LOCAL_ROPE_BASE, context, device)
         self.scale = 1.0 / math.sqrt(h.head_dim)
-        self.embed_scale = torch.tensor(math.sqrt(h.hidden), dtype=dtype, device=self.device)
+        # sqrt(hidden) rounded to the model's dtype, as the reference multiplies it (bfloat16: 45.25 for 2048); a float
+        # for float32 on the CPU, which the C op takes (the bits of x times the tensor)
+        embed_scale = torch.tensor(math.sqrt(h.hidden), dtype=dtype, device=self.device)
+        on_cpu = dtype == torch.float32 and self.device.type == "cpu"
+        self.embed_scale: float | torch.Tensor = float(embed_scale) if on_cpu else embed_scale
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().embed(tokens) * self.embed_scale
+        return scale(super().embed(tokens), self.embed_scale)
 
     def block(self, i: int, x: torch.Tensor, rows: Batch) -> torch.Tensor:
         b, h = self.blk[i], self.hyper
@@ -42,5 +45,4 @@ class Gemma3(Model):
         o = self.attention(i, a, rows, rope, self.scale, window)
         x, m = add_rms_norm(x, rms_norm(b.attn_output(o), b.post_attention_norm, h.eps), b.ffn_norm, h.eps)
         gate, up = b.ffn_gate_up(m)
-        f = F.gelu(gate, approximate="tanh") * up
-        return x + rms_norm(b.ffn_down(f), b.post_ffw_norm, h.eps)
+        return add(x, rms_norm(b.ffn_down(gelu_mul(gate, up)), b.post_ffw_norm, h.eps))

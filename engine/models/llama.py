@@ -5,12 +5,11 @@ q/k rows for it), SwiGLU FFN, output tied to the embedding when the file has no 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.batch import Batch
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.hyper import Hyper
-from engine.layers import Rope, add_rms_norm, default_scale, rms_norm
+from engine.layers import Rope, add, add_rms_norm, default_scale, rms_norm, silu_mul
 from engine.models.base import Model
 from engine.placement import Placement
 
@@ -42,4 +41,4 @@ class Llama(Model):
         o = self.attention(i, rms_norm(x, b.attn_norm, h.eps), rows, self.rope, self.scale)
         x, m = add_rms_norm(x, b.attn_output(o), b.ffn_norm, h.eps)
         gate, up = b.ffn_gate_up(m)
-        return x + b.ffn_down(F.silu(gate) * up)
+        return add(x, b.ffn_down(silu_mul(gate, up)))

@@ -1,0 +1,109 @@
+"""CPU plans (engine/cpu_plans.py, engine/kernels/plan.py): a recorded decode step replays the eager one bit
+for bit, refuses what it could not replay, and reads what changes from step to step from the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.batch import Span
+from engine.kernels import cpu, ops
+from engine.kernels.plan import Plan, Recording
+from engine.loading import open_model
+from engine.runner import Runner
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model):
+    return open_model(str(demo_model), "cpu", slots=3, context=256)[1]
+
+
+def decode(runner: Runner, sessions: list[int], prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Each session reads its prompt, then `steps` greedy windows of one row per session: every window's logits."""
+    for s in runner.sessions:
+        s.tokens = []
+    tokens = [int(runner.read(runner.sessions[i], p).argmax()) for i, p in zip(sessions, prompts, strict=True)]
+    out = []
+    for _ in range(steps):
+        spans = [Span(i, len(runner.sessions[i].tokens), 1) for i in sessions]
+        logits = runner.forward(spans, tokens)
+        for i, t in zip(sessions, tokens, strict=True):
+            runner.sessions[i].tokens.append(t)
+        tokens = logits.argmax(-1).tolist()
+        out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize("sessions", [[3], [0, 2, 1]], ids=["one row", "three rows"])
+def test_replayed_windows_equal_the_eager_ones_bit_for_bit(demo, sessions):
+    prompts = [[2, 818, 5279, 529, 7001, 563][: 3 + i] for i in range(len(sessions))]
+    eager = decode(Runner(demo, 3, exact=False, plans=False), sessions, prompts, 10)
+    runner = Runner(demo, 3, exact=False)
+    planned = decode(runner, sessions, prompts, 10)
+    assert runner.plans is not None and runner.plans.failed is None
+    assert (runner.plans.captures, runner.plans.replays) == (1, 9)  # recorded on the first window, then replayed
+    for step, (a, b) in enumerate(zip(eager, planned, strict=True)):
+        assert torch.equal(a, b), f"window {step} differs"
+
+
+def test_a_plan_per_kernel_setting(demo):
+    runner = Runner(demo, 3, exact=False)
+    decode(runner, [3], [[2, 818, 5279]], 3)
+    cpu.set_activations("float")
+    try:
+        eager = decode(Runner(demo, 3, exact=False, plans=False), [3], [[2, 818, 5279]], 3)
+        planned = decode(runner, [3], [[2, 818, 5279]], 3)
+    finally:
+        cpu.set_activations("int16")
+    assert runner.plans.captures == 2  # the int16 plan is not replayed for float activations
+    assert all(torch.equal(a, b) for a, b in zip(eager, planned, strict=True))
+
+
+def test_a_step_with_torch_arithmetic_is_refused_and_runs_eagerly(demo, monkeypatch):
+    embed = type(demo).embed
+    monkeypatch.setattr(type(demo), "embed", lambda self, tokens: embed(self, tokens) + 0.0)
+    eager = decode(Runner(demo, 3, exact=False, plans=False), [3], [[2, 818]], 3)
+    runner = Runner(demo, 3, exact=False)
+    planned = decode(runner, [3], [[2, 818]], 3)
+    assert runner.plans.failed is not None and "add" in runner.plans.failed
+    assert (runner.plans.captures, runner.plans.replays) == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(eager, planned, strict=True))
+
+
+def test_a_replay_reads_its_inputs_anew():
+    x, w = torch.randn(3, 64), torch.randn(64)
+    with Recording() as recording:
+        out = ops.rms_norm(x, w, 1e-6)
+    plan = Plan(recording)
+    x.copy_(torch.randn(3, 64))
+    plan.run()
+    assert torch.equal(out, ops.rms_norm(x, w, 1e-6))
+
+
+def test_a_call_a_plan_cannot_hold_is_refused():
+    logits = torch.randn(2, 10)
+    with Recording() as recording:
+        ops.argmax(logits)
+    assert recording.refused == "sd_argmax is not replayable"
+    with pytest.raises(ValueError, match="cannot be planned"):
+        Plan(recording)
+
+
+def test_a_bad_row_id_in_a_replay_is_an_error_not_a_wild_read():
+    blocks = torch.randint(0, 256, (16, cpu.row_bytes(Q.Q8_0, 64)), dtype=torch.uint8)
+    blocks[:, 1::34] &= 0x3F
+    if not cpu.packs(Q.Q8_0, 16):
+        pytest.skip("no packed layout on this machine")
+    matrix = cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, blocks, 64), 64, packed=True)
+    ids = torch.tensor([3])
+    with Recording() as recording:
+        matrix.rows(ids)
+    plan = Plan(recording)
+    ids[0] = 16
+    with pytest.raises(RuntimeError, match="sd_unpack_rows failed"):
+        plan.run()
+    with pytest.raises(IndexError):
+        matrix.rows(ids)
