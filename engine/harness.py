@@ -76,8 +76,8 @@ class PacedRunner(Runner):
     least their share of a second."""
 
     def __init__(self, model: Model, n_slots: int, exact: bool, groups: int = 1, graphs: bool = True, *,
-                 switches: Switches):
-        super().__init__(model, n_slots, exact, groups, graphs, ahead=True if switches.ahead else None)
+                 switches: Switches, plans: bool = True):
+        super().__init__(model, n_slots, exact, groups, graphs, ahead=True if switches.ahead else None, plans=plans)
         self.step_s = 1 / switches.tok_s if switches.tok_s else 0.0
         self.read_token_s = 1 / switches.prefill_tok_s if switches.prefill_tok_s else 0.0
 

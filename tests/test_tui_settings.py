@@ -38,7 +38,8 @@ def test_option_notes() -> None:
     assert option_notes({**data, "expert_cache": 24, "adapt_every": 999_999}, gpu) == {}
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
-    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "mmap_experts", "cuda_graphs"}
+    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "mmap_experts", "cuda_graphs", "cpu_plans"}
+    assert "MoE" in notes["cpu_plans"]
     assert notes["pcie_frac"] == SIMULATED_PCIE and "no VRAM to lend" in notes["prefill_borrow"]
     assert notes["cuda_graphs"] == NO_GRAPHS
     assert "does not make the CPU faster" in notes["expert_cache"]
@@ -55,6 +56,8 @@ def test_option_notes() -> None:
     assert option_notes({**data, "device": "cuda"}, None)["cpu_activations"] == (
         NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)")
     assert "cpu_activations" not in option_notes({**data, "device": "cuda", "expert_cache": "auto"}, None)
+    assert "decodes on the GPU" in option_notes({**data, "device": "cuda"}, None)["cpu_plans"]
+    assert "cpu_plans" not in option_notes({**data, "device": "cpu"}, preview.cpu_dense().engine)
     assert "cpu_activations" not in option_notes({**data, "device": "cpu"}, None)
     assert option_notes({**data, "device": "cpu", "layer_split": "2"}, None)["layer_split"] == (
         "on the CPU the stages take turns on the same cores: no speed-up")
