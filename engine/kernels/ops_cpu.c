@@ -1,5 +1,6 @@
 /* The small float32 operations of a CPU decode step (engine/kernels/ops.py): RMSNorm, rotary
- * embedding (NEOX and llama.cpp's normal), and one query row's attention over its session's cache.
+ * embedding (NEOX and llama.cpp's normal), a query row's attention over its session's cache (and a step's
+ * rows from the batch's buffers), argmax, and the elementwise steps (gated activations, adds, scaling).
  *
  * Why in C: each is a handful of torch calls of a few microseconds of dispatch each (an RMSNorm of
  * 640 values: 43 us through torch on the 2-core test machine, ~1 us here), and a decode step makes

@@ -10,6 +10,7 @@ and writes where the recorded step did.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,6 +31,7 @@ class Recording(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
+        self.thread = threading.get_ident()  # the step's (the dispatch mode sees this thread's operations only)
         self.calls: list[tuple[str, list[int | float]]] = []
         self.kept: list[torch.Tensor] = []
         self.refused: str | None = None
@@ -45,11 +47,13 @@ class Recording(TorchDispatchMode):
         super().__exit__(*exc)
 
     def add(self, name: str, args: tuple) -> None:
-        """The call `name(*args)` the step just made."""
+        """The call `name(*args)` just made (the step's, when made on its thread)."""
+        if threading.get_ident() != self.thread:
+            return
         lib = cpu.library()
         if lib.sd_plan_op(name.encode()) < 0 or len(args) > lib.sd_plan_args():
             self.refuse(f"{name} is not replayable")
-        types = getattr(cpu.library(), name).argtypes
+        types = getattr(lib, name).argtypes
         self.calls.append((name, [float(a) if t in _FLOATS else int(a or 0) for a, t in zip(args, types, strict=True)]))
 
     def refuse(self, why: str) -> None:
