@@ -3,6 +3,9 @@ for bit, refuses what it could not replay, and reads what changes from step to s
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -107,3 +110,14 @@ def test_a_bad_row_id_in_a_replay_is_an_error_not_a_wild_read():
         plan.run()
     with pytest.raises(IndexError):
         matrix.rows(ids)
+
+
+def test_recording_a_window_does_not_import_dynamo(demo_model):
+    """A recording watches torch at the Python level: a dispatch mode imports torch._dynamo (1.4 s, ~140 MiB) into
+    the engine, which never loads it otherwise (tests/test_engine_start.py)."""
+    code = ("import sys, torch; from engine.loading import open_model; from engine.runner import Runner; "
+            "from engine.batch import Span; "
+            f"m = open_model({str(demo_model)!r}, 'cpu', context=64)[1]; r = Runner(m, 0, exact=False); "
+            "[r.forward([Span(0, p, 1)], [2]) for p in range(3)]; "
+            "sys.exit(3 if r.plans.replays != 2 else int('torch._dynamo' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0

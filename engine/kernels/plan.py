@@ -2,9 +2,11 @@
 
 `Recording` takes down every kernel call made through `cpu.call` while a step runs eagerly, and refuses the
 step (`refused` says why) when it did anything a replay would miss: a call a plan cannot hold, or a torch
-operation that computes something (a planned step may only allocate and take views in torch: its arithmetic
-is all in the C calls). `Plan` holds the calls and every tensor the step allocated, so that a replay reads
-and writes where the recorded step did.
+call that computes something (a planned step may only allocate and take views in torch: its arithmetic is all
+in the C calls): a result in new memory, a write in place, a value read into Python. It watches torch at the
+Python level (a `TorchFunctionMode`: a dispatch mode would import torch._dynamo, 1.4 s of the first window).
+`Plan` holds the calls and every tensor the step allocated, so that a replay reads and writes where the
+recorded step did.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import ctypes
 import threading
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from engine.kernels import cpu
 
-_aten = torch.ops.aten
-ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default}
+ALLOCATIONS = {torch.empty, torch.empty_like, torch.Tensor.new_empty}
+# what hands a tensor's values to Python: a replay would keep the recorded step's
+READS_VALUES = {"item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "equal", "allclose"}
 _FLOATS = (ctypes.c_float, ctypes.c_double)
 
 
@@ -26,12 +30,12 @@ class _Arg(ctypes.Union):
     _fields_ = [("i", ctypes.c_int64), ("f", ctypes.c_double)]
 
 
-class Recording(TorchDispatchMode):
+class Recording(TorchFunctionMode):
     """Active (`with Recording() as r:`) while one step runs: its calls in `calls`, its allocations in `kept`."""
 
     def __init__(self):
         super().__init__()
-        self.thread = threading.get_ident()  # the step's (the dispatch mode sees this thread's operations only)
+        self.thread = threading.get_ident()  # the step's (the mode sees this thread's torch calls only)
         self.calls: list[tuple[str, list[int | float]]] = []
         self.kept: list[torch.Tensor] = []
         self.refused: str | None = None
@@ -59,13 +63,26 @@ class Recording(TorchDispatchMode):
     def refuse(self, why: str) -> None:
         self.refused = self.refused or why
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
         if func in ALLOCATIONS:
             self.kept.append(out)
-        elif not func.is_view:
-            self.refuse(f"torch's {func} computes outside the C kernels")
+        elif name in READS_VALUES or "out" in kwargs or (name.endswith("_") and not name.endswith("__")):
+            self.refuse(f"torch's {name} reads or writes tensor values outside the C kernels")
+        elif not _views_of(out, (*args, *kwargs.values())):
+            self.refuse(f"torch's {name} computes outside the C kernels")
         return out
+
+
+def _storages(values: object) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(values) if isinstance(t, torch.Tensor)}
+
+
+def _views_of(out: object, inputs: tuple) -> bool:
+    """Whether every tensor in `out` shares its memory with one of `inputs` (a view, or an input itself)."""
+    return _storages(out) <= _storages(inputs)
 
 
 class Plan:
