@@ -95,18 +95,22 @@ def test_a_call_a_plan_cannot_hold_is_refused():
         Plan(recording)
 
 
-def test_a_bad_row_id_in_a_replay_is_an_error_not_a_wild_read():
+@pytest.mark.parametrize("packed", [False, True], ids=["file layout", "packed"])
+def test_a_lookup_replays_and_a_bad_row_id_is_an_error_not_a_wild_read(packed):
     blocks = torch.randint(0, 256, (16, cpu.row_bytes(Q.Q8_0, 64)), dtype=torch.uint8)
     blocks[:, 1::34] &= 0x3F
-    if not cpu.packs(Q.Q8_0, 16):
+    if packed and not cpu.packs(Q.Q8_0, 16):
         pytest.skip("no packed layout on this machine")
-    matrix = cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, blocks, 64), 64, packed=True)
-    ids = torch.tensor([3])
+    matrix = cpu.Matrix(Q.Q8_0, cpu.pack(Q.Q8_0, blocks, 64) if packed else blocks, 64, packed=packed)
+    ids = torch.tensor([3, 0])
     with Recording() as recording:
-        matrix.rows(ids)
+        rows = matrix.rows(ids)
     plan = Plan(recording)
+    ids[0] = 15
+    plan.run()
+    assert torch.equal(rows, cpu.dequantize(Q.Q8_0, blocks[[15, 0]], 64))
     ids[0] = 16
-    with pytest.raises(RuntimeError, match="sd_unpack_rows failed"):
+    with pytest.raises(RuntimeError, match="failed"):
         plan.run()
     with pytest.raises(IndexError):
         matrix.rows(ids)

@@ -119,6 +119,8 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_integer.argtypes, lib.sd_integer.restype = [c_int], c_int
     lib.sd_packs.argtypes, lib.sd_packs.restype = [c_int], c_int
     lib.sd_pack.argtypes, lib.sd_pack.restype = [c_int, ptr, i64, i64, ptr, c_int], c_int
+    lib.sd_dequantize_rows.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
+    lib.sd_dequantize_rows.restype = c_int
     lib.sd_unpack_rows.argtypes, lib.sd_unpack_rows.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int], c_int
     lib.sd_matmul_packed.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int]
     lib.sd_matmul_packed.restype = c_int
@@ -332,13 +334,10 @@ class Matrix:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` of W (an embedding lookup)."""
-        ids = ids.reshape(-1).to(torch.int64)
-        if not self.packed:
-            return dequantize(Q(self.qtype), self.blocks[ids], self.k)
-        ids = ids.contiguous()
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty((ids.numel(), self.k), dtype=torch.float32)
-        if call("sd_unpack_rows", self.qtype, self.blocks.data_ptr(), self.n, self.k, ids.data_ptr(), ids.numel(),
-                out.data_ptr(), threads()):
+        if call("sd_unpack_rows" if self.packed else "sd_dequantize_rows", self.qtype, self.blocks.data_ptr(), self.n,
+                self.k, ids.data_ptr(), ids.numel(), out.data_ptr(), threads()):
             raise IndexError(f"row ids must be in [0, {self.n})")
         return out
 

@@ -26,7 +26,7 @@ typedef struct {
 
 /* The calls a plan can hold, in the order of their codes. */
 #define PLAN_OPS(X)                                                                                                   \
-    X(sd_matmul) X(sd_matmul_packed) X(sd_unpack_rows) X(sd_rms_norm) X(sd_rope) X(sd_attend_rows) X(sd_gated)    \
+    X(sd_matmul) X(sd_matmul_packed) X(sd_dequantize_rows) X(sd_unpack_rows) X(sd_rms_norm) X(sd_rope) X(sd_attend_rows) X(sd_gated)    \
         X(sd_add) X(sd_add_rms_norm) X(sd_scale)
 
 #define CODE(name) OP_##name,
@@ -55,6 +55,7 @@ int64_t sd_run_plan(const sd_step *steps, int64_t count) {
         switch (s->op) {
         case OP_sd_matmul: status = sd_matmul(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7), I(8)); break;
         case OP_sd_matmul_packed: status = sd_matmul_packed(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7), I(8)); break;
+        case OP_sd_dequantize_rows: status = sd_dequantize_rows(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7)); break;
         case OP_sd_unpack_rows: status = sd_unpack_rows(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7)); break;
         case OP_sd_rms_norm: sd_rms_norm(P(0), I(1), P(2), P(3), I(4), I(5), I(6), F(7)); break;
         case OP_sd_rope: sd_rope(P(0), I(1), P(2), P(3), I(4), I(5), I(6), P(7), P(8), I(9)); break;

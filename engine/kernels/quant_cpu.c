@@ -816,6 +816,35 @@ void sd_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, float *o
     sd_parallel(threads, rows, rows / (8 * (threads > 0 ? threads : 1)) + 1, dequantize_row, &j);
 }
 
+typedef struct {
+    const type_info *t;
+    const uint8_t *w;
+    int64_t rb, k;
+    const int64_t *rows;
+    float *y;
+} rows_job;
+
+static void dequantize_id(void *ctx, int64_t i, int thread) {
+    const rows_job *j = ctx;
+    (void)thread;
+    j->t->dq(j->w + j->rows[i] * j->rb, j->y + i * j->k, j->k);
+}
+
+/* out[i] = row rows[i] of the n rows of `type` blocks, float32 [count, k] (an embedding lookup, each row as
+ * sd_dequantize gives it); -1 (nothing written) for a bad type or a row outside [0, n). */
+int sd_dequantize_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,
+                       int threads) {
+    const type_info *t = info(type);
+    int64_t rb = sd_row_bytes(type, k);
+    if (!t || rb < 0) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (rows[i] < 0 || rows[i] >= n) return -1;
+    rows_job j = {.t = t, .w = w, .rb = rb, .k = k, .rows = rows, .y = out};
+    if (count * rb < PARALLEL_BYTES) threads = 1;
+    sd_parallel(threads, count, count / (8 * (threads > 0 ? threads : 1)) + 1, dequantize_id, &j);
+    return 0;
+}
+
 /* Weight rows 2p and 2p+1 straight from their blocks, with the x rows MAX_ROWS at a time. */
 static void dot_pair(void *ctx, int64_t p, int thread) {
     const job *j = ctx;

@@ -30,6 +30,8 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
 int sd_matmul_many(const sd_product *p, int64_t count, int threads, int activations);
 int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                      int threads, int activations);
+int sd_dequantize_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,
+                       int threads);
 int sd_unpack_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,
                    int threads);
 
