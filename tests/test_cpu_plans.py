@@ -52,6 +52,17 @@ def test_replayed_windows_equal_the_eager_ones_bit_for_bit(demo, sessions):
         assert torch.equal(a, b), f"window {step} differs"
 
 
+@pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0"])
+def test_replays_equal_eager_windows_with_every_kv_storage(demo_model, kv):
+    model = open_model(str(demo_model), "cpu", slots=2, context=128, kv=kv)[1]
+    prompts = [[2, 818, 5279, 529], [2, 7001]]
+    eager = decode(Runner(model, 2, exact=False, plans=False), [0, 1], prompts, 6)
+    runner = Runner(model, 2, exact=False)
+    planned = decode(runner, [0, 1], prompts, 6)
+    assert runner.plans.replays == 5
+    assert all(torch.equal(a, b) for a, b in zip(eager, planned, strict=True))
+
+
 def test_a_plan_per_kernel_setting(demo):
     runner = Runner(demo, 3, exact=False)
     decode(runner, [3], [[2, 818, 5279]], 3)
