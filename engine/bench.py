@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"model        {args.model} ({g.architecture}, {model.hyper.layers} layers, {dtype})")
     print(f"device       {device} {name}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}")
-    print(f"load         {load_s:.2f} s")
+    placed = sum(model.w.split().values())
+    print(f"load         {load_s:.2f} s ({placed / GB:.2f} GB of weights placed: {placed / GB / load_s:.2f} GB/s)")
     if model.placement.split:
         stages = model.placement.stages
         rows = max(args.slots, 1)
