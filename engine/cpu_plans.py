@@ -10,8 +10,11 @@ What a replay relies on:
   number of rows: the kernels read the rows' tokens, positions and sessions from it), the KV caches, the
   weights, and the tensors the recorded step allocated (the plan keeps them);
 - a step that only calls the kernels: a recording that saw anything else (a torch operation that computes,
-  a call a plan cannot hold) turns plans off for the run, with a log line, and windows run eagerly. MoE
-  models are not planned: their layers count routed entries in Python.
+  a call a plan cannot hold) turns plans off for the run, with a log line, and windows run eagerly. An
+  expert tier is not planned (its layers read their routing on the host and adapt);
+- the routed entries each MoE layer counted in Python while the window was recorded, added again per
+  replay (`Experts.recount`); the CPU time of a replay's experts is not measured apart, so a replayed
+  window adds none to `ExpertStats.cpu_us`.
 
 The first window of a size runs eagerly while it is recorded; every later one replays. A replay makes the
 recorded calls with the same arguments, so a row's tokens are the same either way (tests/test_cpu_plans.py).
@@ -19,11 +22,12 @@ recorded calls with the same arguments, so a row's tokens are the same either wa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.batch import Batch
+from engine.experts import Experts, ExpertStats
 from engine.kernels import cpu
 from engine.kernels.plan import Plan, Recording
 from engine.loading import log
@@ -35,13 +39,15 @@ class _Recorded:
     plan: Plan
     logits: torch.Tensor  # the replay's output, [rows, vocab]
     inputs: int  # the address of the batch the recording read
+    counted: list[ExpertStats]  # the entries one window counts, per `Experts` (without cpu_us)
 
 
 class DecodePlans:
-    """Records and replays the decode windows of `model` (CPU, float32, no layer split, no MoE layers)."""
+    """Records and replays the decode windows of `model` (CPU, float32, no layer split, no expert tier)."""
 
     def __init__(self, model: Model):
         self.model = model
+        self.experts: list[Experts] = [b.experts for b in model.blk if hasattr(b, "experts")]
         self.captures = 0
         self.replays = 0
         self.failed: str | None = None  # why plans were turned off
@@ -50,12 +56,12 @@ class DecodePlans:
     @staticmethod
     def usable(model: Model) -> bool:
         return (model.device.type == "cpu" and model.dtype == torch.float32 and not model.placement.split
-                and not any(hasattr(b, "experts") for b in model.blk) and cpu.available())
+                and model.tier is None and cpu.available())
 
     def run(self, batch: Batch) -> torch.Tensor | None:
         """float32 logits of the window's rows from its plan (recorded now if it is the first of its size), or
         None: the caller runs it eagerly (a prompt chunk, or plans turned off)."""
-        if self.failed or not batch.single_rows:
+        if self.failed or not batch.single_rows or self.model.tier is not None:
             return None
         key = len(batch.spans), cpu.activation_code(), cpu.threads()  # what a recorded call takes as it was
         recorded = self._plans.get(key)
@@ -65,18 +71,22 @@ class DecodePlans:
         if recorded is None:
             return self._record(key, batch)
         recorded.plan.run()
+        for e, entries in zip(self.experts, recorded.counted, strict=True):
+            e.recount(entries)
         self.replays += 1
         return recorded.logits.clone()  # the next replay of this plan overwrites its output
 
     def _record(self, key: tuple[int, int, int], batch: Batch) -> torch.Tensor:
+        before = [e.counted() for e in self.experts]
         with Recording() as recording:
             logits = self.model.logits(self.model.forward(batch))
+        counted = [replace(e.counted() - b, cpu_us=0) for e, b in zip(self.experts, before, strict=True)]
         if recording.refused:
             self.failed = recording.refused
             self._plans.clear()
             log(f"CPU plans off: a decode window of {key[0]} rows cannot be replayed ({self.failed}); "
                 f"decode windows run eagerly")
             return logits
-        self._plans[key] = _Recorded(Plan(recording), logits, batch.tokens.data_ptr())
+        self._plans[key] = _Recorded(Plan(recording), logits, batch.tokens.data_ptr(), counted)
         self.captures += 1
         return logits.clone()

@@ -61,13 +61,15 @@ class ExpertStats:
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router then top-k (Qwen3-MoE order). Returns weights [N, k] (float32) and ids [N, k]. On CUDA
-    (k a power of two) two Triton launches (`triton_moe.route`) where torch takes about six."""
+    (k a power of two) two Triton launches (`triton_moe.route`) where torch takes about six; on the CPU one C call."""
     if x.is_cuda and gpu_kernels.available() and router.dtype == torch.float32 and not top_k & (top_k - 1):
         from engine.kernels.triton_moe import (
             route as fused,  # imports Triton, so only when a CUDA tensor comes
         )
 
         return fused(x, router, top_k, normalize)
+    if cpu_ops.usable(x) and router.dtype == torch.float32 and x.dim() == 2:
+        return cpu_ops.route(x, router, top_k, normalize)
     probs = torch.softmax(F.linear(x.float(), router), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -228,4 +230,6 @@ def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None =
 
 def with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """`residual + out` (out alone without one): what an `Experts` call returns."""
-    return out if residual is None else residual + out
+    if residual is None:
+        return out
+    return cpu_ops.add(residual, out) if cpu_ops.usable(out) and residual.shape == out.shape else residual + out

@@ -103,6 +103,10 @@ class DenseLinear(Linear):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
+        # a float32 CPU matrix's lookups in one C call (one a CPU plan can replay), its bytes as F32 rows
+        self._c_rows = (cpu_kernels.Matrix(Q.F32, weight.view(torch.uint8), self.in_features)
+                        if weight.is_cpu and weight.dtype == torch.float32 and weight.is_contiguous()
+                        and cpu_kernels.available() else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
@@ -111,7 +115,7 @@ class DenseLinear(Linear):
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids]
+        return self._c_rows.rows(ids).reshape(*ids.shape, self.in_features) if self._c_rows else self.weight[ids]
 
     def kind(self) -> tuple:
         return "dense", self.weight.dtype, self.weight.device, self.in_features

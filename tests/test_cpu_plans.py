@@ -63,6 +63,41 @@ def test_replays_equal_eager_windows_with_every_kv_storage(demo_model, kv):
     assert all(torch.equal(a, b) for a, b in zip(eager, planned, strict=True))
 
 
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q8"])
+def test_moe_windows_replay_with_their_expert_counts(fixture, request):
+    """A MoE model's windows (router and experts in C) replay bit for bit, each replay counting its routed entries
+    as the eager window does (its experts' CPU time aside)."""
+    model = open_model(str(request.getfixturevalue(fixture)), "cpu", slots=2, context=128)[1]
+    prompts = [[5, 9, 11, 3], [7, 2]]
+    stats = []
+    logits = []
+    for plans in (False, True):
+        before = model.expert_stats()
+        runner = Runner(model, 2, exact=False, plans=plans)
+        logits.append(decode(runner, [0, 1], prompts, 6))
+        stats.append(model.expert_stats() - before)
+    assert runner.plans.failed is None and runner.plans.replays == 5
+    assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
+    (eager, planned) = stats
+    assert (planned.lookups, planned.cpu) == (eager.lookups, eager.cpu) and planned.lookups > 0
+
+
+def test_the_router_in_c_picks_torchs_experts():
+    from engine.experts import route
+
+    x, router = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)), torch.randn(16, 64)
+    for normalize in (True, False):
+        weights, ids = route(x, router, 4, normalize)
+        probs = torch.softmax(x @ router.T, dim=-1)
+        expected, expected_ids = torch.topk(probs, 4, dim=-1)
+        if normalize:
+            expected = expected / expected.sum(-1, keepdim=True)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="refused top_k=17"):
+        ops.route(x, router, 17, True)
+
+
 def test_a_plan_per_kernel_setting(demo):
     runner = Runner(demo, 3, exact=False)
     decode(runner, [3], [[2, 818, 5279]], 3)

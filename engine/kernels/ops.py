@@ -1,6 +1,6 @@
 """The float32 operations of a CPU decode step in C (ops_cpu.c, moe_cpu.c): RMSNorm, rope (NEOX or normal), a
 decode step's attention (`attend_rows`: every row from the batch's buffers; `attend_row`: one), a window's routed
-SwiGLU experts, argmax, and the elementwise ones: a gated activation (SiLU or GELU-tanh of gate, times up),
+SwiGLU experts and their router, argmax, and the elementwise ones: a gated activation (SiLU or GELU-tanh of gate, times up),
 residual adds (alone or with the next RMSNorm), scaling. engine/layers.py, engine/experts.py and
 engine/sampling.py call them for CPU float32 tensors when the kernels are available (`usable`); each matches
 its torch formulation to float32 rounding and computes every row on its own. Every call goes through
@@ -117,6 +117,20 @@ def swiglu_experts(stacks: tuple[tuple[int, torch.Tensor], ...], x: torch.Tensor
     if status != 0:
         raise ValueError("sd_swiglu_experts refused its stacks or ids (or had no memory)")
     return out
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router in one call (moe_cpu.c): softmax(x [m, hidden] @ router [experts, hidden]^T) per row, its top_k
+    (the first on ties) -> weights [m, top_k] float32 (divided by their sum when `normalize`), ids [m, top_k] int64."""
+    x, router = x.contiguous(), router.contiguous()
+    m, hidden = x.shape
+    weights, ids = torch.empty(m, top_k), torch.empty(m, top_k, dtype=torch.int64)
+    with cpu.profiled("cpu route"):
+        status = cpu.call("sd_route", x.data_ptr(), m, hidden, router.data_ptr(), router.shape[0], top_k,
+                          int(normalize), weights.data_ptr(), ids.data_ptr())
+    if status != 0:
+        raise ValueError(f"sd_route refused top_k={top_k} of {router.shape[0]} experts (or met NaN logits)")
+    return weights, ids
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-/* The float32 operations of ops_cpu.c that other kernels call (plan_cpu.c replays them). */
+/* The float32 operations of ops_cpu.c and moe_cpu.c that plan_cpu.c replays. */
 #ifndef SD_OPS_CPU_H
 #define SD_OPS_CPU_H
 
@@ -18,5 +18,12 @@ void sd_add(const float *x, const float *r, float *out, int64_t count);
 void sd_add_rms_norm(const float *x, const float *r, const float *w, float *sum, float *normed, int64_t rows,
                      int64_t dim, float eps);
 void sd_scale(const float *x, float s, float *out, int64_t count);
+
+/* moe_cpu.c */
+int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uint8_t *up, int down_type,
+                      const uint8_t *down, int64_t experts, int64_t ff, int64_t hidden, const float *x, int64_t m,
+                      int64_t k, const int64_t *ids, const float *weights, float *out, int threads, int activations);
+int sd_route(const float *x, int64_t m, int64_t hidden, const float *router, int64_t experts, int64_t k, int normalize,
+             float *weights, int64_t *ids);
 
 #endif

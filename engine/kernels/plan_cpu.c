@@ -25,9 +25,9 @@ typedef struct {
 } sd_step;
 
 /* The calls a plan can hold, in the order of their codes. */
-#define PLAN_OPS(X)                                                                                                   \
-    X(sd_matmul) X(sd_matmul_packed) X(sd_dequantize_rows) X(sd_unpack_rows) X(sd_rms_norm) X(sd_rope) X(sd_attend_rows) X(sd_gated)    \
-        X(sd_add) X(sd_add_rms_norm) X(sd_scale)
+#define PLAN_OPS(X)                                                                                          \
+    X(sd_matmul) X(sd_matmul_packed) X(sd_dequantize_rows) X(sd_unpack_rows) X(sd_rms_norm) X(sd_rope)      \
+        X(sd_attend_rows) X(sd_gated) X(sd_add) X(sd_add_rms_norm) X(sd_scale) X(sd_route) X(sd_swiglu_experts)
 
 #define CODE(name) OP_##name,
 enum { PLAN_OPS(CODE) OP_COUNT };
@@ -67,6 +67,11 @@ int64_t sd_run_plan(const sd_step *steps, int64_t count) {
         case OP_sd_add: sd_add(P(0), P(1), P(2), I(3)); break;
         case OP_sd_add_rms_norm: sd_add_rms_norm(P(0), P(1), P(2), P(3), P(4), I(5), I(6), F(7)); break;
         case OP_sd_scale: sd_scale(P(0), F(1), P(2), I(3)); break;
+        case OP_sd_route: status = sd_route(P(0), I(1), I(2), P(3), I(4), I(5), I(6), P(7), P(8)); break;
+        case OP_sd_swiglu_experts:
+            status = sd_swiglu_experts(I(0), P(1), I(2), P(3), I(4), P(5), I(6), I(7), I(8), P(9), I(10), I(11), P(12),
+                                       P(13), P(14), I(15), I(16));
+            break;
         default: status = -1;
         }
         if (status) return j + 1;
