@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                    help="replay decode windows from CUDA graphs (one launch a window; CUDA, no layer split)")
     p.add_argument("--cpu-plans", choices=("on", "off"), default="on",
-                   help="replay decode windows from CPU plans (the step's kernel calls in one; CPU, dense models)")
+                   help="replay decode windows from CPU plans (the step's kernel calls in one; CPU, no expert cache)")
     p.add_argument("--batch-groups", default="auto",
                    help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")

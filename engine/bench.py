@@ -384,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama.cpp    failed: {peer_failed}")
     if args.profile:
         runner = r.runner
+        if runner.plans is not None:  # a replayed window is one C call: profile each call by name instead
+            runner.plans = None
+            print("\n(CPU plans off for the profile: its windows' C calls by name)")
 
         def windows(rows: list[Row]) -> Callable[[], None]:
             return lambda: [runner.decode(rows) for _ in range(3)]

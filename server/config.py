@@ -104,7 +104,7 @@ class RunConfig(BaseModel):
         "fastest, logits move more) or float32 (the reference's)"
     )
     cuda_graphs: bool = Field(True, description="replay decode windows from CUDA graphs (GPU, no layer split)")
-    cpu_plans: bool = Field(True, description="replay decode windows from CPU plans (CPU, dense models)")
+    cpu_plans: bool = Field(True, description="replay decode windows from CPU plans (CPU, no expert cache)")
     queue_limit: int = Field(64, ge=1, le=4096, description="requests waiting beyond which 503")
     max_body_bytes: int = Field(4 << 20, ge=1024)
     engine_silence_s: float = Field(300.0, ge=0, description="watchdog during a request (0 = off)")

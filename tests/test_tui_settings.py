@@ -39,7 +39,7 @@ def test_option_notes() -> None:
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
     assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "mmap_experts", "cuda_graphs", "cpu_plans"}
-    assert "MoE" in notes["cpu_plans"]
+    assert "expert tier" in notes["cpu_plans"]
     assert notes["pcie_frac"] == SIMULATED_PCIE and "no VRAM to lend" in notes["prefill_borrow"]
     assert notes["cuda_graphs"] == NO_GRAPHS
     assert "does not make the CPU faster" in notes["expert_cache"]

@@ -49,7 +49,7 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
     options without an expert cache or on a dense model, pcie_frac, prefill_borrow and mmap_experts on the simulated tier (no GPU),
     a round's options while adapt_every is 0, one parking limit while the other is 0, the CPU's
     activations when nothing runs on the CPU (a GPU with every expert in VRAM), CUDA graphs on the CPU
-    or with a layer split, CPU plans on a GPU or for an MoE model; and what the expert cache and a layer split are on a machine without a GPU."""
+    or with a layer split, CPU plans on a GPU or with an expert tier; and what the expert cache and a layer split are on a machine without a GPU."""
     notes: dict[str, str] = {}
     info = engine.info if engine is not None else {}
     device = str(info.get("device", data.get("device", "")))
@@ -82,8 +82,8 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
         notes["cuda_graphs"] = NO_EFFECT + "a layer split runs its stages' windows without graphs"
     if device.startswith("cuda"):
         notes["cpu_plans"] = NO_EFFECT + "CPU plans replay CPU decode windows; this engine decodes on the GPU"
-    elif on_cpu and info.get("experts"):
-        notes["cpu_plans"] = NO_EFFECT + "an MoE model's windows run as they come (its layers count experts in Python)"
+    elif on_cpu and data.get("expert_cache") is not None:
+        notes["cpu_plans"] = NO_EFFECT + "the expert tier's windows run as they come (it reads its routing on the host)"
     if device.startswith("cuda") and data.get("expert_cache") is None:
         notes["cpu_activations"] = NO_EFFECT + "every product runs on the GPU (no expert cache: no expert on the CPU)"
     for option, other in (("conversation_cache_mib", "conversation_cache_slots"),

@@ -52,7 +52,7 @@ SETTINGS: list[tuple[str, Kind, str]] = [
     ("cuda_graphs", "bool", "replay each decode window from a CUDA graph: one launch instead of hundreds "
                             "(GPU; turn off to rule it out when something looks wrong)"),
     ("cpu_plans", "bool", "replay each CPU decode window from its plan: the step's kernel calls in one "
-                          "(CPU, dense models; turn off to rule it out when something looks wrong)"),
+                          "(CPU, no expert cache; turn off to rule it out when something looks wrong)"),
     ("prefill", "auto_int", "prompt chunk in tokens, or auto (on a GPU the largest up to 8192 that fits the "
                             "VRAM left); the slots decode between a long prompt's chunks"),
     ("context", "int", "context length in tokens (each slot's KV grows with it)"),
