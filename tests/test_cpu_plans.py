@@ -63,11 +63,10 @@ def test_replays_equal_eager_windows_with_every_kv_storage(demo_model, kv):
     assert all(torch.equal(a, b) for a, b in zip(eager, planned, strict=True))
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q8"])
-def test_moe_windows_replay_with_their_expert_counts(fixture, request):
+def test_moe_windows_replay_with_their_expert_counts(tiny_model_q8):
     """A MoE model's windows (router and experts in C) replay bit for bit, each replay counting its routed entries
     as the eager window does (its experts' CPU time aside)."""
-    model = open_model(str(request.getfixturevalue(fixture)), "cpu", slots=2, context=128)[1]
+    model = open_model(str(tiny_model_q8), "cpu", slots=2, context=128)[1]
     prompts = [[5, 9, 11, 3], [7, 2]]
     stats = []
     logits = []
@@ -80,6 +79,15 @@ def test_moe_windows_replay_with_their_expert_counts(fixture, request):
     assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
     (eager, planned) = stats
     assert (planned.lookups, planned.cpu) == (eager.lookups, eager.cpu) and planned.lookups > 0
+
+
+def test_an_f32_files_windows_run_eagerly(tiny_model):
+    """Its float products are torch's `linear`: the recording refuses them, and the windows run as they come."""
+    model = open_model(str(tiny_model), "cpu", slots=2, context=128)[1]
+    eager = decode(Runner(model, 2, exact=False, plans=False), [0, 1], [[5, 9, 11], [7, 2]], 3)
+    runner = Runner(model, 2, exact=False)
+    assert all(torch.equal(a, b) for a, b in zip(eager, decode(runner, [0, 1], [[5, 9, 11], [7, 2]], 3), strict=True))
+    assert runner.plans.failed == "torch's linear computes outside the C kernels" and runner.plans.replays == 0
 
 
 def test_the_router_in_c_picks_torchs_experts():
