@@ -27,11 +27,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.batch import Batch
-from engine.experts import Experts, ExpertStats
+from engine.experts import ExpertStats
 from engine.kernels import cpu
 from engine.kernels.plan import Plan, Recording
 from engine.loading import log
 from engine.models.base import Model
+from engine.replays import Replays
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,11 @@ class _Recorded:
     counted: list[ExpertStats]  # the entries one window counts, per `Experts` (without cpu_us)
 
 
-class DecodePlans:
+class DecodePlans(Replays):
     """Records and replays the decode windows of `model` (CPU, float32, no layer split, no expert tier)."""
 
     def __init__(self, model: Model):
-        self.model = model
-        self.experts: list[Experts] = [b.experts for b in model.blk if hasattr(b, "experts")]
-        self.captures = 0
-        self.replays = 0
-        self.failed: str | None = None  # why plans were turned off
+        super().__init__(model)
         self._plans: dict[tuple[int, int, int], _Recorded] = {}
 
     @staticmethod
@@ -71,16 +68,15 @@ class DecodePlans:
         if recorded is None:
             return self._record(key, batch)
         recorded.plan.run()
-        for e, entries in zip(self.experts, recorded.counted, strict=True):
-            e.recount(entries)
+        self.recount(recorded.counted)
         self.replays += 1
         return recorded.logits.clone()  # the next replay of this plan overwrites its output
 
     def _record(self, key: tuple[int, int, int], batch: Batch) -> torch.Tensor:
-        before = [e.counted() for e in self.experts]
+        before = self.counted()
         with Recording() as recording:
             logits = self.model.logits(self.model.forward(batch))
-        counted = [replace(e.counted() - b, cpu_us=0) for e, b in zip(self.experts, before, strict=True)]
+        counted = [replace(now - b, cpu_us=0) for now, b in zip(self.counted(), before, strict=True)]
         if recording.refused:
             self.failed = recording.refused
             self._plans.clear()

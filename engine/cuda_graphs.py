@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import Batch
-from engine.experts import Experts, ExpertStats
+from engine.experts import ExpertStats
 from engine.layers import attend_bucket
 from engine.loading import log
 from engine.models.base import Model
+from engine.replays import Replays
 
 MAX_GRAPHS = 256  # graphs kept (the oldest is dropped past it): rows x buckets for a long context
 
@@ -45,15 +46,11 @@ class _Graph:
     inputs: int  # the device address of the batch the capture read
 
 
-class DecodeGraphs:
+class DecodeGraphs(Replays):
     """Captures and replays the decode windows of `model` (one CUDA device, no layer split)."""
 
     def __init__(self, model: Model):
-        self.model = model
-        self.experts: list[Experts] = [b.experts for b in model.blk if hasattr(b, "experts")]
-        self.captures = 0
-        self.replays = 0
-        self.failed: str | None = None  # why graphs were turned off
+        super().__init__(model)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._seen: set[tuple[int, int]] = set()
         self._pool = torch.cuda.graph_pool_handle()
@@ -88,8 +85,7 @@ class DecodeGraphs:
         for e in self.experts:
             e.before_replay()
         graph.graph.replay()
-        for e, entries in zip(self.experts, graph.counted, strict=True):
-            e.recount(entries)
+        self.recount(graph.counted)
         self.replays += 1
         return graph.logits.clone()  # the next replay of this graph overwrites its output
 
@@ -111,7 +107,7 @@ class DecodeGraphs:
     def _capture(self, key: tuple[int, int], batch: Batch) -> _Graph | None:
         for e in self.experts:  # what they copy from the host must be copied before the capture
             e.before_replay()
-        before = [e.counted() for e in self.experts]
+        before = self.counted()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
@@ -123,9 +119,8 @@ class DecodeGraphs:
             self._graphs.clear()
             return None
         finally:  # a capture runs nothing: what its Python counted is undone
-            counted = [e.counted() - b for e, b in zip(self.experts, before, strict=True)]
-            for e, entries in zip(self.experts, counted, strict=True):
-                e.recount(ExpertStats() - entries)
+            counted = [now - b for now, b in zip(self.counted(), before, strict=True)]
+            self.recount([ExpertStats() - entries for entries in counted])
         if len(self._graphs) >= MAX_GRAPHS:
             self._graphs.pop(next(iter(self._graphs)))
         self.captures += 1
