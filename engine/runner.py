@@ -179,9 +179,11 @@ class Runner:
         dst.tokens, dst.turn = list(src.tokens), src.turn
 
     @torch.inference_mode()
-    def forward(self, spans: list[Span], tokens: list[int], fed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, spans: list[Span], tokens: list[int], fed: torch.Tensor | None = None,
+                read_at_once: bool = False) -> torch.Tensor:
         """One forward pass; float32 logits of each span's last row, [len(spans), vocab]. `fed`: the
-        rows' tokens on the device, in place of `tokens`."""
+        rows' tokens on the device, in place of `tokens`. `read_at_once`: the caller reads the logits before
+        the next forward, so a CPU plan may hand out its own output instead of a copy."""
         batch = self.batches.build(spans, tokens)
         if fed is not None:
             batch.tokens.copy_(fed)
@@ -189,7 +191,7 @@ class Runner:
         if logits is not None:
             return logits
         with self._torch_threads(len(tokens)):
-            logits = self.plans.run(batch) if self.plans is not None else None
+            logits = self.plans.run(batch, copy=not read_at_once) if self.plans is not None else None
             return logits if logits is not None else self.model.logits(self.model.forward(batch))
 
     @contextmanager
@@ -307,7 +309,7 @@ class Runner:
         elif self.groups > 1:
             logits = self._group_windows(rows, spans, tokens)
         else:
-            logits = self.forward(spans, tokens, fed)
+            logits = self.forward(spans, tokens, fed, read_at_once=True)  # sampled below
         draws = []
         for r, span in zip(rows, spans, strict=True):
             if r.token == AHEAD:  # its token is not on the host yet: no penalties (`can_queue_ahead`)

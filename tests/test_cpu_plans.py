@@ -179,3 +179,25 @@ def test_recording_a_window_does_not_import_dynamo(demo_model):
             "[r.forward([Span(0, p, 1)], [2]) for p in range(3)]; "
             "sys.exit(3 if r.plans.replays != 2 else int('torch._dynamo' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0
+
+
+def test_decode_steps_sample_the_plans_own_output_as_eager_ones(demo):
+    """`Runner.decode` samples a window's logits before the next forward: a plan hands them out uncopied."""
+    from engine.protocol import Sampling
+    from engine.runner import Row
+
+    tokens = []
+    for plans in (False, True):
+        runner = Runner(demo, 3, exact=False, plans=plans)
+        for s in runner.sessions:
+            s.tokens = []
+        sampled = Sampling(temperature=0.8, top_k=40)
+        rows = [Row(runner.sessions[i], int(runner.read(runner.sessions[i], [2, 818 + i]).argmax()),
+                    sampled if i else Sampling(), seed=i) for i in range(3)]
+        out = []
+        for _ in range(8):
+            chosen = runner.decode(rows)
+            out.append(chosen)
+            rows = [Row(r.session, t, r.sampling, r.seed) for r, t in zip(rows, chosen, strict=True)]
+        tokens.append(out)
+    assert runner.plans.replays == 7 and tokens[0] == tokens[1]

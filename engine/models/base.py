@@ -104,6 +104,8 @@ class Model:
         expert tier sums its layers' in fewer operations: this runs twice a decode window)."""
         if self.tier is not None:
             return self.tier.stats()
+        if not self.hyper.experts:  # a dense model (its blocks' missing attributes cost an exception each)
+            return ExpertStats()
         return sum((b.experts.stats() for b in self.blk if hasattr(b, "experts")), ExpertStats())
 
     def bytes_per_token(self) -> int:
