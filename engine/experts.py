@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
+from engine.layers import add
 from engine.weights import Linear, LinearStack
 
 
@@ -230,6 +231,4 @@ def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None =
 
 def with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """`residual + out` (out alone without one): what an `Experts` call returns."""
-    if residual is None:
-        return out
-    return cpu_ops.add(residual, out) if cpu_ops.usable(out) and residual.shape == out.shape else residual + out
+    return out if residual is None else add(residual, out)

@@ -79,10 +79,9 @@ def add(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x + r
 
 
-def scale(x: torch.Tensor, s: float | torch.Tensor) -> torch.Tensor:
-    """x * s; s a float (the C op's, for float32 CPU tensors) or a 0-dim tensor (multiplied as it is: a value
-    rounded to a model's dtype)."""
-    if isinstance(s, float) and cpu_ops.usable(x):
+def scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    """x * s (s a float32 value: torch multiplies x's values by it in float32, as the C op does)."""
+    if cpu_ops.usable(x):
         return cpu_ops.scale(x, s)
     return x * s
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -103,16 +104,19 @@ class DenseLinear(Linear):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
-        # a float32 CPU matrix's lookups in one C call (one a CPU plan can replay), its bytes as F32 rows
-        self._c_rows = (cpu_kernels.Matrix(Q.F32, weight.view(torch.uint8), self.in_features)
-                        if weight.is_cpu and weight.dtype == torch.float32 and weight.is_contiguous()
-                        and cpu_kernels.available() else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight)
         # an F16 expert stack kept for the fused kernel, in a layer whose other stacks run one by one
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+    @cached_property
+    def _c_rows(self) -> cpu_kernels.Matrix | None:
+        """A float32 CPU matrix as F32 rows for the C kernels: its lookups in one call (one a CPU plan can replay)."""
+        w = self.weight
+        usable = w.is_cpu and w.dtype == torch.float32 and w.is_contiguous() and cpu_kernels.available()
+        return cpu_kernels.Matrix(Q.F32, w.view(torch.uint8), self.in_features) if usable else None
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self._c_rows.rows(ids).reshape(*ids.shape, self.in_features) if self._c_rows else self.weight[ids]

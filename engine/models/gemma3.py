@@ -28,11 +28,8 @@ class Gemma3(Model):
         self.rope_full = Rope(h.head_dim, h.rope_base, context, device)
         self.rope_local = Rope(h.head_dim, LOCAL_ROPE_BASE, context, device)
         self.scale = 1.0 / math.sqrt(h.head_dim)
-        # sqrt(hidden) rounded to the model's dtype, as the reference multiplies it (bfloat16: 45.25 for 2048); a float
-        # for float32 on the CPU, which the C op takes (the bits of x times the tensor)
-        embed_scale = torch.tensor(math.sqrt(h.hidden), dtype=dtype, device=self.device)
-        on_cpu = dtype == torch.float32 and self.device.type == "cpu"
-        self.embed_scale: float | torch.Tensor = float(embed_scale) if on_cpu else embed_scale
+        # sqrt(hidden) rounded to the model's dtype, as the reference multiplies it (bfloat16: 45.25 for 2048)
+        self.embed_scale = float(torch.tensor(math.sqrt(h.hidden), dtype=dtype))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return scale(super().embed(tokens), self.embed_scale)
