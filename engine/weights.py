@@ -36,12 +36,14 @@ from engine.gguf_file import GGUFError, GGUFFile, TensorInfo
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import gpu as gpu_kernels
 from engine.quants import load_tensor
+from engine.upload import Uploader
 
 MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`
 MAPPED = "mapped"  # `host_experts`: the routed experts left in the file's memory map, not pinned copies
+FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types a GPU gets as they are
 
 
 def is_vector(info: TensorInfo) -> bool:
@@ -238,6 +240,11 @@ class WeightStore:
         self.experts_device = torch.device("cpu") if host_experts else device
         # tensor name -> (bytes, format: "Q8_0 blocks", "bf16" ..., device)
         self.placed: dict[str, tuple[int, str, str]] = {}
+        self.uploader = Uploader()  # a GPU's weights copied from the map through pinned buffers
+
+    def loaded(self) -> None:
+        """Every weight is placed: the uploads' staging buffers are let go."""
+        self.uploader.close()
 
     def _info(self, name: str, dims: int | None = None) -> TensorInfo:
         info = self.g.tensors.get(name + ".weight") or self.g.tensors.get(name)
@@ -259,6 +266,10 @@ class WeightStore:
         """The tensor's bytes copied out of the file map: `[..., out, row_bytes]` uint8."""
         return torch.from_numpy(self.g.tensor_bytes(info.name).copy())
 
+    def _uploaded(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
+        """The tensor's bytes `[..., out, row_bytes]` uint8 on a GPU `device`, straight from the map."""
+        return self.uploader.to(self._mapped(info), device)
+
     def _mapped(self, info: TensorInfo) -> torch.Tensor:
         """The tensor's bytes in the file map, not copied (read only: nothing writes weights)."""
         with warnings.catch_warnings():
@@ -266,7 +277,10 @@ class WeightStore:
             return torch.from_numpy(self.g.tensor_bytes(info.name))
 
     def _dense(self, info: TensorInfo, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
-        return load_tensor(self.g, info.name, dtype, device or self.device)
+        device = device or self.device
+        if device.type == "cuda" and info.qtype in FLOATS:  # converted on the GPU, not in fresh host memory
+            return self._uploaded(info, device).view(FLOATS[info.qtype]).reshape(info.shape).to(dtype)
+        return load_tensor(self.g, info.name, dtype, device)
 
     def vector(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """A norm weight or a router, float32."""
@@ -284,7 +298,7 @@ class WeightStore:
         if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
-            lin: Linear = GpuBlockLinear(info.qtype, self._blocks(info), info.shape[-1], device)
+            lin: Linear = GpuBlockLinear(info.qtype, self._uploaded(info, device), info.shape[-1], device)
         elif kept and cpu_kernels.packs(info.qtype, info.shape[0]):
             blocks = cpu_kernels.pack(info.qtype, self._mapped(info), info.shape[-1])
             lin = BlockLinear(info.qtype, blocks, info.shape[-1], packed=True)
@@ -302,7 +316,7 @@ class WeightStore:
         if kept and device.type == "cuda":
             from engine.linear_gpu import GpuBlockLinear  # imports Triton, so only when it is used
 
-            blocks = self._blocks(info).to(device)
+            blocks = self._uploaded(info, device)
             if info.qtype in gpu_kernels.FLOAT_BLOCKS:  # the fused MoE kernel reads the values as they are
                 values = blocks.view(gpu_kernels.FLOAT_DTYPE[info.qtype])
                 experts: list[Linear] = [DenseLinear(values[e]) for e in range(info.shape[0])]

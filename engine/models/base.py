@@ -52,6 +52,7 @@ class Model:
         else:  # a tied head on another stage's device: a copy there, counted as the head
             self.output = self.w.linear("token_embd", last, key="output.weight")
         self.blk = [self.w.block(i, self.placement.device_of(i)) for i in range(hyper.layers)]
+        self.w.loaded()
         self.kv = KVCache(hyper.windows, sessions, hyper.kv_heads, context, hyper.head_dim, max_chunk, kv_dtype,
                           device, devices=[self.placement.device_of(i) for i in range(hyper.layers)])
 
