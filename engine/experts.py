@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from engine.kernels import cpu as cpu_kernels
 from engine.kernels import gpu as gpu_kernels
 from engine.kernels import ops as cpu_ops
 from engine.layers import add
@@ -184,12 +185,12 @@ def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Ten
 
 def c_stacks(*stacks: LinearStack) -> tuple[tuple[int, torch.Tensor], ...] | None:
     """The stacks as the CPU kernels read them (`kernels/ops.py` `swiglu_experts`: a window's or chunk's experts
-    in one call): (GGUF type, blocks) or (F32, float32 values) each, contiguous in host memory; None when
+    in one call): (GGUF type, blocks) or (F32, float32 values) each (the type | `PACKED_STACK` for packed blocks), contiguous in host memory; None when
     one is neither."""
     out = []
     for s in stacks:
         if s.blocks is not None and s.qtype is not None and s.blocks.is_cpu and s.blocks.is_contiguous():
-            out.append((int(s.qtype), s.blocks))
+            out.append((int(s.qtype) | (cpu_kernels.PACKED_STACK if s.packed else 0), s.blocks))
         elif s.dense is not None and s.dense.dtype == torch.float32 and s.dense.is_cpu and s.dense.is_contiguous():
             out.append((int(Q.F32), s.dense))
         else:

@@ -210,6 +210,7 @@ class LinearStack:
     # reads them on CUDA; the expert tier copies cache slots from them in host memory)
     blocks: torch.Tensor | None = None
     qtype: Q | None = None
+    packed: bool = False  # on the CPU: each expert's blocks in packed_cpu.c's layout (`cpu_kernels.pack`)
 
     @classmethod
     def of_dense(cls, t: torch.Tensor) -> LinearStack:
@@ -325,15 +326,20 @@ class WeightStore:
                            for e in range(info.shape[0])]
             stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
         elif kept:
-            if self.device.type != "cuda":
+            packed = self.device.type != "cuda" and cpu_kernels.packs(info.qtype, info.shape[1])
+            if packed:  # each expert's rows packed by 16: a slice of whole groups is a packed matrix
+                experts_n, rows = info.shape[:2]
+                flat = self._mapped(info).reshape(experts_n * rows, -1)
+                blocks = cpu_kernels.pack(info.qtype, flat, info.shape[-1]).view(experts_n, rows, -1)
+            elif self.device.type != "cuda":
                 blocks = self._blocks(info)
             elif self.host_experts == MAPPED:
                 blocks = self._mapped(info)
             else:  # host copies the expert tier copies into VRAM slots: pinned, copied from the map once
                 mapped = self._mapped(info)
                 blocks = torch.empty(mapped.shape, dtype=torch.uint8, pin_memory=True).copy_(mapped)
-            experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1]) for e in range(info.shape[0])]
-            stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype)
+            experts = [BlockLinear(info.qtype, blocks[e], info.shape[-1], packed=packed) for e in range(info.shape[0])]
+            stack = LinearStack(experts, None, blocks.numel(), blocks, info.qtype, packed)
         else:
             stack = LinearStack.of_dense(self._dense(info, self.dtype, device))
         self._count(info, stack.nbytes, kept, device=device)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
 
 from engine import kv_blocks
 from engine.kernels import cpu, ops
@@ -179,3 +180,28 @@ def test_swiglu_experts_in_c_match_the_per_expert_products(fixture, rows, reques
         assert torch.equal(experts(x[i:i + 1], weights[i:i + 1], ids[i:i + 1]), window[i:i + 1])
     with pytest.raises(ValueError, match="refused"):
         ops.swiglu_experts(stacks, x[:1], torch.tensor([[0, h.experts]]), weights[:1])
+
+
+@pytest.mark.skipif(not cpu.packs(Q.Q8_0, 16), reason="no packed Q8_0 layout on this build")
+def test_swiglu_experts_with_packed_and_file_layout_stacks_mixed(tiny_model_q8):
+    """Packed expert stacks (the store packs each expert's rows by 16 where the build can) give the file
+    layout's values, all packed or only some (the gates and ups then in two regions), each row alike alone."""
+    from engine.experts import route
+    from engine.gguf_file import GGUFFile
+    from engine.loading import open_model
+
+    _, model = open_model(str(tiny_model_q8), "cpu", context=64)
+    layer, h = model.blk[0], model.hyper
+    packed = layer.experts.c_stacks
+    assert all(qtype & cpu.PACKED_STACK for qtype, _ in packed)
+    g = GGUFFile(tiny_model_q8)
+    file_layout = [(int(Q.Q8_0), torch.from_numpy(g.tensor_bytes(f"blk.0.{name}.weight").copy()))
+                   for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    x = torch.randn(9, h.hidden, generator=gen(4))
+    weights, ids = route(x, layer.ffn_gate_inp, h.experts_used, normalize=True)
+    reference = ops.swiglu_experts(tuple(file_layout), x, ids, weights)
+    for mix in ((packed[0], file_layout[1], packed[2]), (file_layout[0], packed[1], file_layout[2]), tuple(packed)):
+        out = ops.swiglu_experts(mix, x, ids, weights)
+        assert torch.allclose(out, reference, atol=1e-5, rtol=1e-5), (out - reference).abs().max()
+        for i in (0, 8):
+            assert torch.equal(ops.swiglu_experts(mix, x[i:i + 1], ids[i:i + 1], weights[i:i + 1]), out[i:i + 1])

@@ -273,6 +273,7 @@ def x_block(qtype: Q) -> int:
 
 
 PACKED_GROUP = 16  # rows interleaved together in a packed matrix (packed_cpu.c)
+PACKED_STACK = 0x100  # a stack's type code | this: its blocks packed (`sd_swiglu_experts`; SD_PACKED in quant_cpu.h)
 
 
 def packs(qtype: Q, n: int) -> bool:

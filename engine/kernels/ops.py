@@ -103,7 +103,8 @@ def swiglu_experts(stacks: tuple[tuple[int, torch.Tensor], ...], x: torch.Tensor
                    weights: torch.Tensor) -> torch.Tensor:
     """A window's or prompt chunk's routed SwiGLU experts in one call (moe_cpu.c): x [m, hidden] float32, ids [m, k],
     weights [m, k]; `stacks` the gate, up and down stacks as (GGUF type, uint8 blocks [experts, rows,
-    row_bytes] or float32 [experts, rows, cols]), each contiguous. Returns [m, hidden]: each row's k
+    row_bytes] or float32 [experts, rows, cols]), each contiguous (the type | `cpu.PACKED_STACK`: blocks packed
+    by `cpu.pack`, each expert's rows a whole number of groups). Returns [m, hidden]: each row's k
     outputs weighted and summed in its order of choices, a row's bits whatever the window."""
     (gt, gate), (ut, up), (dt, down) = stacks
     experts, ff = gate.shape[:2]

@@ -687,36 +687,110 @@ static void product_set(void *ctx, int64_t s, int thread) {
 }
 #endif
 
+#ifdef SD_AVX2
+/* j ready for product_set: x rounded for the integer modes (into *mem, for the caller to free) and the groups a
+ * work item takes. Returns the work items, or -1 when out of memory. */
+static int64_t prepare(product *j, int threads, int activations, void **mem) {
+    *mem = NULL;
+    if (activations != X_FLOAT) {
+        size_t values = (size_t)(j->m * j->k);
+        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + 63) / 64 * 64);
+        if (!*mem) return -1;
+        int16_t *q = *mem;
+        int32_t *sums = (int32_t *)(q + values);
+        float *d = (float *)(sums + values / 16);
+        sd_quantize_rows(j->x, j->m, j->k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
+        j->q = q, j->d = d, j->s = sums;
+    }
+    j->set = activations == X_FLOAT ? 1 : set_size(j->type, j->m);
+    int64_t sets = (j->n / GROUP + j->set - 1) / j->set;
+    for (; j->set > 4 && sets < 4 * threads; sets = (j->n / GROUP + j->set - 1) / j->set) j->set /= 2; /* work for all */
+    return sets;
+}
+#endif
+
+static int packable(int type, int64_t n, int64_t k, int activations) {
+    return sd_packs(type) && n % GROUP == 0 && k % block_values(type) == 0 && activations >= X_FLOAT &&
+           activations <= X_INT8;
+}
+
 /* y[m, n] = x[m, k] @ W[n, k]^T with W packed (sd_pack), the groups split over threads; activations as
  * sd_matmul's (int8: x rounded to +-127, then the same integer products). Returns 0, or -1 for a
  * type without a packed layout, a bad shape or activations, or no memory. */
 int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                      int threads, int activations) {
-    if (!sd_packs(type) || n % GROUP || k % block_values(type) || activations < X_FLOAT || activations > X_INT8)
-        return -1;
+    if (!packable(type, n, k, activations)) return -1;
     if (n <= 0 || m <= 0) return 0;
 #ifdef SD_AVX2
     product j = {.type = type, .w = w, .n = n, .k = k, .m = m, .x = x, .y = y};
-    void *mem = NULL;
-    if (activations != X_FLOAT) {
-        size_t values = (size_t)(m * k);
-        mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + 63) / 64 * 64);
-        if (!mem) return -1;
-        int16_t *q = mem;
-        int32_t *sums = (int32_t *)(q + values);
-        float *d = (float *)(sums + values / 16);
-        sd_quantize_rows(x, m, k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
-        j.q = q, j.d = d, j.s = sums;
-    }
+    void *mem;
     if (threads < 1 || n * k < 65536) threads = 1;
-    j.set = activations == X_FLOAT ? 1 : set_size(type, m);
-    int64_t sets = (n / GROUP + j.set - 1) / j.set;
-    for (; j.set > 4 && sets < 4 * threads; sets = (n / GROUP + j.set - 1) / j.set) j.set /= 2; /* work for all */
+    int64_t sets = prepare(&j, threads, activations, &mem);
+    if (sets < 0) return -1;
     sd_parallel(threads, sets, sets / (8 * threads) + 1, product_set, &j);
     free(mem);
     return 0;
 #else
     (void)w, (void)x, (void)y, (void)threads;
     return -1;
+#endif
+}
+
+#ifdef SD_AVX2
+typedef struct {
+    const product *jobs;
+    const int64_t *first; /* product i's work items are first[i] .. first[i + 1] - 1 */
+    int64_t count;
+} product_list;
+
+static void product_set_of_list(void *ctx, int64_t item, int thread) {
+    const product_list *l = ctx;
+    int64_t lo = 0, hi = l->count - 1; /* the last product whose first item is <= item */
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (l->first[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    product_set((void *)&l->jobs[lo], item - l->first[lo], thread);
+}
+#endif
+
+/* The packed products of `p` (count of them) in one parallel region, each as sd_matmul_packed computes it, bit
+ * for bit: a layer's routed experts (moe_cpu.c), whose products are too small to pay for a region each. Returns 0,
+ * or -1 as sd_matmul_packed. */
+int sd_matmul_packed_many(const sd_product *p, int64_t count, int threads, int activations) {
+    for (int64_t i = 0; i < count; i++)
+        if (!packable(p[i].type, p[i].n, p[i].k, activations)) return -1;
+#ifdef SD_AVX2
+    product *jobs = calloc((size_t)count + 1, sizeof(product));
+    int64_t *first = calloc((size_t)count + 1, sizeof(int64_t));
+    void **mems = calloc((size_t)count + 1, sizeof(void *));
+    int status = jobs && first && mems ? 0 : -1;
+    int64_t values = 0;
+    if (threads < 1) threads = 1;
+    for (int64_t i = 0; i < count && !status; i++) {
+        int64_t sets = 0;
+        jobs[i] = (product){.type = p[i].type, .w = p[i].w, .n = p[i].n, .k = p[i].k, .m = p[i].m, .x = p[i].x,
+                            .y = p[i].y};
+        if (p[i].n > 0 && p[i].m > 0) {
+            sets = prepare(&jobs[i], threads, activations, &mems[i]);
+            status = sets < 0 ? -1 : 0;
+            values += p[i].n * p[i].k;
+        }
+        first[i + 1] = first[i] + (sets > 0 ? sets : 0);
+    }
+    if (!status && first[count] > 0) {
+        if (values < 65536) threads = 1;
+        product_list l = {.jobs = jobs, .first = first, .count = count};
+        sd_parallel(threads, first[count], first[count] / (8 * threads) + 1, product_set_of_list, &l);
+    }
+    for (int64_t i = 0; mems && i < count; i++) free(mems[i]);
+    free(jobs), free(first), free(mems);
+    return status;
+#else
+    (void)threads;
+    return count > 0 ? -1 : 0;
 #endif
 }

@@ -11,10 +11,14 @@ enum {
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
 
+/* A stack's type code with this bit set (sd_swiglu_experts): its matrices' rows packed by 16 (sd_pack). */
+#define SD_PACKED 0x100
+
 /* sd_matmul's `activations`: x float32 as given, or rounded to int16 or int8 (where sd_integer). */
 enum { X_FLOAT = 0, X_INT16 = 1, X_INT8 = 2 };
 
-/* y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF `type` blocks: one product of sd_matmul_many. */
+/* y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF `type` blocks: one product of sd_matmul_many (or of
+ * sd_matmul_packed_many, W packed). */
 typedef struct {
     int type;
     const uint8_t *w;
@@ -30,6 +34,7 @@ int sd_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
 int sd_matmul_many(const sd_product *p, int64_t count, int threads, int activations);
 int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                      int threads, int activations);
+int sd_matmul_packed_many(const sd_product *p, int64_t count, int threads, int activations);
 int sd_dequantize_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,
                        int threads);
 int sd_unpack_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *rows, int64_t count, float *out,

@@ -25,5 +25,5 @@ def linear_over(like: Linear, buffer: torch.Tensor) -> Linear:
     if isinstance(like, DenseLinear):
         return DenseLinear(buffer)
     if isinstance(like, BlockLinear):
-        return BlockLinear(like.qtype, buffer, like.in_features, activations=like.activations)
+        return BlockLinear(like.qtype, buffer, like.in_features, activations=like.activations, packed=like.matrix.packed)
     raise TypeError(f"the expert tier cannot hold a {type(like).__name__} in a cache slot")
