@@ -425,7 +425,7 @@ INLINE void group_int(int type, const uint8_t *gw, int64_t nb, const int16_t *q,
 /* Groups a work item takes for m x rows in an integer mode (rows * groups within the type's kernel's
  * accumulators in every pass: STREAMS for groups_int, 4 a run for the K types' kernels). */
 static int64_t set_size(int type, int64_t m) {
-    if (block_values(type) == 256) return m == 1 ? 4 : 1;
+    if (block_values(type) == 256) return m == 1 ? 4 : type == T_Q4_K ? 2 : 1; /* Q6_K's: rows * groups <= 4 */
     return m == 1 ? 16 : m == 2 ? 8 : 4;
 }
 
@@ -599,10 +599,11 @@ static void group_k(const product *j, int64_t g0, int groups, int64_t i, int row
     const uint8_t *gw = j->w + g0 * gs;
 #define K_PASS(R, G) case R * 8 + G:                                                                          \
     if (j->type == T_Q4_K) group_q4_k(gw, gs, G, nb, q, d, s, j->k, R, y, j->n);                          \
-    else group_q6_k(gw, gs, G, nb, q, d, j->k, R, y, j->n);                                               \
+    else if (R * G <= 4) group_q6_k(gw, gs, G, nb, q, d, j->k, R, y, j->n);                              \
+    else for (int g = 0; g < G; g++) group_k(j, g0 + g, 1, i, rows);                                      \
     break;
     switch (rows * 8 + groups) {
-    K_PASS(1, 1) K_PASS(2, 1) K_PASS(3, 1) K_PASS(4, 1) K_PASS(1, 4)
+    K_PASS(1, 1) K_PASS(2, 1) K_PASS(3, 1) K_PASS(4, 1) K_PASS(1, 4) K_PASS(2, 2) K_PASS(3, 2) K_PASS(4, 2)
     default: /* not a pass sd_matmul_packed makes */
         for (int g = 0; g < groups; g++) group_k(j, g0 + g, 1, i, rows);
     }
