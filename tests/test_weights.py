@@ -11,7 +11,15 @@ from test_cpu_kernels import random_blocks
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu as cpu_kernels
 from engine.loading import open_model
-from engine.weights import MATVEC_ROWS, BlockLinear, DenseLinear, Projections, is_vector, planned_bytes
+from engine.weights import (
+    MATVEC_ROWS,
+    PACKED_MATVEC_ROWS,
+    BlockLinear,
+    DenseLinear,
+    Projections,
+    is_vector,
+    planned_bytes,
+)
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -58,6 +66,27 @@ def test_block_linear_matches_dequantized_product(qtype, rows):
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3), (got - ref).abs().max()
     ids = torch.tensor([5, 0, 95])
     assert torch.equal(lin.lookup(ids), dense[ids])
+
+
+@pytest.mark.skipif(not cpu_kernels.packs(Q.Q8_0, 16), reason="no packed Q8_0 layout on this build")
+def test_packed_block_linear_runs_its_kernel_up_to_its_rows():
+    """A packed matrix's products: the kernel up to PACKED_MATVEC_ROWS rows (no slab dequantized), slabs and a
+    GEMM above, both the dequantized product."""
+    rng = np.random.default_rng(2)
+    blocks = quants.quantize(rng.standard_normal((96, 512)).astype(np.float32), Q.Q8_0)
+    dense = torch.from_numpy(quants.dequantize(blocks, Q.Q8_0))
+    lin = BlockLinear(Q.Q8_0, cpu_kernels.pack(Q.Q8_0, torch.from_numpy(blocks), 512), 512, activations="float",
+                      packed=True)
+    slabs = []
+    dequantize = lin.matrix.dequantize
+    lin.matrix.dequantize = lambda lo, hi: slabs.append((lo, hi)) or dequantize(lo, hi)
+    for rows, sliced in ((3, False), (PACKED_MATVEC_ROWS, False), (PACKED_MATVEC_ROWS + 1, True)):
+        slabs.clear()
+        x = torch.randn(rows, 512)
+        got = lin(x)
+        ref = (x.double() @ dense.double().T).float()
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3), (got - ref).abs().max()
+        assert bool(slabs) == sliced, rows
 
 
 def _blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
