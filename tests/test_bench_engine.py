@@ -101,14 +101,15 @@ def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, mo
 
 def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:
     """`--profile`: the top operators of one-row and batch windows and of the prompt read again from the start
-    (the read of the whole prompt runs its products as a chunk: `aten::mm` on the CPU)."""
+    (the read of the whole prompt runs as one chunk: its attention torch's fused prompt kernel, not a decode row's)."""
     args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "24", "--decode", "4", "--slots", "2",
             "--context", "64", "--profile"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     for title in ("one row (3 windows):", "2 rows (3 windows):", "prompt (24 tokens):"):
         assert f"\n{title}\n" in out, out
-    assert "aten::mm" in out.split("prompt (24 tokens):")[1]
+    prompt = out.split("prompt (24 tokens):")[1]
+    assert "aten::_scaled_dot_product" in prompt and "cpu attend_row" not in prompt
     # the C kernels' calls by name (`cpu.profiled`): the tiny model's Q8_0 products, norms and attention
     one_row = out.split("one row (3 windows):")[1].split("rows (3 windows):")[0]
     assert re.search(r"cpu Q8_0( packed)? \d+x\d+", one_row) and "cpu rms_norm" in one_row and "cpu attend_row" in one_row
