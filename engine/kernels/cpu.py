@@ -92,6 +92,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 def _compile(cc: list[str], flags: tuple[str, ...], target: Path) -> None:
+    from engine.loading import log  # loading imports this module
+
+    log(f"compiling the CPU kernels with {cc[0]} into {target.parent} (once for each version: ~10 s)")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
