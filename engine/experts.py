@@ -185,8 +185,8 @@ def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Ten
 
 def c_stacks(*stacks: LinearStack) -> tuple[tuple[int, torch.Tensor], ...] | None:
     """The stacks as the CPU kernels read them (`kernels/ops.py` `swiglu_experts`: a window's or chunk's experts
-    in one call): (GGUF type, blocks) or (F32, float32 values) each (the type | `PACKED_STACK` for packed blocks), contiguous in host memory; None when
-    one is neither."""
+    in one call): (GGUF type, blocks) or (F32, float32 values) each, contiguous in host memory (the type |
+    `PACKED_STACK` for packed blocks); None when one is neither."""
     out = []
     for s in stacks:
         if s.blocks is not None and s.qtype is not None and s.blocks.is_cpu and s.blocks.is_contiguous():

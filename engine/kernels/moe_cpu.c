@@ -16,6 +16,11 @@
 #include "ops_cpu.h"
 #include "quant_cpu.h"
 
+/* `count` products of one layout in one parallel region. */
+static int products(const sd_product *p, int64_t count, int packed, int threads, int activations) {
+    return packed ? sd_matmul_packed_many(p, count, threads, activations) : sd_matmul_many(p, count, threads, activations);
+}
+
 /* out[r] = sum over i of weights[r, i] * down_e(silu(gate_e(x[r])) * up_e(x[r])), e = ids[r, i], for the
  * m rows of x [m, hidden] with k experts each (i in order). gate and up hold `experts` matrices of ff rows
  * of `hidden` values, down `experts` of hidden rows of ff values, each stack's experts one after the
@@ -23,11 +28,6 @@
  * gate and up products run in one parallel region (sd_matmul_many or sd_matmul_packed_many; two when only one of
  * them is packed), its down products in another: a region each would cost more than a small expert's product.
  * Returns 0, or -1 for a bad type or expert id, or no memory. */
-/* `count` products of one layout in one parallel region. */
-static int products(const sd_product *p, int64_t count, int packed, int threads, int activations) {
-    return packed ? sd_matmul_packed_many(p, count, threads, activations) : sd_matmul_many(p, count, threads, activations);
-}
-
 int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uint8_t *up, int down_type,
                       const uint8_t *down, int64_t experts, int64_t ff, int64_t hidden, const float *x, int64_t m,
                       int64_t k, const int64_t *ids, const float *weights, float *out, int threads, int activations) {
@@ -42,8 +42,8 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
      * silu(gate)*up rows and their outputs; where each pair landed; the products */
     float *xs = malloc(sizeof(float) * (size_t)(pairs * (2 * hidden + 3 * ff)));
     int64_t *at = malloc(sizeof(int64_t) * (size_t)pairs);
-    sd_product *p = malloc(sizeof(sd_product) * (size_t)(3 * pairs)); /* gates, ups, downs: pairs apart */
-    int status = xs && at && p ? 0 : -1;
+    sd_product *prods = malloc(sizeof(sd_product) * (size_t)(3 * pairs)); /* gates, ups, downs: pairs apart */
+    int status = xs && at && prods ? 0 : -1;
     float *g = xs + pairs * hidden, *u = g + pairs * ff, *h = u + pairs * ff, *y = h + pairs * ff;
     int64_t n = 0, routed = 0; /* pairs placed so far, experts routed to */
     for (int64_t e = 0; e < experts && !status; e++) {
@@ -54,22 +54,23 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
                 at[p] = n++;
             }
         if (n == from) continue;
-        p[routed] = (sd_product){gate_type, gate + e * ff * gb, ff, hidden, xs + from * hidden, n - from, g + from * ff};
-        p[pairs + routed] = (sd_product){up_type, up + e * ff * ub, ff, hidden, xs + from * hidden, n - from,
-                                         u + from * ff};
-        p[2 * pairs + routed] = (sd_product){down_type, down + e * hidden * db, hidden, ff, h + from * ff, n - from,
-                                             y + from * hidden};
+        prods[routed] = (sd_product){gate_type, gate + e * ff * gb, ff, hidden, xs + from * hidden, n - from,
+                                     g + from * ff};
+        prods[pairs + routed] = (sd_product){up_type, up + e * ff * ub, ff, hidden, xs + from * hidden, n - from,
+                                             u + from * ff};
+        prods[2 * pairs + routed] = (sd_product){down_type, down + e * hidden * db, hidden, ff, h + from * ff,
+                                                 n - from, y + from * hidden};
         routed++;
     }
     if (!status && gate_packed == up_packed) { /* the ups moved up behind the gates: one region */
-        memmove(p + routed, p + pairs, sizeof(sd_product) * (size_t)routed);
-        status = products(p, 2 * routed, gate_packed, threads, activations);
+        memmove(prods + routed, prods + pairs, sizeof(sd_product) * (size_t)routed);
+        status = products(prods, 2 * routed, gate_packed, threads, activations);
     } else if (!status) {
-        status = products(p, routed, gate_packed, threads, activations);
-        if (!status) status = products(p + pairs, routed, up_packed, threads, activations);
+        status = products(prods, routed, gate_packed, threads, activations);
+        if (!status) status = products(prods + pairs, routed, up_packed, threads, activations);
     }
     if (!status) sd_gated(0, g, ff, u, ff, h, pairs, ff); /* silu(gate) * up, as the dense models' */
-    if (!status) status = products(p + 2 * pairs, routed, down_packed, threads, activations);
+    if (!status) status = products(prods + 2 * pairs, routed, down_packed, threads, activations);
     for (int64_t r = 0; r < m && !status; r++) {
         float *o = out + r * hidden;
         for (int64_t v = 0; v < hidden; v++) o[v] = 0.0f;
@@ -79,7 +80,7 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
             for (int64_t v = 0; v < hidden; v++) o[v] += w * yp[v];
         }
     }
-    free(xs), free(at), free(p);
+    free(xs), free(at), free(prods);
     return status ? -1 : 0;
 }
 

@@ -423,9 +423,9 @@ INLINE void group_int(int type, const uint8_t *gw, int64_t nb, const int16_t *q,
 }
 
 /* Groups a work item takes for m x rows in an integer mode (rows * groups within the type's kernel's
- * accumulators in every pass: STREAMS for groups_int, 4 a run for the K types' kernels). */
+ * accumulators in every pass: STREAMS for groups_int, 8 for group_q4_k, 4 for group_q6_k). */
 static int64_t set_size(int type, int64_t m) {
-    if (block_values(type) == 256) return m == 1 ? 4 : type == T_Q4_K ? 2 : 1; /* Q6_K's: rows * groups <= 4 */
+    if (block_values(type) == 256) return m == 1 ? 4 : type == T_Q4_K ? 2 : 1;
     return m == 1 ? 16 : m == 2 ? 8 : 4;
 }
 
