@@ -11,4 +11,18 @@ typedef void (*sd_task)(void *ctx, int64_t item, int thread);
  * as threads free up, and returns when all are done. Calls from one thread at a time. */
 void sd_parallel(int threads, int64_t items, int64_t chunk, sd_task fn, void *ctx);
 
+/* Several jobs' items in one sd_parallel: job i owns items first[i] .. first[i + 1] - 1 (first ascending, count
+ * jobs). The job that owns `item`: the last i with first[i] <= item. */
+static inline int64_t sd_owner(const int64_t *first, int64_t count, int64_t item) {
+    int64_t lo = 0, hi = count - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 #endif

@@ -951,15 +951,8 @@ typedef struct {
 
 static void dot_pair_of_list(void *ctx, int64_t item, int thread) {
     const job_list *l = ctx;
-    int64_t lo = 0, hi = l->count - 1; /* the last product whose first item is <= item */
-    while (lo < hi) {
-        int64_t mid = (lo + hi + 1) / 2;
-        if (l->first[mid] <= item)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    dot_pair((void *)&l->jobs[lo], item - l->first[lo], thread);
+    int64_t i = sd_owner(l->first, l->count, item);
+    dot_pair((void *)&l->jobs[i], item - l->first[i], thread);
 }
 
 /* The products of `p` (count of them) in one parallel region, each as sd_matmul computes it, bit for bit:
