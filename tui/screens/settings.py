@@ -48,7 +48,7 @@ SETTINGS: list[tuple[str, Kind, str]] = [
     ("conversation_cache_mib", "int", "host RAM for conversations parked when their slot is taken, MiB (0 = off)"),
     ("conversation_cache_slots", "int", "most conversations parked (0 = off)"),
     ("cpu_activations", "text", "CPU decode products: int16 (the reference's replies), int8 (llama.cpp's "
-                                  "rounding, fastest) or float"),
+                                  "rounding; faster only for matrices not packed) or float"),
     ("cuda_graphs", "bool", "replay each decode window from a CUDA graph: one launch instead of hundreds "
                             "(GPU; turn off to rule it out when something looks wrong)"),
     ("cpu_plans", "bool", "replay each CPU decode window from its plan: the step's kernel calls in one "
