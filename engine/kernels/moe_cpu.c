@@ -16,6 +16,20 @@
 #include "ops_cpu.h"
 #include "quant_cpu.h"
 
+/* `bytes` of scratch kept from call to call (calls come from one thread at a time, as sd_parallel's), or NULL: a
+ * prompt chunk's is ~100 MB at Qwen3-30B-A3B's shapes (512 rows), and fresh memory of that size pays its page
+ * faults on every call (~10% of the call). It grows to the largest call's and stays. */
+static void *scratch(size_t bytes) {
+    static void *mem;
+    static size_t size;
+    if (bytes > size) {
+        free(mem);
+        mem = malloc(bytes);
+        size = mem ? bytes : 0;
+    }
+    return mem;
+}
+
 /* `count` products of one layout in one parallel region. */
 static int products(const sd_product *p, int64_t count, int packed, int threads, int activations) {
     return packed ? sd_matmul_packed_many(p, count, threads, activations) : sd_matmul_many(p, count, threads, activations);
@@ -40,7 +54,7 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
         if (ids[p] < 0 || ids[p] >= experts) return -1;
     /* scratch: the pairs' x rows grouped by expert (each expert's in row order), their gate, up and
      * silu(gate)*up rows and their outputs; where each pair landed; the products */
-    float *xs = malloc(sizeof(float) * (size_t)(pairs * (2 * hidden + 3 * ff)));
+    float *xs = scratch(sizeof(float) * (size_t)(pairs * (2 * hidden + 3 * ff)));
     int64_t *at = malloc(sizeof(int64_t) * (size_t)pairs);
     sd_product *prods = malloc(sizeof(sd_product) * (size_t)(3 * pairs)); /* gates, ups, downs: pairs apart */
     int status = xs && at && prods ? 0 : -1;
@@ -80,7 +94,7 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
             for (int64_t v = 0; v < hidden; v++) o[v] += w * yp[v];
         }
     }
-    free(xs), free(at), free(prods);
+    free(at), free(prods);
     return status ? -1 : 0;
 }
 
