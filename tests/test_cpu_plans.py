@@ -104,6 +104,18 @@ def test_the_router_in_c_picks_torchs_experts():
         torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="refused top_k=17"):
         ops.route(x, router, 17, True)
+    before = cpu.threads()
+    try:  # a chunk's rows split over threads: each row's bits as alone
+        cpu.set_threads(2)
+        weights, ids = ops.route(x, router, 4, True)
+        for i in range(7):
+            alone = ops.route(x[i:i + 1], router, 4, True)
+            assert torch.equal(alone[0], weights[i:i + 1]) and torch.equal(alone[1], ids[i:i + 1])
+        x[3, 5] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            ops.route(x, router, 4, True)
+    finally:
+        cpu.set_threads(before)
 
 
 def test_a_plan_per_kernel_setting(demo):

@@ -147,7 +147,7 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_swiglu_experts.argtypes = [c_int, ptr, c_int, ptr, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr,
                                       c_int, c_int]
     lib.sd_swiglu_experts.restype = c_int
-    lib.sd_route.argtypes, lib.sd_route.restype = [ptr, i64, i64, ptr, i64, i64, c_int, ptr, ptr], c_int
+    lib.sd_route.argtypes, lib.sd_route.restype = [ptr, i64, i64, ptr, i64, i64, c_int, ptr, ptr, c_int], c_int
     return lib
 
 

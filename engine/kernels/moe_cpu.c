@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "ops_cpu.h"
+#include "pool.h"
 #include "quant_cpu.h"
 
 /* `bytes` of scratch kept from call to call (calls come from one thread at a time, as sd_parallel's), or NULL: a
@@ -98,49 +99,68 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
     return status ? -1 : 0;
 }
 
+typedef struct {
+    const float *x, *router;
+    int64_t hidden, experts, k;
+    int normalize;
+    float *weights, *probs; /* probs: a row of `experts` per thread */
+    int64_t *ids;
+    _Atomic int bad; /* a row met NaN logits */
+} route_job;
+
+static void route_row(void *ctx, int64_t r, int thread) {
+    route_job *j = ctx;
+    const float *x = j->x + r * j->hidden;
+    float *p = j->probs + thread * j->experts, *weights = j->weights + r * j->k;
+    int64_t *ids = j->ids + r * j->k;
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < j->experts; e++) {
+        const float *w = j->router + e * j->hidden;
+        float lanes[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= j->hidden; i += 8)
+            for (int l = 0; l < 8; l++) lanes[l] += x[i + l] * w[i + l];
+        float dot = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for (; i < j->hidden; i++) dot += x[i] * w[i];
+        p[e] = dot;
+        if (dot > top) top = dot;
+    }
+    for (int64_t e = 0; e < j->experts; e++) {
+        p[e] = expf(p[e] - top);
+        sum += p[e];
+    }
+    float chosen = 0.0f;
+    for (int64_t c = 0; c < j->k; c++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < j->experts; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) { /* NaN probabilities */
+            j->bad = 1;
+            return;
+        }
+        ids[c] = best;
+        weights[c] = p[best] / sum;
+        chosen += weights[c];
+        p[best] = -1.0f; /* taken */
+    }
+    if (j->normalize)
+        for (int64_t c = 0; c < j->k; c++) weights[c] /= chosen;
+}
+
 /* The router of m rows (Qwen3-MoE order): logits = x [m, hidden] @ router [experts, hidden]^T, a softmax over each
  * row's logits, its k most likely experts (the first on ties) into ids [m, k] and their probabilities into
  * weights [m, k], divided by their sum (in the order of choices) when `normalize`. Each row on its own, in a fixed
- * order: a row routes alike in any window. Returns 0, or -1 for k outside [1, experts] or NaN logits. */
+ * order (rows split over threads: a prompt chunk's): a row routes alike in any window. Returns 0, or -1 for k outside
+ * [1, experts], NaN logits or no memory. */
 int sd_route(const float *x, int64_t m, int64_t hidden, const float *router, int64_t experts, int64_t k, int normalize,
-             float *weights, int64_t *ids) {
+             float *weights, int64_t *ids, int threads) {
     if (k < 1 || k > experts) return -1;
-    float *p = malloc(sizeof(float) * (size_t)experts);
-    if (!p) return -1;
-    for (int64_t r = 0; r < m; r++, x += hidden, weights += k, ids += k) {
-        float top = -INFINITY, sum = 0.0f;
-        for (int64_t e = 0; e < experts; e++) {
-            const float *w = router + e * hidden;
-            float lanes[8] = {0};
-            int64_t i = 0;
-            for (; i + 8 <= hidden; i += 8)
-                for (int j = 0; j < 8; j++) lanes[j] += x[i + j] * w[i + j];
-            float dot = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-            for (; i < hidden; i++) dot += x[i] * w[i];
-            p[e] = dot;
-            if (dot > top) top = dot;
-        }
-        for (int64_t e = 0; e < experts; e++) {
-            p[e] = expf(p[e] - top);
-            sum += p[e];
-        }
-        float chosen = 0.0f;
-        for (int64_t c = 0; c < k; c++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < experts; e++)
-                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
-            if (best < 0) { /* NaN probabilities */
-                free(p);
-                return -1;
-            }
-            ids[c] = best;
-            weights[c] = p[best] / sum;
-            chosen += weights[c];
-            p[best] = -1.0f; /* taken */
-        }
-        if (normalize)
-            for (int64_t c = 0; c < k; c++) weights[c] /= chosen;
-    }
-    free(p);
-    return 0;
+    if (threads < 1 || m < 2 * threads) threads = 1;
+    float *probs = malloc(sizeof(float) * (size_t)(experts * threads));
+    if (!probs) return -1;
+    route_job j = {.x = x, .router = router, .hidden = hidden, .experts = experts, .k = k, .normalize = normalize,
+                   .weights = weights, .probs = probs, .ids = ids};
+    sd_parallel(threads, m, m / (8 * threads) + 1, route_row, &j);
+    free(probs);
+    return j.bad ? -1 : 0;
 }

@@ -130,7 +130,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
     weights, ids = torch.empty(m, top_k), torch.empty(m, top_k, dtype=torch.int64)
     with cpu.profiled("cpu route"):
         status = cpu.call("sd_route", x.data_ptr(), m, hidden, router.data_ptr(), router.shape[0], top_k,
-                          int(normalize), weights.data_ptr(), ids.data_ptr())
+                          int(normalize), weights.data_ptr(), ids.data_ptr(), cpu.threads())
     if status != 0:
         raise ValueError(f"sd_route refused top_k={top_k} of {router.shape[0]} experts (or met NaN logits)")
     return weights, ids

@@ -24,6 +24,6 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
                       const uint8_t *down, int64_t experts, int64_t ff, int64_t hidden, const float *x, int64_t m,
                       int64_t k, const int64_t *ids, const float *weights, float *out, int threads, int activations);
 int sd_route(const float *x, int64_t m, int64_t hidden, const float *router, int64_t experts, int64_t k, int normalize,
-             float *weights, int64_t *ids);
+             float *weights, int64_t *ids, int threads);
 
 #endif
