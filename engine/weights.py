@@ -39,9 +39,9 @@ from engine.quants import load_tensor
 from engine.upload import Uploader
 
 MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; more: slab + GEMM
-# a packed matrix's kernel (16 weight rows a load) beat a slab + GEMM up to 64 rows for every packed type and
-# shape measured (1.3-6.5x, the demo's and qwen3-30b-a3b's), and lost for some above
-PACKED_MATVEC_ROWS = 64
+# up to these rows a packed matrix's kernel (16 weight rows a load) beat a dequantized slab + float32 GEMM for every
+# shape measured of its type (the demo's, qwen3-30b-a3b's, 2048 x 2048; 1.0-6.5x), and was slower for some above
+PACKED_MATVEC_ROWS = {Q.Q8_0: 512, Q.Q4_K: 256, Q.Q5_0: 128, Q.Q6_K: 64}
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`
@@ -147,7 +147,7 @@ class BlockLinear(Linear):
         self.in_features = in_features
         self.nbytes = blocks.numel()
         self.slab_rows = max(1, SLAB_BYTES // (4 * in_features))
-        self.matvec_rows = PACKED_MATVEC_ROWS if packed else MATVEC_ROWS
+        self.matvec_rows = PACKED_MATVEC_ROWS[qtype] if packed else MATVEC_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= self.matvec_rows:  # decode: as it comes

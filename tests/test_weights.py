@@ -70,8 +70,8 @@ def test_block_linear_matches_dequantized_product(qtype, rows):
 
 @pytest.mark.skipif(not cpu_kernels.packs(Q.Q8_0, 16), reason="no packed Q8_0 layout on this build")
 def test_packed_block_linear_runs_its_kernel_up_to_its_rows():
-    """A packed matrix's products: the kernel up to PACKED_MATVEC_ROWS rows (no slab dequantized), slabs and a
-    GEMM above, both the dequantized product."""
+    """A packed matrix's products: the kernel up to its type's PACKED_MATVEC_ROWS rows (no slab dequantized), slabs
+    and a GEMM above, both the dequantized product."""
     rng = np.random.default_rng(2)
     blocks = quants.quantize(rng.standard_normal((96, 512)).astype(np.float32), Q.Q8_0)
     dense = torch.from_numpy(quants.dequantize(blocks, Q.Q8_0))
@@ -80,7 +80,8 @@ def test_packed_block_linear_runs_its_kernel_up_to_its_rows():
     slabs = []
     dequantize = lin.matrix.dequantize
     lin.matrix.dequantize = lambda lo, hi: slabs.append((lo, hi)) or dequantize(lo, hi)
-    for rows, sliced in ((3, False), (PACKED_MATVEC_ROWS, False), (PACKED_MATVEC_ROWS + 1, True)):
+    most = PACKED_MATVEC_ROWS[Q.Q8_0]
+    for rows, sliced in ((3, False), (most, False), (most + 1, True)):
         slabs.clear()
         x = torch.randn(rows, 512)
         got = lin(x)
