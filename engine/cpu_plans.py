@@ -77,7 +77,7 @@ class DecodePlans(Replays):
         before = self.counted()
         with Recording() as recording:
             logits = self.model.logits(self.model.forward(batch))
-        counted = [replace(now - b, cpu_us=0) for now, b in zip(self.counted(), before, strict=True)]
+        counted = [replace(entries, cpu_us=0) for entries in self.counted_since(before)]
         if recording.refused:
             self.failed = recording.refused
             self._plans.clear()

@@ -119,7 +119,7 @@ class DecodeGraphs(Replays):
             self._graphs.clear()
             return None
         finally:  # a capture runs nothing: what its Python counted is undone
-            counted = [now - b for now, b in zip(self.counted(), before, strict=True)]
+            counted = self.counted_since(before)
             self.recount([ExpertStats() - entries for entries in counted])
         if len(self._graphs) >= MAX_GRAPHS:
             self._graphs.pop(next(iter(self._graphs)))

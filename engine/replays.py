@@ -20,6 +20,10 @@ class Replays:
         """Each MoE layer's entries counted on the host so far."""
         return [e.counted() for e in self.experts]
 
+    def counted_since(self, before: list[ExpertStats]) -> list[ExpertStats]:
+        """Each MoE layer's entries counted since `before` (an earlier `counted()`): what one window counted."""
+        return [now - b for now, b in zip(self.counted(), before, strict=True)]
+
     def recount(self, entries: list[ExpertStats]) -> None:
         """Add each MoE layer's `entries` to its host counts (what a window counted, per layer)."""
         for e, n in zip(self.experts, entries, strict=True):
