@@ -93,7 +93,8 @@ def test_an_f32_files_windows_run_eagerly(tiny_model):
 def test_the_router_in_c_picks_torchs_experts():
     from engine.experts import route
 
-    x, router = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)), torch.randn(16, 64)
+    seeded = torch.Generator().manual_seed(1)
+    x, router = torch.randn(7, 64, generator=seeded), torch.randn(16, 64, generator=seeded)
     for normalize in (True, False):
         weights, ids = route(x, router, 4, normalize)
         probs = torch.softmax(x @ router.T, dim=-1)
@@ -101,7 +102,8 @@ def test_the_router_in_c_picks_torchs_experts():
         if normalize:
             expected = expected / expected.sum(-1, keepdim=True)
         assert torch.equal(ids, expected_ids)
-        torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-6)
+        # the C dot products sum in another order: over 2,000 seeds the weights differ by up to 3.1e-6, 1.7e-5 relative
+        torch.testing.assert_close(weights, expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="refused top_k=17"):
         ops.route(x, router, 17, True)
     before = cpu.threads()
