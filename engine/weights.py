@@ -148,12 +148,17 @@ class BlockLinear(Linear):
         self.nbytes = blocks.numel()
         self.slab_rows = max(1, SLAB_BYTES // (4 * in_features))
         self.matvec_rows = PACKED_MATVEC_ROWS[qtype] if packed else MATVEC_ROWS
+        self.tiled = packed and qtype == Q.Q4_K and cpu_kernels.tiles()
+
+    def direct(self, rows: int) -> bool:
+        """Whether `rows` x rows run the matrix's own kernel, not a dequantized slab + GEMM."""
+        return rows <= self.matvec_rows or (self.tiled and cpu_kernels.activation_code(self.activations) != 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= self.matvec_rows:  # decode: as it comes
+        if x.dim() == 2 and x.dtype == torch.float32 and self.direct(x.shape[0]):  # decode: as it comes
             return self.matrix.matmul(x.contiguous(), activations=self.activations)
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        if flat.shape[0] <= self.matvec_rows:
+        if self.direct(flat.shape[0]):
             y = self.matrix.matmul(flat, activations=self.activations)
         else:
             y = torch.empty(flat.shape[0], self.out_features)

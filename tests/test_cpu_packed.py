@@ -93,6 +93,34 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, matrix, mode, req
         cpu.set_threads(before)
 
 
+@pytest.mark.skipif(not cpu.available() or not cpu.tiles(), reason="no AMX tiles here")
+@pytest.mark.parametrize("mode", ("int16", "int8"))
+def test_q4_k_on_tiles_gives_the_int16_kernels_bits(mode):
+    """16 x rows or more of a packed Q4_K matrix run on AMX tiles (x split into hi and lo bytes, row blocks of 128,
+    a last tile of fewer than 16 rows): each row the bits of the row alone, which the int16 kernel computes."""
+    k = 512
+    matrix = cpu.Matrix(Q.Q4_K, cpu.pack(Q.Q4_K, torch.from_numpy(random_blocks(Q.Q4_K, 48, k, seed=9)), k), k,
+                        packed=True)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(10)) * 40  # some values past 255 in int16 steps
+    x[5, :32] = 0  # a sub-block of zeros: its scale is 0
+    before = cpu.threads()
+    try:
+        cpu.set_threads(1)
+        alone = torch.cat([matrix.matmul(x[i:i + 1], activations=mode) for i in range(300)])
+        for n_threads in (1, 2):
+            cpu.set_threads(n_threads)
+            for m in (16, 17, 129, 300):
+                assert np.array_equal(bits(matrix.matmul(x[:m], activations=mode)), bits(alone[:m])), (n_threads, m)
+    finally:
+        cpu.set_threads(before)
+    without = cpu._open(("-mno-amx-tile", "-mno-amx-int8"))  # a build without the tiles: the int16 kernel for all
+    assert not without.sd_tiles()
+    y = np.empty((300, 48), dtype=np.float32)
+    assert without.sd_matmul_packed(int(Q.Q4_K), matrix.blocks.data_ptr(), 48, k, x.data_ptr(), 300, y.ctypes.data, 2,
+                                    cpu.activation_code(mode)) == 0
+    assert np.array_equal(y.view(np.uint32), bits(alone))
+
+
 def cpu_flags() -> list[str]:
     return Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
 
@@ -128,6 +156,7 @@ def test_what_packs_and_bad_input(qtype, blocks):
     assert cpu.packs(qtype, 32) and not cpu.packs(qtype, 24) and not cpu.packs(Q.Q4_0, 32)
     wide = all(flag in cpu_flags() for flag in ("avx512bw", "avx512vl", "avx512_vnni", "bmi2"))
     assert all(cpu.packs(q, 32) == wide for q in (Q.Q5_0, Q.Q4_K, Q.Q6_K))
+    assert not cpu.tiles() or {"amx_tile", "amx_int8"} <= set(cpu_flags())
     with pytest.raises(ValueError, match="no packed layout"):
         cpu.pack(qtype, blocks[:24], K)
     with pytest.raises(ValueError, match="no packed layout"):

@@ -90,6 +90,25 @@ def test_packed_block_linear_runs_its_kernel_up_to_its_rows():
         assert bool(slabs) == sliced, rows
 
 
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.tiles(), reason="no AMX tiles here")
+def test_a_tiled_q4_k_linear_runs_its_kernel_at_any_rows():
+    """Where packed Q4_K products run on AMX tiles they beat a dequantized slab at every row count, so the integer
+    modes never slice one; float activations still do above PACKED_MATVEC_ROWS."""
+    blocks = cpu_kernels.pack(Q.Q4_K, _blocks(Q.Q4_K, 32, 256, 4), 256)
+    rows = PACKED_MATVEC_ROWS[Q.Q4_K] + 40
+    x = torch.randn(rows, 256)
+    for activations, sliced in (("int16", False), ("int8", False), ("float", True)):
+        lin = BlockLinear(Q.Q4_K, blocks, 256, activations=activations, packed=True)
+        assert lin.tiled
+        slabs = []
+        dequantize = lin.matrix.dequantize
+        lin.matrix.dequantize = lambda lo, hi, d=dequantize, s=slabs: s.append((lo, hi)) or d(lo, hi)
+        got = lin(x)
+        assert bool(slabs) == sliced, activations
+        if not sliced:
+            assert torch.equal(got, lin.matrix.matmul(x, activations=activations))
+
+
 def _blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(random_blocks(qtype, n, k, seed))
 

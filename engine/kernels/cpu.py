@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "packed_cpu.c", "ops_cpu.c", "moe_cpu.c",
-                                                            "plan_cpu.c", "pool.c", "pool.h", "quant_cpu.h",
-                                                            "ops_cpu.h", "simd.h", "f16.h"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_cpu.c", "packed_cpu.c", "tiles_cpu.c", "ops_cpu.c",
+                                                            "moe_cpu.c", "plan_cpu.c", "pool.c", "pool.h", "quant_cpu.h",
+                                                            "ops_cpu.h", "simd.h", "f16.h", "packed.h"))
 # Contraction off: the C code writes its FMAs explicitly and needs plain rounding everywhere else
 # (to match gguf-py exactly, and to keep one summation order).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
@@ -121,6 +121,7 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sd_matmul.argtypes, lib.sd_matmul.restype = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int, c_int], c_int
     lib.sd_integer.argtypes, lib.sd_integer.restype = [c_int], c_int
     lib.sd_packs.argtypes, lib.sd_packs.restype = [c_int], c_int
+    lib.sd_tiles.argtypes, lib.sd_tiles.restype = [], c_int
     lib.sd_pack.argtypes, lib.sd_pack.restype = [c_int, ptr, i64, i64, ptr, c_int], c_int
     lib.sd_dequantize_rows.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.sd_dequantize_rows.restype = c_int
@@ -283,6 +284,13 @@ def packs(qtype: Q, n: int) -> bool:
     """Whether n rows of `qtype` can be packed here (`Matrix(packed=...)`): Q8_0 on AVX2 builds, Q5_0, Q4_K
     and Q6_K on AVX-512 (BW, VL, VNNI) ones, n a multiple of 16."""
     return n > 0 and n % PACKED_GROUP == 0 and bool(library().sd_packs(int(qtype)))
+
+
+def tiles() -> bool:
+    """Whether packed Q4_K products of 16 x rows or more run on AMX tiles here (tiles_cpu.c: an AMX-INT8 build
+    on a kernel that lends the tiles), in the integer modes: the same bits as the int16 kernel, and faster than a
+    dequantized slab + float32 GEMM at every row count measured."""
+    return bool(library().sd_tiles())
 
 
 def pack(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:

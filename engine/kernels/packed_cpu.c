@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "f16.h"
+#include "packed.h"
 #include "pool.h"
 #include "quant_cpu.h"
 #include "simd.h"
@@ -39,6 +40,10 @@
 #define GROUP 16
 #define QK 32
 #define ROWS_AT_ONCE 4 /* x rows a pass over a group */
+#ifndef TILE_ROWS
+#define TILE_ROWS 16 /* Q4_K products of at least this many x rows run on AMX tiles where there are some */
+#endif
+#define TILE_BLOCK 128 /* x rows a tiles work item takes: their bytes stay in a core's cache across its groups */
 #if defined(SD_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__BMI2__)
 #define SD_WIDE 1 /* 16 rows' int16 pairs in one register, mask registers */
 #endif
@@ -274,8 +279,7 @@ INLINE __m512i pair16(int type, const uint8_t *blk, int p) {
  * row f += float(sum) * (d * scale * dx) and f -= (dmin * minimum) * (dx * float(sum of x)), sub-blocks in order. */
 INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, const int16_t *q, const float *dx,
                        const int32_t *xs, int64_t k, int rows, float *y, int64_t ys) {
-    const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f),
-                  two = _mm512_set1_epi32(0x03030303), byte = _mm512_set1_epi32(0xff), nibble = _mm512_set1_epi16(15);
+    const __m512i nibble = _mm512_set1_epi16(15);
     __m512 f[8]; /* row r, group g at r * groups + g; rows * groups <= 8 */
     for (int i = 0; i < rows * groups; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, gw += GROUP * block_bytes(T_Q4_K)) {
@@ -285,12 +289,7 @@ INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
             const uint8_t *blk = gw + g * gs;
             d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
             dmin[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
-            __m512i w0 = _mm512_loadu_si512(blk + 64), w1 = _mm512_loadu_si512(blk + 128), w2 = _mm512_loadu_si512(blk + 192);
-            words[g][0] = _mm512_and_si512(w0, six);
-            words[g][1] = _mm512_or_si512(_mm512_and_si512(w2, four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), two), 4));
-            words[g][2] = _mm512_and_si512(w1, six);
-            words[g][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), four),
-                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), two), 4));
+            sd_q4_k_words(blk, words[g]);
         }
         for (int j = 0; j < 4; j++) {
             __m512i a[2][8];
@@ -314,9 +313,8 @@ INLINE void group_q4_k(const uint8_t *gw, int64_t gs, int groups, int64_t nb, co
             for (int h = 0; h < 2; h++) {
                 int sb = 2 * j + h;
                 for (int g = 0; g < groups; g++) {
-                    __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[g][sb / 4], 8 * (sb % 4)), byte));
-                    __m512 mn = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[g][2 + sb / 4], 8 * (sb % 4)), byte));
-                    __m512 dsc = _mm512_mul_ps(d[g], sc), dmn = _mm512_mul_ps(dmin[g], mn);
+                    __m512 dsc = _mm512_mul_ps(d[g], sd_q4_k_field(words[g], 0, sb));
+                    __m512 dmn = _mm512_mul_ps(dmin[g], sd_q4_k_field(words[g], 2, sb));
                     for (int r = 0; r < rows; r++) {
                         int64_t at = r * (k / QK) + b * 8 + sb;
                         float dxs = dx[at], xsum = (float)(xs[2 * at] + xs[2 * at + 1]);
@@ -565,6 +563,8 @@ typedef struct {
     const int16_t *q; /* integer modes: x rounded */
     const float *d;
     const int32_t *s; /* the sum of each 16 rounded values */
+    const int8_t *hi; /* Q4_K on AMX tiles: q split into bytes (sd_split_rows), else NULL */
+    const uint8_t *lo;
     float *y;
 } product;
 
@@ -677,6 +677,16 @@ static void product_set(void *ctx, int64_t s, int thread) {
     const product *j = ctx;
     int64_t g0 = s * j->set, g1 = g0 + j->set < j->n / GROUP ? g0 + j->set : j->n / GROUP;
     (void)thread;
+    if (j->hi) { /* item s: group s % groups against row block s / groups */
+        int64_t groups = j->n / GROUP, g = s % groups, i = s / groups * TILE_BLOCK, k = j->k;
+        int64_t rows = j->m - i < TILE_BLOCK ? j->m - i : TILE_BLOCK;
+        product part = *j; /* the block's rows alone */
+        part.m = rows, part.q += i * k, part.d += i * (k / QK), part.s += i * (k / 16), part.y += i * j->n;
+        if (sd_tiles_q4_k(j->w + g * GROUP * (k / 256) * block_bytes(T_Q4_K), k, j->hi + i * k, j->lo + i * k, part.d,
+                          part.s, rows, part.y + g * GROUP, j->n))
+            product_group(&part, g); /* no memory for the tiles: the int16 kernel, the same bits */
+        return;
+    }
 #ifdef SD_WIDE
     if (j->q && j->set > 1 && g1 - g0 == j->set) {
         for (int64_t i = 0; i < j->m; i += ROWS_AT_ONCE)
@@ -694,14 +704,23 @@ static void product_set(void *ctx, int64_t s, int thread) {
 static int64_t prepare(product *j, int threads, int activations, void **mem) {
     *mem = NULL;
     if (activations != X_FLOAT) {
-        size_t values = (size_t)(j->m * j->k);
-        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + 63) / 64 * 64);
+        size_t values = (size_t)(j->m * j->k), padded = (size_t)((j->m + 15) / 16 * 16 * j->k);
+        int tiles = j->type == T_Q4_K && j->m >= TILE_ROWS && sd_tiles();
+        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * padded : 0) + 63) / 64 * 64);
         if (!*mem) return -1;
         int16_t *q = *mem;
         int32_t *sums = (int32_t *)(q + values);
         float *d = (float *)(sums + values / 16);
         sd_quantize_rows(j->x, j->m, j->k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
         j->q = q, j->d = d, j->s = sums;
+        if (tiles) {
+            int8_t *hi = (int8_t *)(d + values / QK);
+            uint8_t *lo = (uint8_t *)hi + padded;
+            memset(hi, 0, 2 * padded);
+            sd_split_rows(q, j->m, j->k, hi, lo);
+            j->hi = hi, j->lo = lo, j->set = 1;
+            return j->n / GROUP * ((j->m + TILE_BLOCK - 1) / TILE_BLOCK);
+        }
     }
     j->set = activations == X_FLOAT ? 1 : set_size(j->type, j->m);
     int64_t sets = (j->n / GROUP + j->set - 1) / j->set;

@@ -45,6 +45,14 @@ int sd_unpack_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64
 void sd_quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int limit, int16_t *q, int8_t *q8,
                       float *d, int32_t *s);
 
+/* AMX tiles (tiles_cpu.c): sd_tiles() whether this build and process can use them (asked of the kernel once);
+ * sd_tiles_q4_k a packed Q4_K group (16 weight rows at gw) against m x rows split into hi and lo bytes (sd_split_rows;
+ * the planes hold m rounded up to 16 rows, zeros past m), as packed_cpu.c's int16 kernel; -1: no memory. */
+int sd_tiles(void);
+int sd_tiles_q4_k(const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx, const int32_t *xs,
+                  int64_t m, float *y, int64_t ys);
+void sd_split_rows(const int16_t *q, int64_t m, int64_t k, int8_t *hi, uint8_t *lo);
+
 /* The 6-bit scales and minimums of a Q4_K / Q5_K block's 8 sub-blocks, four per 32-bit word:
  * sub-blocks 0-3 keep 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take a nibble of bytes
  * 8-11 (low: scales, high: minimums) and the top 2 bits of bytes 0-3 (scales) or 4-7 (minimums)
