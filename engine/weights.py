@@ -42,6 +42,9 @@ MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; 
 # up to these rows a packed matrix's kernel (16 weight rows a load) beat a dequantized slab + float32 GEMM for every
 # shape measured of its type (the demo's, qwen3-30b-a3b's, 2048 x 2048; 1.0-6.5x), and was slower for some above
 PACKED_MATVEC_ROWS = {Q.Q8_0: 512, Q.Q4_K: 256, Q.Q5_0: 128, Q.Q6_K: 64}
+# the same where its integer products run on AMX tiles (`cpu_kernels.tiles`): Q4_K 1.05-2.9x a slab at every count
+# measured (to 2,048), Q6_K 1.05-4x to 512 and 0.85-1.19x at 2,048
+TILED_MATVEC_ROWS = {Q.Q4_K: 1 << 62, Q.Q6_K: 512}
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`
@@ -148,11 +151,11 @@ class BlockLinear(Linear):
         self.nbytes = blocks.numel()
         self.slab_rows = max(1, SLAB_BYTES // (4 * in_features))
         self.matvec_rows = PACKED_MATVEC_ROWS[qtype] if packed else MATVEC_ROWS
-        self.tiled = packed and qtype == Q.Q4_K and cpu_kernels.tiles()
+        self.tiled_rows = TILED_MATVEC_ROWS.get(qtype, 0) if packed and cpu_kernels.tiles() else 0
 
     def direct(self, rows: int) -> bool:
         """Whether `rows` x rows run the matrix's own kernel, not a dequantized slab + GEMM."""
-        return rows <= self.matvec_rows or (self.tiled and cpu_kernels.activation_code(self.activations) != 0)
+        return rows <= self.matvec_rows or (rows <= self.tiled_rows and cpu_kernels.activation_code(self.activations) != 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and self.direct(x.shape[0]):  # decode: as it comes

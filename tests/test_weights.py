@@ -91,15 +91,15 @@ def test_packed_block_linear_runs_its_kernel_up_to_its_rows():
 
 
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.tiles(), reason="no AMX tiles here")
-def test_a_tiled_q4_k_linear_runs_its_kernel_at_any_rows():
-    """Where packed Q4_K products run on AMX tiles they beat a dequantized slab at every row count, so the integer
-    modes never slice one; float activations still do above PACKED_MATVEC_ROWS."""
-    blocks = cpu_kernels.pack(Q.Q4_K, _blocks(Q.Q4_K, 32, 256, 4), 256)
-    rows = PACKED_MATVEC_ROWS[Q.Q4_K] + 40
+@pytest.mark.parametrize("qtype, rows, tiled", ((Q.Q4_K, 2100, True), (Q.Q6_K, 512, True), (Q.Q6_K, 513, False)))
+def test_a_tiled_linear_runs_its_kernel_to_its_tiled_rows(qtype, rows, tiled):
+    """Where packed Q4_K and Q6_K products run on AMX tiles the integer modes take the kernel to TILED_MATVEC_ROWS
+    (past PACKED_MATVEC_ROWS), slabs above; float activations slabs above PACKED_MATVEC_ROWS."""
+    assert PACKED_MATVEC_ROWS[qtype] < rows
+    blocks = cpu_kernels.pack(qtype, _blocks(qtype, 32, 256, 4), 256)
     x = torch.randn(rows, 256)
-    for activations, sliced in (("int16", False), ("int8", False), ("float", True)):
-        lin = BlockLinear(Q.Q4_K, blocks, 256, activations=activations, packed=True)
-        assert lin.tiled
+    for activations, sliced in (("int16", not tiled), ("int8", not tiled), ("float", True)):
+        lin = BlockLinear(qtype, blocks, 256, activations=activations, packed=True)
         slabs = []
         dequantize = lin.matrix.dequantize
         lin.matrix.dequantize = lambda lo, hi, d=dequantize, s=slabs: s.append((lo, hi)) or d(lo, hi)
