@@ -42,9 +42,9 @@ MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; 
 # up to these rows a packed matrix's kernel (16 weight rows a load) beat a dequantized slab + float32 GEMM for every
 # shape measured of its type (the demo's, qwen3-30b-a3b's, 2048 x 2048; 1.0-6.5x), and was slower for some above
 PACKED_MATVEC_ROWS = {Q.Q8_0: 512, Q.Q4_K: 256, Q.Q5_0: 128, Q.Q6_K: 64}
-# the same where its integer products run on AMX tiles (`cpu_kernels.tiles`): Q4_K 1.05-2.9x a slab at every count
-# measured (to 2,048), Q6_K 1.05-4x to 512 and 0.85-1.19x at 2,048
-TILED_MATVEC_ROWS = {Q.Q4_K: 1 << 62, Q.Q6_K: 512}
+# the same where its integer products run on AMX tiles (`cpu_kernels.tiles`): 1.4-4x a slab at every count measured
+# (to 2,048) for Q8_0 and Q5_0, 1.05-2.9x for Q4_K; Q6_K 1.05-4x to 512 and 0.85-1.19x at 2,048
+TILED_MATVEC_ROWS = {Q.Q8_0: 1 << 62, Q.Q5_0: 1 << 62, Q.Q4_K: 1 << 62, Q.Q6_K: 512}
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`

@@ -94,12 +94,13 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, matrix, mode, req
 
 
 @pytest.mark.skipif(not cpu.available() or not cpu.tiles(), reason="no AMX tiles here")
-@pytest.mark.parametrize("tiled", (Q.Q4_K, Q.Q6_K), ids=lambda q: q.name)
+@pytest.mark.parametrize("tiled, k", ((Q.Q8_0, 480), (Q.Q5_0, 480), (Q.Q4_K, 512), (Q.Q6_K, 512)),
+                         ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("mode", ("int16", "int8"))
-def test_tiles_give_the_int16_kernels_bits(tiled, mode):
-    """16 x rows or more of a packed Q4_K or Q6_K matrix run on AMX tiles (x split into hi and lo bytes, row blocks
-    of 128, a last tile of fewer than 16 rows): each row the bits of the row alone, which the int16 kernel computes."""
-    k = 512
+def test_tiles_give_the_int16_kernels_bits(tiled, k, mode):
+    """16 x rows or more of a packed matrix run on AMX tiles (x split into hi and lo bytes, row blocks of 128, a last
+    tile of fewer than 16 rows, an odd count of blocks): each row the bits of the row alone, which the int16 kernel
+    computes, and a build without tiles gives them too."""
     matrix = cpu.Matrix(tiled, cpu.pack(tiled, torch.from_numpy(random_blocks(tiled, 48, k, seed=9)), k), k, packed=True)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(10))
     x[5, :32] = 0  # a sub-block of zeros: its scale is 0

@@ -91,10 +91,11 @@ def test_packed_block_linear_runs_its_kernel_up_to_its_rows():
 
 
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.tiles(), reason="no AMX tiles here")
-@pytest.mark.parametrize("qtype, rows, tiled", ((Q.Q4_K, 2100, True), (Q.Q6_K, 512, True), (Q.Q6_K, 513, False)))
+@pytest.mark.parametrize("qtype, rows, tiled", ((Q.Q8_0, 2100, True), (Q.Q5_0, 300, True), (Q.Q4_K, 2100, True),
+                                                (Q.Q6_K, 512, True), (Q.Q6_K, 513, False)))
 def test_a_tiled_linear_runs_its_kernel_to_its_tiled_rows(qtype, rows, tiled):
-    """Where packed Q4_K and Q6_K products run on AMX tiles the integer modes take the kernel to TILED_MATVEC_ROWS
-    (past PACKED_MATVEC_ROWS), slabs above; float activations slabs above PACKED_MATVEC_ROWS."""
+    """Where packed products run on AMX tiles the integer modes take the kernel to TILED_MATVEC_ROWS (past
+    PACKED_MATVEC_ROWS), slabs above; float activations slabs above PACKED_MATVEC_ROWS."""
     assert PACKED_MATVEC_ROWS[qtype] < rows
     blocks = cpu_kernels.pack(qtype, _blocks(qtype, 32, 256, 4), 256)
     x = torch.randn(rows, 256)

@@ -41,7 +41,7 @@
 #define QK 32
 #define ROWS_AT_ONCE 4 /* x rows a pass over a group */
 #ifndef TILE_ROWS
-#define TILE_ROWS 16 /* Q4_K and Q6_K products of at least this many x rows run on AMX tiles where there are some */
+#define TILE_ROWS 16 /* products of at least this many x rows run on AMX tiles where there are some */
 #endif
 #define TILE_BLOCK 128 /* x rows a tiles work item takes: their bytes stay in a core's cache across its groups */
 #if defined(SD_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__BMI2__)
@@ -563,7 +563,7 @@ typedef struct {
     const int16_t *q; /* integer modes: x rounded */
     const float *d;
     const int32_t *s; /* the sum of each 16 rounded values */
-    const int8_t *hi; /* Q4_K and Q6_K on AMX tiles: q split into bytes (sd_split_rows), else NULL */
+    const int8_t *hi; /* on AMX tiles: q split into bytes (sd_split_rows), else NULL */
     const uint8_t *lo;
     float *y;
 } product;
@@ -682,7 +682,7 @@ static void product_set(void *ctx, int64_t s, int thread) {
         int64_t rows = j->m - i < TILE_BLOCK ? j->m - i : TILE_BLOCK;
         product part = *j; /* the block's rows alone */
         part.m = rows, part.q += i * k, part.d += i * (k / QK), part.s += i * (k / 16), part.y += i * j->n;
-        if (sd_tiles_product(j->type, j->w + g * GROUP * (k / 256) * block_bytes(j->type), k, j->hi + i * k,
+        if (sd_tiles_product(j->type, j->w + g * GROUP * (k / block_values(j->type)) * block_bytes(j->type), k, j->hi + i * k,
                              j->lo + i * k, part.d, part.s, rows, part.y + g * GROUP, j->n))
             product_group(&part, g); /* no memory for the tiles: the int16 kernel, the same bits */
         return;
@@ -705,7 +705,7 @@ static int64_t prepare(product *j, int threads, int activations, void **mem) {
     *mem = NULL;
     if (activations != X_FLOAT) {
         size_t values = (size_t)(j->m * j->k), padded = (size_t)((j->m + 15) / 16 * 16 * j->k);
-        int tiles = (j->type == T_Q4_K || j->type == T_Q6_K) && j->m >= TILE_ROWS && sd_tiles();
+        int tiles = j->m >= TILE_ROWS && sd_tiles(); /* every packed type */
         *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * padded : 0) + 63) / 64 * 64);
         if (!*mem) return -1;
         int16_t *q = *mem;

@@ -46,7 +46,7 @@ void sd_quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int l
                       float *d, int32_t *s);
 
 /* AMX tiles (tiles_cpu.c): sd_tiles() whether this build and process can use them (asked of the kernel once);
- * sd_tiles_product a packed Q4_K or Q6_K group (16 weight rows at gw) against m x rows split into hi and lo bytes
+ * sd_tiles_product a packed group (16 weight rows at gw; Q8_0, Q5_0, Q4_K, Q6_K) against m x rows split into hi and lo bytes
  * (sd_split_rows; the planes hold m rounded up to 16 rows, zeros past m), as packed_cpu.c's int16 kernel; -1: no
  * memory (or another type). */
 int sd_tiles(void);

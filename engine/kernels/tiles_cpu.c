@@ -1,4 +1,4 @@
-/* Packed Q4_K and Q6_K products of many x rows on AMX tiles, the same bits as packed_cpu.c's int16 kernels.
+/* Packed products of many x rows on AMX tiles (Q8_0, Q5_0, Q4_K, Q6_K), the same bits as packed_cpu.c's int16 kernels.
  *
  * Why: a prompt's expert products are bound by the int16 multiply-adds (`vpdpwssd`, 32 a cycle at best);
  * one tile instruction takes 16 x rows times 16 weight rows times a sub-block. AMX multiplies int8 only,
@@ -6,9 +6,9 @@
  * sum is 256 * (hi . q) + (lo . q), the same int32 as the int16 kernel's, and the float steps after it are
  * that kernel's in the same order, so every y is bit for bit what it gives.
  *
- * Per group of 16 weight rows the quants are first laid out as tiles, one a sub-block in the order the int16
- * kernel adds them (Q4_K: 32 values, 8 rows of 4 values by 16 weight rows; Q6_K: 16 values, 4 rows, its quants
- * minus 32), then every 16 x rows run over them. */
+ * Per group of 16 weight rows the quants are first laid out as tiles, one a (sub-)block in the order the int16
+ * kernel adds them (32 values, 8 rows of 4 values by 16 weight rows; Q6_K's sub-blocks 16 values, 4 rows), as the
+ * values they stand for (Q5_0's with the fifth bit, minus 16; Q6_K's minus 32), then every 16 x rows run over them. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,14 +30,14 @@ int sd_tiles(void) {
 }
 
 /* Values of a sub-block: what one tile instruction sums along. */
-INLINE int64_t tile_k(int type) { return type == T_Q4_K ? 32 : 16; }
+INLINE int64_t tile_k(int type) { return type == T_Q6_K ? 16 : 32; }
 
-/* Tile q's sub-block: its first x value in a row, and its x block of 32 (whose scale dx it takes). Q4_K's tiles are
- * its sub-blocks in order; Q6_K's (per super-block b, half h) the sub-blocks 8h + 2i + ph, ph outer, i inner. */
+/* Tile q's (sub-)block: its first x value in a row, and its x block of 32 (whose scale dx it takes). The tiles are
+ * the blocks or sub-blocks in order, but Q6_K's (per super-block b, half h): sub-blocks 8h + 2i + ph, ph outer. */
 INLINE int64_t x_at(int type, int64_t q) {
-    return type == T_Q4_K ? 32 * q : 256 * (q / 16) + 128 * (q % 16 / 8) + 32 * (q % 4) + 16 * (q % 8 / 4);
+    return type != T_Q6_K ? 32 * q : 256 * (q / 16) + 128 * (q % 16 / 8) + 32 * (q % 4) + 16 * (q % 8 / 4);
 }
-INLINE int64_t dx_at(int type, int64_t q) { return type == T_Q4_K ? q : 8 * (q / 16) + 4 * (q % 16 / 8) + q % 4; }
+INLINE int64_t dx_at(int type, int64_t q) { return type != T_Q6_K ? q : 8 * (q / 16) + 4 * (q % 16 / 8) + q % 4; }
 
 /* tmm0, tmm1: 16 x rows' hi and lo bytes of a sub-block; tmm2: its quants; tmm3-tmm4 and tmm5-tmm6: the int32
  * sums hi . q and lo . q, 16 x 16, of two sub-blocks. */
@@ -81,6 +81,27 @@ static void lay_out_q4_k(const uint8_t *gw, int64_t nb, uint8_t *tiles, float *d
                 _mm512_storeu_si512(low, _mm512_and_si512(row, nibble));
                 _mm512_storeu_si512(low + 512, _mm512_and_si512(_mm512_srli_epi16(row, 4), nibble));
             }
+    }
+}
+
+/* A packed Q8_0 or Q5_0 group's values (nb blocks) as tiles (512 bytes each), each block's scales of the 16 rows. */
+static void lay_out_blocks(int type, const uint8_t *gw, int64_t nb, uint8_t *tiles, float *ds) {
+    const __m512i nibble = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    for (int64_t b = 0; b < nb; b++, gw += 16 * (type == T_Q5_0 ? 22 : 34)) {
+        _mm512_storeu_ps(ds + 16 * b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gw)));
+        for (int t = 0; t < 8; t++) { /* pairs 2t and 2t + 1 */
+            __m512i pairs;
+            if (type == T_Q8_0) {
+                pairs = _mm512_loadu_si512(gw + 32 + 64 * t);
+            } else { /* (low | fifth << 4) - 16, as packed_cpu.c's pair16 */
+                __m512i bytes = _mm512_loadu_si512(gw + 96 + 32 * (2 * t % 8));
+                __m512i low = _mm512_and_si512(t < 4 ? bytes : _mm512_srli_epi16(bytes, 4), nibble);
+                uint64_t fifth;
+                memcpy(&fifth, gw + 32 + 8 * t, 8);
+                pairs = _mm512_mask_sub_epi8(low, (__mmask64)~fifth, low, sixteen);
+            }
+            _mm512_storeu_si512(tiles + 512 * b + 64 * t, tile_row(pairs));
+        }
     }
 }
 
@@ -132,8 +153,8 @@ static void lay_out_q6_k(const uint8_t *gw, int64_t nb, uint8_t *tiles, float *d
         _tile_stored(L, (sums)[1], 64);                                                                                \
     } while (0)
 
-/* f[r] += tile q's sub-block of row r (its int32 sums in c): as packed_cpu.c's group_q4_k or group_q6_k, step for
- * step. */
+/* f[r] += tile q's (sub-)block of row r (its int32 sums in c): as packed_cpu.c's groups_int, group_q4_k or
+ * group_q6_k, step for step. */
 INLINE void add_tile(int type, __m512 *f, int32_t c[2][16][16], const float *ds, const float *dm, const float *dx,
                      const int32_t *xs, int64_t k, int64_t q, int rows) {
     __m512 scale = _mm512_loadu_ps(ds + 16 * q), mins = type == T_Q4_K ? _mm512_loadu_ps(dm + 16 * q) : scale;
@@ -153,11 +174,15 @@ INLINE void tile_rows(int type, const uint8_t *tiles, const float *ds, const flo
                       const uint8_t *lo, const float *dx, const int32_t *xs, int rows, float *y, int64_t ys) {
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));
     __m512 f[16];
-    int64_t n = k / tile_k(type); /* even: k is a multiple of 256 */
+    int64_t n = k / tile_k(type);
     for (int r = 0; r < 16; r++) f[r] = _mm512_setzero_ps();
     PRODUCTS(3, 4, 0);
     STORE(3, 4, sums[0]);
     for (int64_t q = 0; q < n; q += 2) {
+        if (q + 1 == n) { /* an odd count's last */
+            add_tile(type, f, sums[0], ds, dm, dx, xs, k, q, rows);
+            break;
+        }
         PRODUCTS(5, 6, q + 1);
         add_tile(type, f, sums[0], ds, dm, dx, xs, k, q, rows);
         STORE(5, 6, sums[1]);
@@ -196,15 +221,29 @@ INLINE void group_rows(int type, const uint8_t *tiles, const float *ds, const fl
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,
                      const int32_t *xs, int64_t m, float *y, int64_t ys) {
     uint8_t *tiles = room(k);
-    if (!tiles || (type != T_Q4_K && type != T_Q6_K)) return -1;
+    if (!tiles) return -1;
     float *ds = (float *)(tiles + 16 * k), *dm = ds + (k / 16) * 16;
     configure(type);
-    if (type == T_Q4_K) {
+    switch (type) {
+    case T_Q4_K:
         lay_out_q4_k(gw, k / 256, tiles, ds, dm);
         group_rows(T_Q4_K, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
-    } else {
+        break;
+    case T_Q6_K:
         lay_out_q6_k(gw, k / 256, tiles, ds);
         group_rows(T_Q6_K, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        break;
+    case T_Q8_0:
+        lay_out_blocks(T_Q8_0, gw, k / 32, tiles, ds);
+        group_rows(T_Q8_0, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        break;
+    case T_Q5_0:
+        lay_out_blocks(T_Q5_0, gw, k / 32, tiles, ds);
+        group_rows(T_Q5_0, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        break;
+    default:
+        _tile_release();
+        return -1;
     }
     _tile_release();
     return 0;
