@@ -565,6 +565,7 @@ typedef struct {
     const int32_t *s; /* the sum of each 16 rounded values */
     const int8_t *hi; /* on AMX tiles: q split into bytes (sd_split_rows), else NULL */
     const uint8_t *lo;
+    const float *xmin; /* Q4_K on tiles: each x block's scale times its sum */
     float *y;
 } product;
 
@@ -683,7 +684,7 @@ static void product_set(void *ctx, int64_t s, int thread) {
         product part = *j; /* the block's rows alone */
         part.m = rows, part.q += i * k, part.d += i * (k / QK), part.s += i * (k / 16), part.y += i * j->n;
         if (sd_tiles_product(j->type, j->w + g * GROUP * (k / block_values(j->type)) * block_bytes(j->type), k, j->hi + i * k,
-                             j->lo + i * k, part.d, part.s, rows, part.y + g * GROUP, j->n))
+                             j->lo + i * k, part.d, j->xmin ? j->xmin + i * (k / QK) : NULL, rows, part.y + g * GROUP, j->n))
             product_group(&part, g); /* no memory for the tiles: the int16 kernel, the same bits */
         return;
     }
@@ -706,7 +707,8 @@ static int64_t prepare(product *j, int threads, int activations, void **mem) {
     if (activations != X_FLOAT) {
         size_t values = (size_t)(j->m * j->k), padded = (size_t)((j->m + 15) / 16 * 16 * j->k);
         int tiles = j->m >= TILE_ROWS && sd_tiles(); /* every packed type */
-        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * padded : 0) + 63) / 64 * 64);
+        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * padded + values / QK * 4 : 0) +
+                                  63) / 64 * 64);
         if (!*mem) return -1;
         int16_t *q = *mem;
         int32_t *sums = (int32_t *)(q + values);
@@ -716,9 +718,11 @@ static int64_t prepare(product *j, int threads, int activations, void **mem) {
         if (tiles) {
             int8_t *hi = (int8_t *)(d + values / QK);
             uint8_t *lo = (uint8_t *)hi + padded;
+            float *xmin = (float *)(lo + padded);
             memset(hi, 0, 2 * padded);
             sd_split_rows(q, j->m, j->k, hi, lo);
-            j->hi = hi, j->lo = lo, j->set = 1;
+            for (size_t b = 0; b < values / QK; b++) xmin[b] = d[b] * (float)(sums[2 * b] + sums[2 * b + 1]);
+            j->hi = hi, j->lo = lo, j->xmin = xmin, j->set = 1;
             return j->n / GROUP * ((j->m + TILE_BLOCK - 1) / TILE_BLOCK);
         }
     }

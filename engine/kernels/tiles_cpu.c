@@ -156,7 +156,7 @@ static void lay_out_q6_k(const uint8_t *gw, int64_t nb, uint8_t *tiles, float *d
 /* f[r] += tile q's (sub-)block of row r (its int32 sums in c): as packed_cpu.c's groups_int, group_q4_k or
  * group_q6_k, step for step. */
 INLINE void add_tile(int type, __m512 *f, int32_t c[2][16][16], const float *ds, const float *dm, const float *dx,
-                     const int32_t *xs, int64_t k, int64_t q, int rows) {
+                     const float *xmin, int64_t k, int64_t q, int rows) {
     __m512 scale = _mm512_loadu_ps(ds + 16 * q), mins = type == T_Q4_K ? _mm512_loadu_ps(dm + 16 * q) : scale;
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) {
@@ -164,14 +164,14 @@ INLINE void add_tile(int type, __m512 *f, int32_t c[2][16][16], const float *ds,
         int64_t at = r * (k / 32) + dx_at(type, q);
         float dxs = dx[at];
         f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(dxs)), f[r]);
-        if (type == T_Q4_K) f[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dxs * (float)(xs[2 * at] + xs[2 * at + 1])), f[r]);
+        if (type == T_Q4_K) f[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xmin[at]), f[r]);
     }
 }
 
 /* y[i, 16 g..] for `rows` x rows (<= 16; hi and lo hold 16, zeros past m). Tiles in pairs, tmm3-4 and tmm5-6 in
  * turn: the next tile's products run while this one's floats are added, and are stored after them. */
 INLINE void tile_rows(int type, const uint8_t *tiles, const float *ds, const float *dm, int64_t k, const int8_t *hi,
-                      const uint8_t *lo, const float *dx, const int32_t *xs, int rows, float *y, int64_t ys) {
+                      const uint8_t *lo, const float *dx, const float *xmin, int rows, float *y, int64_t ys) {
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));
     __m512 f[16];
     int64_t n = k / tile_k(type);
@@ -180,14 +180,14 @@ INLINE void tile_rows(int type, const uint8_t *tiles, const float *ds, const flo
     STORE(3, 4, sums[0]);
     for (int64_t q = 0; q < n; q += 2) {
         if (q + 1 == n) { /* an odd count's last */
-            add_tile(type, f, sums[0], ds, dm, dx, xs, k, q, rows);
+            add_tile(type, f, sums[0], ds, dm, dx, xmin, k, q, rows);
             break;
         }
         PRODUCTS(5, 6, q + 1);
-        add_tile(type, f, sums[0], ds, dm, dx, xs, k, q, rows);
+        add_tile(type, f, sums[0], ds, dm, dx, xmin, k, q, rows);
         STORE(5, 6, sums[1]);
         if (q + 2 < n) PRODUCTS(3, 4, q + 2);
-        add_tile(type, f, sums[1], ds, dm, dx, xs, k, q + 1, rows);
+        add_tile(type, f, sums[1], ds, dm, dx, xmin, k, q + 1, rows);
         if (q + 2 < n) STORE(3, 4, sums[0]);
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ys, f[r]);
@@ -209,17 +209,17 @@ static uint8_t *room(int64_t k) {
 
 /* The whole group, a constant type each (the row loop specialised, the f sums kept in registers). */
 INLINE void group_rows(int type, const uint8_t *tiles, const float *ds, const float *dm, int64_t k, const int8_t *hi,
-                       const uint8_t *lo, const float *dx, const int32_t *xs, int64_t m, float *y, int64_t ys) {
+                       const uint8_t *lo, const float *dx, const float *xmin, int64_t m, float *y, int64_t ys) {
     for (int64_t i = 0; i < m; i += 16)
         if (m - i >= 16)
-            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xs + i * (k / 16), 16, y + i * ys, ys);
+            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xmin + i * (k / 32), 16, y + i * ys, ys);
         else
-            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xs + i * (k / 16), (int)(m - i),
+            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xmin + i * (k / 32), (int)(m - i),
                       y + i * ys, ys);
 }
 
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,
-                     const int32_t *xs, int64_t m, float *y, int64_t ys) {
+                     const float *xmin, int64_t m, float *y, int64_t ys) {
     uint8_t *tiles = room(k);
     if (!tiles) return -1;
     float *ds = (float *)(tiles + 16 * k), *dm = ds + (k / 16) * 16;
@@ -227,19 +227,19 @@ int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, c
     switch (type) {
     case T_Q4_K:
         lay_out_q4_k(gw, k / 256, tiles, ds, dm);
-        group_rows(T_Q4_K, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        group_rows(T_Q4_K, tiles, ds, dm, k, hi, lo, dx, xmin, m, y, ys);
         break;
     case T_Q6_K:
         lay_out_q6_k(gw, k / 256, tiles, ds);
-        group_rows(T_Q6_K, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        group_rows(T_Q6_K, tiles, ds, dm, k, hi, lo, dx, xmin, m, y, ys);
         break;
     case T_Q8_0:
         lay_out_blocks(T_Q8_0, gw, k / 32, tiles, ds);
-        group_rows(T_Q8_0, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        group_rows(T_Q8_0, tiles, ds, dm, k, hi, lo, dx, xmin, m, y, ys);
         break;
     case T_Q5_0:
         lay_out_blocks(T_Q5_0, gw, k / 32, tiles, ds);
-        group_rows(T_Q5_0, tiles, ds, dm, k, hi, lo, dx, xs, m, y, ys);
+        group_rows(T_Q5_0, tiles, ds, dm, k, hi, lo, dx, xmin, m, y, ys);
         break;
     default:
         _tile_release();
@@ -258,8 +258,8 @@ void sd_split_rows(const int16_t *q, int64_t m, int64_t k, int8_t *hi, uint8_t *
 #else
 int sd_tiles(void) { return 0; }
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,
-                     const int32_t *xs, int64_t m, float *y, int64_t ys) {
-    (void)type, (void)gw, (void)k, (void)hi, (void)lo, (void)dx, (void)xs, (void)m, (void)y, (void)ys;
+                     const float *xmin, int64_t m, float *y, int64_t ys) {
+    (void)type, (void)gw, (void)k, (void)hi, (void)lo, (void)dx, (void)xmin, (void)m, (void)y, (void)ys;
     return -1;
 }
 void sd_split_rows(const int16_t *q, int64_t m, int64_t k, int8_t *hi, uint8_t *lo) { (void)q, (void)m, (void)k, (void)hi, (void)lo; }
