@@ -98,9 +98,9 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, matrix, mode, req
                          ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("mode", ("int16", "int8"))
 def test_tiles_give_the_int16_kernels_bits(tiled, k, mode):
-    """16 x rows or more of a packed matrix run on AMX tiles (x split into hi and lo bytes, row blocks of 128, a last
-    tile of fewer than 16 rows, an odd count of blocks): each row the bits of the row alone, which the int16 kernel
-    computes, and a build without tiles gives them too."""
+    """8-12 x rows or more (by type) of a packed matrix run on AMX tiles (x split into hi and lo bytes, row blocks of
+    128, tiles of fewer than 16 rows last, an odd count of blocks): each row the bits of the row alone, which the int16
+    kernel computes, and a build without tiles gives them too."""
     matrix = cpu.Matrix(tiled, cpu.pack(tiled, torch.from_numpy(random_blocks(tiled, 48, k, seed=9)), k), k, packed=True)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(10))
     x[5, :32] = 0  # a sub-block of zeros: its scale is 0
@@ -110,7 +110,7 @@ def test_tiles_give_the_int16_kernels_bits(tiled, k, mode):
         alone = torch.cat([matrix.matmul(x[i:i + 1], activations=mode) for i in range(300)])
         for n_threads in (1, 2):
             cpu.set_threads(n_threads)
-            for m in (16, 17, 129, 300):
+            for m in (8, 11, 16, 17, 129, 300):
                 assert np.array_equal(bits(matrix.matmul(x[:m], activations=mode)), bits(alone[:m])), (n_threads, m)
     finally:
         cpu.set_threads(before)

@@ -39,9 +39,9 @@ INLINE int64_t x_at(int type, int64_t q) {
 }
 INLINE int64_t dx_at(int type, int64_t q) { return type != T_Q6_K ? q : 8 * (q / 16) + 4 * (q % 16 / 8) + q % 4; }
 
-/* tmm0, tmm1: 16 x rows' hi and lo bytes of a sub-block; tmm2: its quants; tmm3-tmm4 and tmm5-tmm6: the int32
- * sums hi . q and lo . q, 16 x 16, of two sub-blocks. */
-static void configure(int type) {
+/* tmm0, tmm1: `rows` x rows' hi and lo bytes of a sub-block; tmm2: its quants; tmm3-tmm4 and tmm5-tmm6: the int32
+ * sums hi . q and lo . q, rows x 16, of two sub-blocks. A tile instruction's time goes with its rows. */
+static void configure(int type, int rows) {
     struct {
         uint8_t palette, start, reserved[14];
         uint16_t colsb[16];
@@ -49,7 +49,7 @@ static void configure(int type) {
     } cfg = {.palette = 1};
     for (int t = 0; t < 7; t++) {
         cfg.colsb[t] = (uint16_t)(t < 2 ? tile_k(type) : 64);
-        cfg.rows[t] = (uint8_t)(t == 2 ? tile_k(type) / 4 : 16);
+        cfg.rows[t] = (uint8_t)(t == 2 ? tile_k(type) / 4 : rows);
     }
     _tile_loadconfig(&cfg);
 }
@@ -213,9 +213,11 @@ INLINE void group_rows(int type, const uint8_t *tiles, const float *ds, const fl
     for (int64_t i = 0; i < m; i += 16)
         if (m - i >= 16)
             tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xmin + i * (k / 32), 16, y + i * ys, ys);
-        else
+        else { /* the last rows, tiles of as many */
+            configure(type, (int)(m - i));
             tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xmin + i * (k / 32), (int)(m - i),
                       y + i * ys, ys);
+        }
 }
 
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,
@@ -223,7 +225,7 @@ int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, c
     uint8_t *tiles = room(k);
     if (!tiles) return -1;
     float *ds = (float *)(tiles + 16 * k), *dm = ds + (k / 16) * 16;
-    configure(type);
+    configure(type, 16);
     switch (type) {
     case T_Q4_K:
         lay_out_q4_k(gw, k / 256, tiles, ds, dm);
