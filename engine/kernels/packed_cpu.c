@@ -40,9 +40,6 @@
 #define GROUP 16
 #define QK 32
 #define ROWS_AT_ONCE 4 /* x rows a pass over a group */
-/* Products of at least this many x rows run on AMX tiles where there are some: where they beat the int16 kernel on
- * one core (Q8_0 768 x 2048: 12 rows 0.154-0.194 ms against 0.162-0.167; fewer than 16 rows take tiles of as many). */
-static int64_t tile_rows_from(int type) { return type == T_Q8_0 ? 12 : type == T_Q5_0 ? 8 : 10; }
 #define TILE_BLOCK 128 /* x rows a tiles work item takes: their bytes stay in a core's cache across its groups */
 #if defined(SD_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__BMI2__)
 #define SD_WIDE 1 /* 16 rows' int16 pairs in one register, mask registers */
@@ -700,6 +697,10 @@ static void product_set(void *ctx, int64_t s, int thread) {
 #endif
 
 #ifdef SD_AVX2
+/* Products of at least this many x rows run on AMX tiles where there are some: where they beat the int16 kernel on
+ * one core (Q8_0 768 x 2048: 12 rows 0.154-0.194 ms against 0.162-0.167; fewer than 16 rows take tiles of as many). */
+static int64_t tile_rows_from(int type) { return type == T_Q8_0 ? 12 : type == T_Q5_0 ? 8 : 10; }
+
 /* j ready for product_set: x rounded for the integer modes (into *mem, for the caller to free) and the groups a
  * work item takes. Returns the work items, or -1 when out of memory. */
 static int64_t prepare(product *j, int threads, int activations, void **mem) {
