@@ -22,6 +22,7 @@ Models never call `F.linear` on raw tensors and never see a weight's device or f
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ MATVEC_ROWS = 16  # up to this many rows a block matrix runs the matvec kernel; 
 PACKED_MATVEC_ROWS = {Q.Q8_0: 512, Q.Q4_K: 256, Q.Q5_0: 128, Q.Q6_K: 64}
 # the same where its integer products run on AMX tiles (`cpu_kernels.tiles`): 1.4-4x a slab at every count measured
 # (to 2,048) for Q8_0 and Q5_0, 1.05-2.9x for Q4_K; Q6_K 1.05-4x to 512 and 0.85-1.19x at 2,048
-TILED_MATVEC_ROWS = {Q.Q8_0: 1 << 62, Q.Q5_0: 1 << 62, Q.Q4_K: 1 << 62, Q.Q6_K: 512}
+TILED_MATVEC_ROWS = {Q.Q8_0: sys.maxsize, Q.Q5_0: sys.maxsize, Q.Q4_K: sys.maxsize, Q.Q6_K: 512}
 SLAB_BYTES = 32 << 20  # float32 bytes of one dequantized slab in a prompt-chunk product
 QKV = ("attn_q", "attn_k", "attn_v")  # a layer's matrices joined into `attn_qkv` (`Projections`)
 GATE_UP = ("ffn_gate", "ffn_up")  # a dense FFN's, joined into `ffn_gate_up`

@@ -287,9 +287,9 @@ def packs(qtype: Q, n: int) -> bool:
 
 
 def tiles() -> bool:
-    """Whether packed Q4_K products of 16 x rows or more run on AMX tiles here (tiles_cpu.c: an AMX-INT8 build
-    on a kernel that lends the tiles), in the integer modes: the same bits as the int16 kernel, and faster than a
-    dequantized slab + float32 GEMM at every row count measured."""
+    """Whether packed products (Q8_0, Q5_0, Q4_K, Q6_K) of 8-12 x rows or more run on AMX tiles here (tiles_cpu.c:
+    an AMX-INT8 build on a kernel that lends the tiles), in the integer modes: the same bits as the int16 kernel,
+    faster, and faster than a dequantized slab + float32 GEMM (`weights.TILED_MATVEC_ROWS`)."""
     return bool(library().sd_tiles())
 
 

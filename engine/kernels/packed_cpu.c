@@ -706,9 +706,9 @@ static int64_t tile_rows_from(int type) { return type == T_Q8_0 ? 12 : type == T
 static int64_t prepare(product *j, int threads, int activations, void **mem) {
     *mem = NULL;
     if (activations != X_FLOAT) {
-        size_t values = (size_t)(j->m * j->k), padded = (size_t)((j->m + 15) / 16 * 16 * j->k);
+        size_t values = (size_t)(j->m * j->k);
         int tiles = j->m >= tile_rows_from(j->type) && sd_tiles();
-        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * padded + values / QK * 4 : 0) +
+        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * values + values / QK * 4 : 0) +
                                   63) / 64 * 64);
         if (!*mem) return -1;
         int16_t *q = *mem;
@@ -718,9 +718,8 @@ static int64_t prepare(product *j, int threads, int activations, void **mem) {
         j->q = q, j->d = d, j->s = sums;
         if (tiles) {
             int8_t *hi = (int8_t *)(d + values / QK);
-            uint8_t *lo = (uint8_t *)hi + padded;
-            float *xmin = (float *)(lo + padded);
-            memset(hi, 0, 2 * padded);
+            uint8_t *lo = (uint8_t *)hi + values;
+            float *xmin = (float *)(lo + values);
             sd_split_rows(q, j->m, j->k, hi, lo);
             for (size_t b = 0; b < values / QK; b++) xmin[b] = d[b] * (float)(sums[2 * b] + sums[2 * b + 1]);
             j->hi = hi, j->lo = lo, j->xmin = xmin, j->set = 1;

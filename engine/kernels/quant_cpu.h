@@ -46,9 +46,9 @@ void sd_quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int l
                       float *d, int32_t *s);
 
 /* AMX tiles (tiles_cpu.c): sd_tiles() whether this build and process can use them (asked of the kernel once);
- * sd_tiles_product a packed group (16 weight rows at gw; Q8_0, Q5_0, Q4_K, Q6_K) against m x rows split into hi and lo bytes
- * (sd_split_rows; the planes hold m rounded up to 16 rows, zeros past m), as packed_cpu.c's int16 kernel (Q4_K:
- * xmin the x blocks' scales times their sums, dx[i] * float(s[2i] + s[2i + 1])); -1: no memory (or another type). */
+ * sd_tiles_product a packed group (16 weight rows at gw; Q8_0, Q5_0, Q4_K, Q6_K) against m x rows split into hi and
+ * lo bytes (sd_split_rows), as packed_cpu.c's int16 kernel (Q4_K: xmin the x blocks' scales times their sums,
+ * dx[i] * float(s[2i] + s[2i + 1])); -1: no memory (or another type). */
 int sd_tiles(void);
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,
                      const float *xmin, int64_t m, float *y, int64_t ys);

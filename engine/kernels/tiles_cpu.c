@@ -168,7 +168,7 @@ INLINE void add_tile(int type, __m512 *f, int32_t c[2][16][16], const float *ds,
     }
 }
 
-/* y[i, 16 g..] for `rows` x rows (<= 16; hi and lo hold 16, zeros past m). Tiles in pairs, tmm3-4 and tmm5-6 in
+/* y[i, 16 g..] for `rows` x rows (<= 16, the tiles configured for as many). Tiles in pairs, tmm3-4 and tmm5-6 in
  * turn: the next tile's products run while this one's floats are added, and are stored after them. */
 INLINE void tile_rows(int type, const uint8_t *tiles, const float *ds, const float *dm, int64_t k, const int8_t *hi,
                       const uint8_t *lo, const float *dx, const float *xmin, int rows, float *y, int64_t ys) {
