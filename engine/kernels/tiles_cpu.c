@@ -17,15 +17,20 @@
 #include "simd.h"
 
 #if defined(SD_AVX2) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-int sd_tiles(void) {
-    static int usable = -1; /* the kernel asks once for the process; a race asks twice, harmlessly */
-    if (usable < 0) usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+static int usable;
+static pthread_once_t asked = PTHREAD_ONCE_INIT;
+
+static void ask(void) { usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+int sd_tiles(void) { /* the kernel lends the tiles to a process once asked */
+    pthread_once(&asked, ask);
     return usable;
 }
 
@@ -40,7 +45,7 @@ INLINE int64_t x_at(int type, int64_t q) {
 INLINE int64_t dx_at(int type, int64_t q) { return type != T_Q6_K ? q : 8 * (q / 16) + 4 * (q % 16 / 8) + q % 4; }
 
 /* tmm0, tmm1: `rows` x rows' hi and lo bytes of a sub-block; tmm2: its quants; tmm3-tmm4 and tmm5-tmm6: the int32
- * sums hi . q and lo . q, rows x 16, of two sub-blocks. A tile instruction's time goes with its rows. */
+ * sums hi . q and lo . q, rows x 16, of two sub-blocks. Tiles of fewer rows take less time. */
 static void configure(int type, int rows) {
     struct {
         uint8_t palette, start, reserved[14];
@@ -210,14 +215,15 @@ static uint8_t *room(int64_t k) {
 /* The whole group, a constant type each (the row loop specialised, the f sums kept in registers). */
 INLINE void group_rows(int type, const uint8_t *tiles, const float *ds, const float *dm, int64_t k, const int8_t *hi,
                        const uint8_t *lo, const float *dx, const float *xmin, int64_t m, float *y, int64_t ys) {
-    for (int64_t i = 0; i < m; i += 16)
-        if (m - i >= 16)
-            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xmin + i * (k / 32), 16, y + i * ys, ys);
-        else { /* the last rows, tiles of as many */
+    for (int64_t i = 0; i < m; i += 16) {
+        const float *mins = type == T_Q4_K ? xmin + i * (k / 32) : NULL;
+        if (m - i >= 16) {
+            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), mins, 16, y + i * ys, ys);
+        } else { /* the last rows, tiles of as many */
             configure(type, (int)(m - i));
-            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), xmin + i * (k / 32), (int)(m - i),
-                      y + i * ys, ys);
+            tile_rows(type, tiles, ds, dm, k, hi + i * k, lo + i * k, dx + i * (k / 32), mins, (int)(m - i), y + i * ys, ys);
         }
+    }
 }
 
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,
