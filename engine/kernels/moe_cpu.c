@@ -23,12 +23,7 @@
 static void *scratch(size_t bytes) {
     static void *mem;
     static size_t size;
-    if (bytes > size) {
-        free(mem);
-        mem = malloc(bytes);
-        size = mem ? bytes : 0;
-    }
-    return mem;
+    return sd_kept(&mem, &size, bytes);
 }
 
 /* `count` products of one layout in one parallel region. */

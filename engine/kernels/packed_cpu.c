@@ -708,8 +708,9 @@ static int64_t prepare(product *j, int threads, int activations, void **mem) {
     if (activations != X_FLOAT) {
         size_t values = (size_t)(j->m * j->k);
         int tiles = j->m >= tile_rows_from(j->type) && sd_tiles();
-        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * values + values / QK * 4 : 0) +
-                                  63) / 64 * 64);
+        int mins = tiles && j->type == T_Q4_K; /* Q4_K's minimum terms take each x block's scale times its sum */
+        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * values : 0) +
+                                  (mins ? values / QK * 4 : 0) + 63) / 64 * 64);
         if (!*mem) return -1;
         int16_t *q = *mem;
         int32_t *sums = (int32_t *)(q + values);
@@ -719,9 +720,9 @@ static int64_t prepare(product *j, int threads, int activations, void **mem) {
         if (tiles) {
             int8_t *hi = (int8_t *)(d + values / QK);
             uint8_t *lo = (uint8_t *)hi + values;
-            float *xmin = (float *)(lo + values);
+            float *xmin = mins ? (float *)(lo + values) : NULL;
             sd_split_rows(q, j->m, j->k, hi, lo);
-            for (size_t b = 0; b < values / QK; b++) xmin[b] = d[b] * (float)(sums[2 * b] + sums[2 * b + 1]);
+            for (size_t b = 0; mins && b < values / QK; b++) xmin[b] = d[b] * (float)(sums[2 * b] + sums[2 * b + 1]);
             j->hi = hi, j->lo = lo, j->xmin = xmin, j->set = 1;
             return j->n / GROUP * ((j->m + TILE_BLOCK - 1) / TILE_BLOCK);
         }

@@ -3,6 +3,7 @@
 #define SD_POOL_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 /* fn(ctx, item, thread) for every item in [0, items); thread is 0..threads-1 (per-thread buffers). */
 typedef void (*sd_task)(void *ctx, int64_t item, int thread);
@@ -23,6 +24,18 @@ static inline int64_t sd_owner(const int64_t *first, int64_t count, int64_t item
             hi = mid - 1;
     }
     return lo;
+}
+
+/* A buffer of at least `bytes` kept in *mem (*size its bytes: both the caller's, static or per thread), grown
+ * (64-byte aligned) when too small and kept for later calls: scratch whose fresh pages would cost every call their
+ * page faults. NULL when out of memory. */
+static inline void *sd_kept(void **mem, size_t *size, size_t bytes) {
+    if (bytes > *size) {
+        free(*mem);
+        *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        *size = *mem ? bytes : 0;
+    }
+    return *mem;
 }
 
 #endif

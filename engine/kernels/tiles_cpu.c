@@ -9,10 +9,10 @@
  * Per group of 16 weight rows the quants are first laid out as tiles, one a (sub-)block in the order the int16
  * kernel adds them (32 values, 8 rows of 4 values by 16 weight rows; Q6_K's sub-blocks 16 values, 4 rows), as the
  * values they stand for (Q5_0's with the fifth bit, minus 16; Q6_K's minus 32), then every 16 x rows run over them. */
-#include <stdlib.h>
 #include <string.h>
 
 #include "packed.h"
+#include "pool.h"
 #include "quant_cpu.h"
 #include "simd.h"
 
@@ -201,15 +201,9 @@ INLINE void tile_rows(int type, const uint8_t *tiles, const float *ds, const flo
 /* Thread-local room for a group's tiles (16 bytes a value) and its scales and minimums (a float a row and
  * sub-block each at most), grown as k needs and kept for the thread's later calls. */
 static uint8_t *room(int64_t k) {
-    static __thread uint8_t *mem;
-    static __thread int64_t size;
-    int64_t need = 16 * k + 2 * (k / 16) * 16 * (int64_t)sizeof(float);
-    if (need > size) {
-        free(mem);
-        mem = aligned_alloc(64, (size_t)(need + 63) / 64 * 64);
-        size = mem ? need : 0;
-    }
-    return mem;
+    static __thread void *mem;
+    static __thread size_t size;
+    return sd_kept(&mem, &size, (size_t)(16 * k + 2 * (k / 16) * 16 * (int64_t)sizeof(float)));
 }
 
 /* The whole group, a constant type each (the row loop specialised, the f sums kept in registers). */
