@@ -98,6 +98,28 @@ def test_the_q8_0_head_tiles():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_q6_k_heads_rows_on_the_tensor_cores(dtype):
+    """The Q6_K head's (32,768 rows and more) windows of 2-8 rows take the int8 tensor-core kernel: the int16
+    kernel's integer sums, so its results to float rounding; each row's bits whatever the window; one row
+    keeps its own kernel. Run on the head's first 40 rows (two programs, the second partial)."""
+    k = 512
+    blocks = tb.random_blocks(Q.Q6_K, 32768, k, torch.Generator().manual_seed(9)).to(DEVICE)
+    mat, part = tb.Matrix(Q.Q6_K, blocks, k), tb.Matrix(Q.Q6_K, blocks[:40].clone(), k)
+    assert mat._mma is not None and part._mma is None
+    x = torch.randn(tb.MATVEC_ROWS, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    int16, one = part.matvec(x), part.matvec(x[:1])
+    part._mma = mat._mma
+    y = part.matvec(x)
+    assert_close(y, x, reference(Q.Q6_K, blocks[:40]), matvec_tolerance(dtype), rounding_error(x))
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, int16, rtol=1e-5, atol=1e-5 * int16.abs().max().item())
+    assert_same_bits(part.matvec(x[:1]), one)
+    for i in range(tb.MATVEC_ROWS - 1):
+        assert_same_bits(part.matvec(x[i:i + 2]), y[i:i + 2])
+    assert_same_bits(part.matvec(x[2:7]), y[2:7])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_row_matches_reference(case, dtype):
     mat, ref = case
     x = random_x(1, dtype, seed=4)
@@ -222,6 +244,9 @@ def test_x_rounded_to_int16_per_group():
     assert torch.equal(r.halves, r.q.int().view(3, -1, 16).sum(-1))
     assert not r.q[1, 32:64].any() and r.scale[1, 1] == 0
     assert torch.equal(RoundedRows.of(x[2:3]).q, r.q[2:3])
+    hi, lo = r.planes()  # the tensor cores' int8 planes: q = 256 hi + lo + 128
+    assert hi.dtype == lo.dtype == torch.int8 and torch.equal(256 * hi.int() + lo.int() + 128, r.q.int())
+    assert int(r.q.max()) == 32767 and int(r.q.min()) <= -32000  # the planes' ends are reached
 
 
 def assert_same_rounding(got, want) -> None:

@@ -133,6 +133,14 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
                  warps)
 
 
+def head_mma() -> Usage:
+    """The Q6_K head's 2-8 rows on the tensor cores, with `Matrix`'s tiles for it."""
+    rows, warps, _ = tb.mma_tiles(Q.Q6_K, HEAD)
+    return usage(tb._q6k_mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", y="*bf16", m=8, n=HEAD,
+                                          k=HIDDEN, row_bytes=tb.row_bytes(Q.Q6_K, HIDDEN)), dict(R=rows, PDL=False),
+                 warps)
+
+
 def main() -> None:
     print(f"sm_90, triton {triton.__version__}, qwen3-30b-a3b's shapes, the code's tiles")
     for name, fn in (("MoE gate+up Q4_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q4_K, True, False)),
@@ -143,7 +151,8 @@ def main() -> None:
                      ("MoE GEMM gate+up Q4_K (prompt)", lambda: moe_gemm(Q.Q4_K, True)),
                      ("MoE GEMM gate+up Q8_0 (prompt)", lambda: moe_gemm(Q.Q8_0, True)),
                      ("Q4_K 5120x2048, 8 rows", lambda: dense(Q.Q4_K, 5120, HIDDEN, 8)),
-                     ("Q6_K head, 8 rows", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 8)),
+                     ("Q6_K head, 8 rows (int16 kernel)", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 8)),
+                     ("Q6_K head, 8 rows (tensor cores)", head_mma),
                      ("Q6_K head, one row", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 1))):
         print(fn().line(name), flush=True)
 

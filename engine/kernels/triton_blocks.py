@@ -8,8 +8,10 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   (`triton_xq`) and sum weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a
   thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
   one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The
-  other types' windows of 2-8 rows take the GEMM below with tiles of 16 rows of x (`Tiles.small_*`): on an
-  H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8 rows: 62.2 -> 18.9 us).
+  Q6_K head's 2-8 rows take the tensor cores instead (`_q6k_mma_kernel`): the same integer sums as int8
+  products, x split into two int8 planes. The other types' windows of 2-8 rows take the GEMM below with tiles
+  of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8
+  rows: 62.2 -> 18.9 us).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
   dtype (bf16 for the engine) and multiplied with tl.dot, float32 accumulation.
 - `Matrix.matmul`: the matvec up to `MATVEC_ROWS` rows, the GEMM above.
@@ -21,9 +23,10 @@ Deterministic by construction: no atomics and no split-K; each output is reduced
 set by the tile sizes (`Tiles`), which are chosen from the matrix's shape only, never from m.
 Batch invariance, within each path: every call of a matrix runs one compiled kernel (m is not
 specialized; x is copied when its rows do not start 16-byte aligned). In the int16 matvec of 2-8 rows,
-row i of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); in
-the GEMM, row i is the same dots over the same tiles whatever place it has in its tile (the tensor
-cores' sums do not depend on it). So y[i] does not depend on how many rows x has. The paths (one row,
+row i of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); on the
+tensor cores its sums are exact integers and the floats after them elementwise; in the GEMM, row i is the
+same dots over the same tiles whatever place it has in its tile (the tensor cores' sums do not depend on
+it). So y[i] does not depend on how many rows x has. The paths (one row,
 2-8 rows, prompt chunks) round differently from each other, as the CPU's matvec and slab GEMM do:
 exact mode runs every decode row alone, so its rows always take the one-row kernel.
 
@@ -530,6 +533,61 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
         tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 
 
+@triton.jit
+def _int8_sums(w_q, x_hi, x_lo, live, acc):
+    """acc [R, 16] int32 plus weight values w_q [R, K] int8 times x rows given as planes (`RoundedRows.planes`,
+    [16, K], 0 where not `live`) on the tensor cores, exactly: x = 256 hi + lo + 128, so x . w is
+    256 (hi . w) + (lo . w) + 128 (live . w), three int8 products kept apart until `_int8_total`."""
+    return (tl.dot(w_q, tl.trans(x_hi), acc[0], out_dtype=tl.int32),
+            tl.dot(w_q, tl.trans(x_lo), acc[1], out_dtype=tl.int32),
+            tl.dot(w_q, tl.trans(live.to(tl.int8)), acc[2], out_dtype=tl.int32))
+
+
+@triton.jit
+def _int8_total(acc):
+    return acc[0] * 256 + acc[1] + acc[2] * 128
+
+
+@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
+def _q6k_mma_kernel(w, x_hi, x_lo, xs, y, m, n, k, row_bytes, R: tl.constexpr, PDL: tl.constexpr):
+    """y [m <= 8, n] for x rounded to int16, Q6_K, on the tensor cores: each run of 32 values of R weight rows is
+    one int8 product with a tile of 16 x rows, row t holding x row t % 8's first 16 values of the run (t < 8)
+    or its last 16 (the run's two scales), zeros elsewhere. The sums are the int16 kernel's integers; the
+    floats after them are elementwise, so row i's bits do not depend on m."""
+    pdl.wait(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    live_n = rows < n
+    row = rows.to(tl.int64) * row_bytes
+    t = tl.arange(0, 16)
+    x_row, half = t % 8, t // 8
+    c = tl.arange(0, 32)
+    live = (x_row[:, None] < m) & (c[None, :] // 16 == half[:, None])
+    x_at = x_row.to(tl.int64)[:, None] * k + c[None, :]
+    acc = tl.zeros((R, 16), dtype=tl.float32)
+    for b in range(0, k // 256):
+        blk = row + b * 210  # ql[128], qh[64], 16 int8 scales, d
+        d = _f16(w, blk + 208, live_n)
+        for h in tl.static_range(2):
+            qh = tl.load(w + blk[:, None] + 128 + h * 32 + c[None, :], mask=live_n[:, None], other=0)
+            for j in tl.static_range(2):
+                ql = tl.load(w + blk[:, None] + h * 64 + j * 32 + c[None, :], mask=live_n[:, None], other=0)
+                for u in tl.static_range(2):
+                    r = 2 * u + j  # run r of half h: values 128h + 32r.., scales 8h + 2r and 8h + 2r + 1
+                    q = (((ql >> (4 * u)) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8) - 32
+                    at = x_at + b * 256 + h * 128 + r * 32
+                    zero = tl.zeros((R, 16), dtype=tl.int32)
+                    s = _int8_total(_int8_sums(q, tl.load(x_hi + at, mask=live, other=0),
+                                               tl.load(x_lo + at, mask=live, other=0), live, (zero, zero, zero)))
+                    first = _signed(w, blk + 192 + h * 8 + r * 2, live_n)
+                    second = _signed(w, blk + 193 + h * 8 + r * 2, live_n)
+                    scale = d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
+                    xsc = tl.load(xs + x_row * (k // 32) + b * 8 + h * 4 + r, mask=x_row < m, other=0.0)
+                    acc += scale * (s.to(tl.float32) * xsc[None, :])
+    out = tl.sum(tl.reshape(tl.trans(acc), (2, 8, R)), axis=0)  # a run's first and last 16 values
+    r8 = tl.arange(0, 8)[:, None]
+    tl.store(y + r8 * n + rows[None, :], out.to(y.dtype.element_ty), mask=(r8 < m) & live_n[None, :])
+
+
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
 def _gemm_kernel(w, x, y, m, n, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
@@ -602,6 +660,14 @@ def int16_tiles(qtype: Q, n: int, k: int, tiles: Tiles) -> tuple[tuple[int, int,
     return one_row, rows
 
 
+def mma_tiles(qtype: Q, n: int) -> tuple[int, int, int] | None:
+    """(weight rows a program, warps, stages) of `_q6k_mma_kernel` for 2-8 rows of an n-row matrix of `qtype`, or
+    None where the int16 kernel is faster. The Q6_K head only: on an H200 at 8 rows 404.2 -> 292.7 us, the fastest
+    of rows 16-128, warps 1-4 and stages 2-3; smaller Q4_K and Q6_K matrices were as fast or slower on the
+    tensor cores (Q6_K 512 x 2048: 8.4 -> 23.8 us; Q4_K 2048 x 4096: 18.0 -> 24.3)."""
+    return (32, 2, 2) if qtype == Q.Q6_K and n >= 32768 else None
+
+
 class Matrix:
     """n weight rows of `qtype` blocks (uint8 [n, row_bytes(qtype, k)] on the kernels' device), checked
     once, with its tiles chosen once, for products called many times."""
@@ -626,6 +692,7 @@ class Matrix:
         if self._rounded:
             RoundedRows.want(blocks.device)
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
+        self._mma = mma_tiles(qtype, self.n) if self._rounded else None
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
         # head (151,936 x 2,048) the fastest of a sweep on an H200 (rows 1-8 a program, steps 512-2048, warps
         # 1-4; warps 1-8 and stages 2-4): one row 148.0 -> 132.4 us, 8 rows 247.5 -> 223.8 us
@@ -658,7 +725,13 @@ class Matrix:
             raise ValueError(f"the matvec takes at most {MATVEC_ROWS} rows, got {x.shape[0]}")
         y = self._out(x)
         t = self.tiles
-        if x.shape[0] and self._rounded:
+        if x.shape[0] > 1 and self._mma is not None:
+            rounded = RoundedRows.of(x)
+            rows, warps, stages = self._mma
+            _q6k_mma_kernel[(triton.cdiv(self.n, rows),)](
+                self.blocks, *rounded.planes(), rounded.scale, y, x.shape[0], self.n, self.k, self.blocks.shape[1],
+                R=rows, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+        elif x.shape[0] and self._rounded:
             rounded = RoundedRows.of(x)
             rows, blocks, warps = self._one_row if x.shape[0] == 1 else self._rows
             _rounded_kernel[(triton.cdiv(self.n, rows),)](

@@ -65,6 +65,16 @@ def _round_kernel(x, q, scale, sums, halves, k, BK: tl.constexpr, PDL: tl.conste
     round_groups(v, g, live, q, scale, sums, halves, r, k, BK // 32)
 
 
+@triton.jit
+def _planes_kernel(q, hi, lo, total, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = at < total
+    v = tl.load(q + at, mask=live, other=0)
+    tl.store(hi + at, (v >> 8).to(tl.int8), mask=live)
+    tl.store(lo + at, ((v & 255) - 128).to(tl.int8), mask=live)
+
+
 @dataclass(frozen=True)
 class RoundedRows:
     """Rows of x as int16 `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group and the int32
@@ -97,6 +107,16 @@ class RoundedRows:
             _round_kernel[(m, triton.cdiv(k // GROUP, 8))](x, out.q, out.scale, out.sums, out.halves, k,
                                                            BK=8 * GROUP, **pdl.launch(x.device))
         return out
+
+    def planes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q as two int8 [m, k] planes for the tensor cores' int8 products: hi = q >> 8 and lo = (q & 255) - 128,
+        so q = 256 hi + lo + 128 exactly."""
+        hi, lo = torch.empty_like(self.q, dtype=torch.int8), torch.empty_like(self.q, dtype=torch.int8)
+        if self.q.numel():
+            block = 1024
+            _planes_kernel[(triton.cdiv(self.q.numel(), block),)](self.q, hi, lo, self.q.numel(), BLOCK=block,
+                                                                  **pdl.launch(self.q.device))
+        return hi, lo
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, scale, sums, halves: the order the kernels take them in."""
