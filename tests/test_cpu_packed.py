@@ -179,3 +179,41 @@ def test_a_packed_linear_joins_and_looks_up_like_the_file_layout(qtype, blocks):
     ids = torch.tensor([3, 70, 95])
     assert np.array_equal(bits(parts[0].lookup(ids[:1])), bits(plain.lookup(ids[:1])))
     assert np.array_equal(bits(qkv.runs[0][0].lookup(ids)), bits(plain.lookup(ids)))
+
+
+def test_a_chunks_experts_round_their_rows_once_over_the_threads():
+    """A prompt chunk's routed experts with more x values to round than a decode window's (`ROUNDING_AT_ONCE`,
+    packed_cpu.c): each expert's gate and up share one rounding of its rows, the roundings run over the threads;
+    the values of the file layout's products, and each row the bits of the row alone, on 1 and 2 threads."""
+    from engine.experts import route
+    from engine.kernels import ops
+
+    if not (cpu.packs(Q.Q4_K, 16) and cpu.packs(Q.Q6_K, 16)):
+        pytest.skip("no packed Q4_K/Q6_K layout here")
+    experts, hidden, ff, top_k, rows = 8, 1024, 256, 4, 80  # 320 pairs of 1,024 values: over 2 ** 18
+
+    def stack(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        file = torch.stack([torch.from_numpy(random_blocks(qtype, n, k, seed=seed + e)) for e in range(experts)])
+        return file, torch.stack([cpu.pack(qtype, b, k) for b in file])
+
+    (gate, gate_p), (up, up_p), (down, down_p) = (stack(Q.Q4_K, ff, hidden, 10), stack(Q.Q4_K, ff, hidden, 30),
+                                                  stack(Q.Q6_K, hidden, ff, 50))
+    packed = ((int(Q.Q4_K) | cpu.PACKED_STACK, gate_p), (int(Q.Q4_K) | cpu.PACKED_STACK, up_p),
+              (int(Q.Q6_K) | cpu.PACKED_STACK, down_p))
+    file_layout = ((int(Q.Q4_K), gate), (int(Q.Q4_K), up), (int(Q.Q6_K), down))
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7))
+    weights, ids = route(x, torch.randn(experts, hidden, generator=torch.Generator().manual_seed(8)), top_k, True)
+    before = cpu.threads()
+    try:
+        outs = []
+        for n_threads in (1, 2):
+            cpu.set_threads(n_threads)
+            outs.append(ops.swiglu_experts(packed, x, ids, weights))
+        reference = ops.swiglu_experts(file_layout, x, ids, weights)
+    finally:
+        cpu.set_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    # the file layout's products round and sum in other orders: ~1e-4 of the largest here
+    assert torch.allclose(outs[0], reference, rtol=0, atol=1e-3 * reference.abs().max().item())
+    for i in (0, 41, 79):
+        assert torch.equal(ops.swiglu_experts(packed, x[i:i + 1], ids[i:i + 1], weights[i:i + 1]), outs[0][i:i + 1])

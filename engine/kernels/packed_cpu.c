@@ -701,36 +701,49 @@ static void product_set(void *ctx, int64_t s, int thread) {
  * one core (Q8_0 768 x 2048: 12 rows 0.154-0.194 ms against 0.162-0.167; fewer than 16 rows take tiles of as many). */
 static int64_t tile_rows_from(int type) { return type == T_Q8_0 ? 12 : type == T_Q5_0 ? 8 : 10; }
 
-/* j ready for product_set: x rounded for the integer modes (into *mem, for the caller to free) and the groups a
- * work item takes. Returns the work items, or -1 when out of memory. */
-static int64_t prepare(product *j, int threads, int activations, void **mem) {
+/* x rounded for j's integer modes (into *mem, for the caller to free; on AMX tiles also split into bytes: j->hi
+ * set). Returns 0, or -1 when out of memory. */
+static int round_x(product *j, int activations, void **mem) {
     *mem = NULL;
-    if (activations != X_FLOAT) {
-        size_t values = (size_t)(j->m * j->k);
-        int tiles = j->m >= tile_rows_from(j->type) && sd_tiles();
-        int mins = tiles && j->type == T_Q4_K; /* Q4_K's minimum terms take each x block's scale times its sum */
-        *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * values : 0) +
-                                  (mins ? values / QK * 4 : 0) + 63) / 64 * 64);
-        if (!*mem) return -1;
-        int16_t *q = *mem;
-        int32_t *sums = (int32_t *)(q + values);
-        float *d = (float *)(sums + values / 16);
-        sd_quantize_rows(j->x, j->m, j->k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
-        j->q = q, j->d = d, j->s = sums;
-        if (tiles) {
-            int8_t *hi = (int8_t *)(d + values / QK);
-            uint8_t *lo = (uint8_t *)hi + values;
-            float *xmin = mins ? (float *)(lo + values) : NULL;
-            sd_split_rows(q, j->m, j->k, hi, lo);
-            for (size_t b = 0; mins && b < values / QK; b++) xmin[b] = d[b] * (float)(sums[2 * b] + sums[2 * b + 1]);
-            j->hi = hi, j->lo = lo, j->xmin = xmin, j->set = 1;
-            return j->n / GROUP * ((j->m + TILE_BLOCK - 1) / TILE_BLOCK);
-        }
+    if (activations == X_FLOAT) return 0;
+    size_t values = (size_t)(j->m * j->k);
+    int tiles = j->m >= tile_rows_from(j->type) && sd_tiles();
+    int mins = tiles && j->type == T_Q4_K; /* Q4_K's minimum terms take each x block's scale times its sum */
+    *mem = aligned_alloc(64, (values * 2 + values / 16 * 4 + values / QK * 4 + (tiles ? 2 * values : 0) +
+                              (mins ? values / QK * 4 : 0) + 63) / 64 * 64);
+    if (!*mem) return -1;
+    int16_t *q = *mem;
+    int32_t *sums = (int32_t *)(q + values);
+    float *d = (float *)(sums + values / 16);
+    sd_quantize_rows(j->x, j->m, j->k, QK, activations == X_INT8 ? 127 : 32767, q, NULL, d, sums);
+    j->q = q, j->d = d, j->s = sums;
+    if (tiles) {
+        int8_t *hi = (int8_t *)(d + values / QK);
+        uint8_t *lo = (uint8_t *)hi + values;
+        float *xmin = mins ? (float *)(lo + values) : NULL;
+        sd_split_rows(q, j->m, j->k, hi, lo);
+        for (size_t b = 0; mins && b < values / QK; b++) xmin[b] = d[b] * (float)(sums[2 * b] + sums[2 * b + 1]);
+        j->hi = hi, j->lo = lo, j->xmin = xmin;
+    }
+    return 0;
+}
+
+/* The groups a work item of j takes (j->set), once x is rounded; returns the work items. */
+static int64_t work_items(product *j, int threads, int activations) {
+    if (j->hi) { /* tiles: a group a row block */
+        j->set = 1;
+        return j->n / GROUP * ((j->m + TILE_BLOCK - 1) / TILE_BLOCK);
     }
     j->set = activations == X_FLOAT ? 1 : set_size(j->type, j->m);
     int64_t sets = (j->n / GROUP + j->set - 1) / j->set;
     for (; j->set > 4 && sets < 4 * threads; sets = (j->n / GROUP + j->set - 1) / j->set) j->set /= 2; /* work for all */
     return sets;
+}
+
+/* j ready for product_set: x rounded (round_x) and its work items. Returns the work items, or -1 when out of
+ * memory. */
+static int64_t prepare(product *j, int threads, int activations, void **mem) {
+    return round_x(j, activations, mem) ? -1 : work_items(j, threads, activations);
 }
 #endif
 
@@ -773,31 +786,75 @@ static void product_set_of_list(void *ctx, int64_t item, int thread) {
     int64_t i = sd_owner(l->first, l->count, item);
     product_set((void *)&l->jobs[i], item - l->first[i], thread);
 }
+
+/* Rounding more x values than this at once goes over the threads: a prompt chunk's experts (~2 x 4,096 x 2,048 at
+ * Qwen3-30B-A3B's shapes), not a decode window's, whose rounding would not pay for a second region. */
+#define ROUNDING_AT_ONCE (1 << 18)
+
+typedef struct {
+    product *jobs;
+    const int64_t *twin; /* the earlier product whose rounded x job i takes, or -1 */
+    void **mems;
+    int activations;
+    _Atomic int bad; /* out of memory */
+} rounding_list;
+
+static void round_one(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    rounding_list *l = ctx;
+    if (l->twin[i] < 0 && l->jobs[i].n > 0 && l->jobs[i].m > 0 && round_x(&l->jobs[i], l->activations, &l->mems[i]))
+        l->bad = 1;
+}
+
+/* twin[i]: the first earlier product of the same type over the same x rows (a layer's gate and up), whose rounding
+ * product i takes instead of its own; -1 for none. Returns the x values the others round. */
+static int64_t twins(const product *jobs, int64_t count, int64_t *twin) {
+    int64_t values = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const product *a = &jobs[i];
+        twin[i] = -1;
+        for (int64_t t = 0; t < i && a->m > 0 && a->n > 0; t++) {
+            const product *b = &jobs[t];
+            if (b->x == a->x && b->m == a->m && b->k == a->k && b->type == a->type && b->n > 0) {
+                twin[i] = t; /* the first such is one that rounds its own */
+                break;
+            }
+        }
+        if (twin[i] < 0) values += a->m * a->k;
+    }
+    return values;
+}
 #endif
 
 /* The packed products of `p` (count of them) in one parallel region, each as sd_matmul_packed computes it, bit
- * for bit: a layer's routed experts (moe_cpu.c), whose products are too small to pay for a region each. Returns 0,
- * or -1 as sd_matmul_packed. */
+ * for bit: a layer's routed experts (moe_cpu.c), whose products are too small to pay for a region each. Products
+ * over the same x rows (a layer's gates and ups) round them once; a prompt chunk's rounding runs over the threads
+ * first. Returns 0, or -1 as sd_matmul_packed. */
 int sd_matmul_packed_many(const sd_product *p, int64_t count, int threads, int activations) {
     for (int64_t i = 0; i < count; i++)
         if (!packable(p[i].type, p[i].n, p[i].k, activations)) return -1;
 #ifdef SD_AVX2
     product *jobs = calloc((size_t)count + 1, sizeof(product));
-    int64_t *first = calloc((size_t)count + 1, sizeof(int64_t));
+    int64_t *first = calloc((size_t)count + 1, sizeof(int64_t)), *twin = calloc((size_t)count + 1, sizeof(int64_t));
     void **mems = calloc((size_t)count + 1, sizeof(void *));
-    int status = jobs && first && mems ? 0 : -1;
+    int status = jobs && first && twin && mems ? 0 : -1;
     int64_t values = 0;
     if (threads < 1) threads = 1;
     for (int64_t i = 0; i < count && !status; i++) {
-        int64_t sets = 0;
         jobs[i] = (product){.type = p[i].type, .w = p[i].w, .n = p[i].n, .k = p[i].k, .m = p[i].m, .x = p[i].x,
                             .y = p[i].y};
-        if (p[i].n > 0 && p[i].m > 0) {
-            sets = prepare(&jobs[i], threads, activations, &mems[i]);
-            status = sets < 0 ? -1 : 0;
-            values += p[i].n * p[i].k;
-        }
-        first[i + 1] = first[i] + (sets > 0 ? sets : 0);
+        if (p[i].n > 0 && p[i].m > 0) values += p[i].n * p[i].k;
+    }
+    if (!status) {
+        rounding_list r = {.jobs = jobs, .twin = twin, .mems = mems, .activations = activations};
+        int64_t rounded = twins(jobs, count, twin);
+        sd_parallel(rounded > ROUNDING_AT_ONCE && activations != X_FLOAT ? threads : 1, count, 1, round_one, &r);
+        status = r.bad ? -1 : 0;
+    }
+    for (int64_t i = 0; i < count && !status; i++) {
+        product *j = &jobs[i], *t = twin[i] < 0 ? NULL : &jobs[twin[i]];
+        if (t) j->q = t->q, j->d = t->d, j->s = t->s, j->hi = t->hi, j->lo = t->lo, j->xmin = t->xmin;
+        first[i + 1] = first[i] + (j->n > 0 && j->m > 0 ? work_items(j, threads, activations) : 0);
     }
     if (!status && first[count] > 0) {
         if (values < 65536) threads = 1;
@@ -805,7 +862,7 @@ int sd_matmul_packed_many(const sd_product *p, int64_t count, int threads, int a
         sd_parallel(threads, first[count], first[count] / (8 * threads) + 1, product_set_of_list, &l);
     }
     for (int64_t i = 0; mems && i < count; i++) free(mems[i]);
-    free(jobs), free(first), free(mems);
+    free(jobs), free(first), free(twin), free(mems);
     return status;
 #else
     (void)threads;
