@@ -31,6 +31,45 @@ static int products(const sd_product *p, int64_t count, int packed, int threads,
     return packed ? sd_matmul_packed_many(p, count, threads, activations) : sd_matmul_many(p, count, threads, activations);
 }
 
+/* The steps around a call's products, a pair or a row an item: over the threads for a prompt chunk (more values than
+ * this), on the calling thread for a decode window, where a parallel region would cost more than the step. */
+#define STEPS_AT_ONCE (1 << 18)
+
+typedef struct {
+    const float *x, *weights;
+    const int64_t *at; /* where each pair's row landed */
+    int64_t k, hidden, ff;
+    float *xs, *g, *u, *h, *y, *out; /* as sd_swiglu_experts' scratch */
+} steps;
+
+static void gather_pair(void *ctx, int64_t p, int thread) {
+    (void)thread;
+    const steps *s = ctx;
+    memcpy(s->xs + s->at[p] * s->hidden, s->x + p / s->k * s->hidden, sizeof(float) * (size_t)s->hidden);
+}
+
+static void gate_pair(void *ctx, int64_t p, int thread) {
+    (void)thread;
+    const steps *s = ctx;
+    sd_gated(0, s->g + p * s->ff, s->ff, s->u + p * s->ff, s->ff, s->h + p * s->ff, 1, s->ff); /* silu(gate) * up */
+}
+
+static void sum_row(void *ctx, int64_t r, int thread) {
+    (void)thread;
+    const steps *s = ctx;
+    float *o = s->out + r * s->hidden;
+    for (int64_t v = 0; v < s->hidden; v++) o[v] = 0.0f;
+    for (int64_t i = 0; i < s->k; i++) {
+        const float *yp = s->y + s->at[r * s->k + i] * s->hidden;
+        float w = s->weights[r * s->k + i];
+        for (int64_t v = 0; v < s->hidden; v++) o[v] += w * yp[v];
+    }
+}
+
+static void each(int threads, int64_t items, sd_task fn, steps *s) {
+    sd_parallel(threads, items, items / (8 * threads) + 1, fn, s);
+}
+
 /* out[r] = sum over i of weights[r, i] * down_e(silu(gate_e(x[r])) * up_e(x[r])), e = ids[r, i], for the
  * m rows of x [m, hidden] with k experts each (i in order). gate and up hold `experts` matrices of ff rows
  * of `hidden` values, down `experts` of hidden rows of ff values, each stack's experts one after the
@@ -59,10 +98,7 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
     for (int64_t e = 0; e < experts && !status; e++) {
         int64_t from = n; /* the rows routed to e, in row order (a row routes an expert at most once) */
         for (int64_t p = 0; p < pairs; p++)
-            if (ids[p] == e) {
-                memcpy(xs + n * hidden, x + p / k * hidden, sizeof(float) * (size_t)hidden);
-                at[p] = n++;
-            }
+            if (ids[p] == e) at[p] = n++;
         if (n == from) continue;
         prods[routed] = (sd_product){gate_type, gate + e * ff * gb, ff, hidden, xs + from * hidden, n - from,
                                      g + from * ff};
@@ -72,6 +108,10 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
                                                  n - from, y + from * hidden};
         routed++;
     }
+    steps st = {.x = x, .weights = weights, .at = at, .k = k, .hidden = hidden, .ff = ff, .xs = xs, .g = g, .u = u,
+                .h = h, .y = y, .out = out};
+    int helpers = pairs * hidden > STEPS_AT_ONCE && threads > 1 ? threads : 1;
+    if (!status) each(helpers, pairs, gather_pair, &st);
     if (!status && gate_packed == up_packed) { /* the ups moved up behind the gates: one region */
         memmove(prods + routed, prods + pairs, sizeof(sd_product) * (size_t)routed);
         status = products(prods, 2 * routed, gate_packed, threads, activations);
@@ -79,17 +119,9 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
         status = products(prods, routed, gate_packed, threads, activations);
         if (!status) status = products(prods + pairs, routed, up_packed, threads, activations);
     }
-    if (!status) sd_gated(0, g, ff, u, ff, h, pairs, ff); /* silu(gate) * up, as the dense models' */
+    if (!status) each(helpers, pairs, gate_pair, &st); /* silu(gate) * up, as the dense models' */
     if (!status) status = products(prods + 2 * pairs, routed, down_packed, threads, activations);
-    for (int64_t r = 0; r < m && !status; r++) {
-        float *o = out + r * hidden;
-        for (int64_t v = 0; v < hidden; v++) o[v] = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            const float *yp = y + at[r * k + i] * hidden;
-            float w = weights[r * k + i];
-            for (int64_t v = 0; v < hidden; v++) o[v] += w * yp[v];
-        }
-    }
+    if (!status) each(helpers, m, sum_row, &st);
     free(at), free(prods);
     return status ? -1 : 0;
 }
