@@ -813,12 +813,10 @@ static int64_t twins(const product *jobs, int64_t count, int64_t *twin) {
     for (int64_t i = 0; i < count; i++) {
         const product *a = &jobs[i];
         twin[i] = -1;
-        for (int64_t t = 0; t < i && a->m > 0 && a->n > 0; t++) {
+        if (a->m <= 0 || a->n <= 0) continue; /* nothing to round */
+        for (int64_t t = 0; t < i && twin[i] < 0; t++) { /* the first such rounds its own */
             const product *b = &jobs[t];
-            if (b->x == a->x && b->m == a->m && b->k == a->k && b->type == a->type && b->n > 0) {
-                twin[i] = t; /* the first such is one that rounds its own */
-                break;
-            }
+            if (b->x == a->x && b->m == a->m && b->k == a->k && b->type == a->type && b->n > 0) twin[i] = t;
         }
         if (twin[i] < 0) values += a->m * a->k;
     }

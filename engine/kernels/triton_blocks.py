@@ -534,18 +534,13 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
 
 
 @triton.jit
-def _int8_sums(w_q, x_hi, x_lo, live, acc):
-    """acc [R, 16] int32 plus weight values w_q [R, K] int8 times x rows given as planes (`RoundedRows.planes`,
-    [16, K], 0 where not `live`) on the tensor cores, exactly: x = 256 hi + lo + 128, so x . w is
-    256 (hi . w) + (lo . w) + 128 (live . w), three int8 products kept apart until `_int8_total`."""
-    return (tl.dot(w_q, tl.trans(x_hi), acc[0], out_dtype=tl.int32),
-            tl.dot(w_q, tl.trans(x_lo), acc[1], out_dtype=tl.int32),
-            tl.dot(w_q, tl.trans(live.to(tl.int8)), acc[2], out_dtype=tl.int32))
-
-
-@triton.jit
-def _int8_total(acc):
-    return acc[0] * 256 + acc[1] + acc[2] * 128
+def _int8_sums(w_q, x_hi, x_lo, live):
+    """[R, 16] int32: weight values w_q [R, K] int8 times x rows given as planes (`RoundedRows.planes`, [16, K], 0
+    where not `live`) on the tensor cores, exactly: x = 256 hi + lo + 128, so x . w is 256 (hi . w) + (lo . w) +
+    128 (live . w), three int8 products."""
+    hi = tl.dot(w_q, tl.trans(x_hi), out_dtype=tl.int32)
+    lo = tl.dot(w_q, tl.trans(x_lo), out_dtype=tl.int32)
+    return hi * 256 + lo + tl.dot(w_q, tl.trans(live.to(tl.int8)), out_dtype=tl.int32) * 128
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -575,9 +570,8 @@ def _q6k_mma_kernel(w, x_hi, x_lo, xs, y, m, n, k, row_bytes, R: tl.constexpr, P
                     r = 2 * u + j  # run r of half h: values 128h + 32r.., scales 8h + 2r and 8h + 2r + 1
                     q = (((ql >> (4 * u)) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8) - 32
                     at = x_at + b * 256 + h * 128 + r * 32
-                    zero = tl.zeros((R, 16), dtype=tl.int32)
-                    s = _int8_total(_int8_sums(q, tl.load(x_hi + at, mask=live, other=0),
-                                               tl.load(x_lo + at, mask=live, other=0), live, (zero, zero, zero)))
+                    s = _int8_sums(q, tl.load(x_hi + at, mask=live, other=0), tl.load(x_lo + at, mask=live, other=0),
+                                   live)
                     first = _signed(w, blk + 192 + h * 8 + r * 2, live_n)
                     second = _signed(w, blk + 193 + h * 8 + r * 2, live_n)
                     scale = d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
