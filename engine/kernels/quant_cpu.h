@@ -47,7 +47,8 @@ void sd_quantize_rows(const float *x, int64_t m, int64_t k, int64_t block, int l
 
 /* AMX tiles (tiles_cpu.c): sd_tiles() whether this build and process can use them (asked of the kernel once);
  * sd_tiles_product a packed group (16 weight rows at gw; Q8_0, Q5_0, Q4_K, Q6_K) against m x rows split into hi and
- * lo bytes (sd_split_rows), as packed_cpu.c's int16 kernel (Q4_K: xmin the x blocks' scales times their sums,
+ * lo bytes (sd_split_rows: per block of 16 rows, fewer in the last, each run of 32 values as the rows' 32 bytes
+ * one after another), as packed_cpu.c's int16 kernel (Q4_K: xmin the x blocks' scales times their sums,
  * dx[i] * float(s[2i] + s[2i + 1])); -1: no memory (or another type). */
 int sd_tiles(void);
 int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, const uint8_t *lo, const float *dx,

@@ -42,6 +42,9 @@ INLINE int64_t tile_k(int type) { return type == T_Q6_K ? 16 : 32; }
 INLINE int64_t x_at(int type, int64_t q) {
     return type != T_Q6_K ? 32 * q : 256 * (q / 16) + 128 * (q % 16 / 8) + 32 * (q % 4) + 16 * (q % 8 / 4);
 }
+/* Where tile q's x bytes start in a block of `rows` split rows (sd_split_rows' order: runs of 32 values, each the
+ * rows' 32 bytes one after another, so a tile's rows are read at a stride of 32). */
+INLINE int64_t x_tile_at(int type, int64_t q, int rows) { return x_at(type, q) / 32 * 32 * rows + x_at(type, q) % 32; }
 INLINE int64_t dx_at(int type, int64_t q) { return type != T_Q6_K ? q : 8 * (q / 16) + 4 * (q % 16 / 8) + q % 4; }
 
 /* tmm0, tmm1: `rows` x rows' hi and lo bytes of a sub-block; tmm2: its quants; tmm3-tmm4 and tmm5-tmm6: the int32
@@ -144,8 +147,8 @@ static void lay_out_q6_k(const uint8_t *gw, int64_t nb, uint8_t *tiles, float *d
  * those tiles to memory (the tile numbers are literals: the intrinsics name them in assembly). */
 #define PRODUCTS(H, L, q)                                                                                              \
     do {                                                                                                               \
-        _tile_loadd(0, hi + x_at(type, q), k);                                                                         \
-        _tile_loadd(1, lo + x_at(type, q), k);                                                                         \
+        _tile_loadd(0, hi + x_tile_at(type, q, rows), 32);                                                             \
+        _tile_loadd(1, lo + x_tile_at(type, q, rows), 32);                                                             \
         _tile_loadd(2, tiles + 16 * tile_k(type) * (q), 64);                                                           \
         _tile_zero(H);                                                                                                 \
         _tile_zero(L);                                                                                                 \
@@ -252,9 +255,16 @@ int sd_tiles_product(int type, const uint8_t *gw, int64_t k, const int8_t *hi, c
 }
 
 void sd_split_rows(const int16_t *q, int64_t m, int64_t k, int8_t *hi, uint8_t *lo) {
-    for (int64_t i = 0; i < m * k; i++) {
-        hi[i] = (int8_t)(q[i] >> 8);
-        lo[i] = (uint8_t)(q[i] & 0xff);
+    const __m512i low = _mm512_set1_epi16(0xff);
+    for (int64_t i = 0; i < m; i += 16) {
+        int64_t rows = m - i < 16 ? m - i : 16;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < k; c += 32) {
+                __m512i v = _mm512_loadu_si512(q + (i + r) * k + c);
+                int64_t at = i * k + c * rows + 32 * r;
+                _mm256_storeu_si256((__m256i *)(hi + at), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+                _mm256_storeu_si256((__m256i *)(lo + at), _mm512_cvtepi16_epi8(_mm512_and_si512(v, low)));
+            }
     }
 }
 #else
