@@ -13,6 +13,7 @@ import torch
 from engine import __version__, warmup
 from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
+from engine.host_allocator import keep_freed_blocks
 from engine.hyper import Hyper
 from engine.kernels import cpu as cpu_kernels
 from engine.kv import KV_DTYPES, kv_name
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_kernels.set_activations(args.cpu_activations)
+    keep_freed_blocks()
     t0 = time.perf_counter()
     try:
         device = pick_device(args.device)

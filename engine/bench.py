@@ -23,6 +23,7 @@ import torch
 from engine.batch import Span
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
+from engine.host_allocator import keep_freed_blocks
 from engine.kernels import cpu as cpu_kernels
 from engine.kv import KV_DTYPES
 from engine.loading import DTYPES, open_model, placement_of
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_kernels.set_activations(args.cpu_activations)
+    keep_freed_blocks()
 
     t0 = time.perf_counter()
     g = GGUFFile(args.model)

@@ -130,28 +130,18 @@ typedef struct {
     const float *x, *router;
     int64_t hidden, experts, k;
     int normalize;
-    float *weights, *probs; /* probs: a row of `experts` per thread */
+    int64_t m;
+    float *weights, *probs; /* probs: ROUTE_ROWS rows of `experts` per thread */
     int64_t *ids;
     _Atomic int bad; /* a row met NaN logits */
 } route_job;
 
-static void route_row(void *ctx, int64_t r, int thread) {
-    route_job *j = ctx;
-    const float *x = j->x + r * j->hidden;
-    float *p = j->probs + thread * j->experts, *weights = j->weights + r * j->k;
+#define ROUTE_ROWS 4 /* rows whose logits a pass over the router takes: its rows are read once for them all */
+
+/* Row r's choices from its logits p (softmax, the k most likely, their weights). */
+static void choose(route_job *j, int64_t r, float *p, float top) {
+    float *weights = j->weights + r * j->k, sum = 0.0f;
     int64_t *ids = j->ids + r * j->k;
-    float top = -INFINITY, sum = 0.0f;
-    for (int64_t e = 0; e < j->experts; e++) {
-        const float *w = j->router + e * j->hidden;
-        float lanes[8] = {0};
-        int64_t i = 0;
-        for (; i + 8 <= j->hidden; i += 8)
-            for (int l = 0; l < 8; l++) lanes[l] += x[i + l] * w[i + l];
-        float dot = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-        for (; i < j->hidden; i++) dot += x[i] * w[i];
-        p[e] = dot;
-        if (dot > top) top = dot;
-    }
     for (int64_t e = 0; e < j->experts; e++) {
         p[e] = expf(p[e] - top);
         sum += p[e];
@@ -174,6 +164,32 @@ static void route_row(void *ctx, int64_t r, int thread) {
         for (int64_t c = 0; c < j->k; c++) weights[c] /= chosen;
 }
 
+/* Rows ROUTE_ROWS * b.. (fewer at the end): each logit a dot product in eight lanes added in a fixed tree, so a
+ * row's logits do not depend on the rows beside it. */
+static void route_rows(void *ctx, int64_t b, int thread) {
+    route_job *j = ctx;
+    int64_t r0 = b * ROUTE_ROWS, rows = j->m - r0 < ROUTE_ROWS ? j->m - r0 : ROUTE_ROWS;
+    float *p = j->probs + thread * ROUTE_ROWS * j->experts, top[ROUTE_ROWS];
+    for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY;
+    for (int64_t e = 0; e < j->experts; e++) {
+        const float *w = j->router + e * j->hidden;
+        float lanes[ROUTE_ROWS][8] = {{0}};
+        int64_t i = 0;
+        for (; i + 8 <= j->hidden; i += 8)
+            for (int64_t r = 0; r < rows; r++)
+                for (int l = 0; l < 8; l++) lanes[r][l] += j->x[(r0 + r) * j->hidden + i + l] * w[i + l];
+        for (int64_t r = 0; r < rows; r++) {
+            const float *x = j->x + (r0 + r) * j->hidden;
+            float *a = lanes[r];
+            float dot = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+            for (int64_t v = i; v < j->hidden; v++) dot += x[v] * w[v];
+            p[r * j->experts + e] = dot;
+            if (dot > top[r]) top[r] = dot;
+        }
+    }
+    for (int64_t r = 0; r < rows && !j->bad; r++) choose(j, r0 + r, p + r * j->experts, top[r]);
+}
+
 /* The router of m rows (Qwen3-MoE order): logits = x [m, hidden] @ router [experts, hidden]^T, a softmax over each
  * row's logits, its k most likely experts (the first on ties) into ids [m, k] and their probabilities into
  * weights [m, k], divided by their sum (in the order of choices) when `normalize`. Each row on its own, in a fixed
@@ -183,11 +199,12 @@ int sd_route(const float *x, int64_t m, int64_t hidden, const float *router, int
              float *weights, int64_t *ids, int threads) {
     if (k < 1 || k > experts) return -1;
     if (threads < 1 || m < 2 * threads) threads = 1;
-    float *probs = malloc(sizeof(float) * (size_t)(experts * threads));
+    float *probs = malloc(sizeof(float) * (size_t)(ROUTE_ROWS * experts * threads));
     if (!probs) return -1;
     route_job j = {.x = x, .router = router, .hidden = hidden, .experts = experts, .k = k, .normalize = normalize,
-                   .weights = weights, .probs = probs, .ids = ids};
-    sd_parallel(threads, m, m / (8 * threads) + 1, route_row, &j);
+                   .m = m, .weights = weights, .probs = probs, .ids = ids};
+    int64_t blocks = (m + ROUTE_ROWS - 1) / ROUTE_ROWS;
+    sd_parallel(threads, blocks, blocks / (8 * threads) + 1, route_rows, &j);
     free(probs);
     return j.bad ? -1 : 0;
 }

@@ -45,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     with cpu.profiled("cpu rms_norm"):
         cpu.call("sd_rms_norm", x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0],
-                 x.numel() // x.shape[0] // dim, dim, eps)
+                 x.numel() // x.shape[0] // dim, dim, eps, cpu.threads())
     return out
 
 
@@ -58,7 +58,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     n, heads, dim = x.shape
     with cpu.profiled("cpu rope"):
         cpu.call("sd_rope", x.data_ptr(), x.stride(0), out.data_ptr(), positions.data_ptr(), n, heads, dim,
-                 cos.data_ptr(), sin.data_ptr(), int(neox))
+                 cos.data_ptr(), sin.data_ptr(), int(neox), cpu.threads())
     return out
 
 
@@ -190,7 +190,7 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
         return total, normed
     with cpu.profiled("cpu add_rms_norm"):
         cpu.call("sd_add_rms_norm", x.data_ptr(), r.data_ptr(), weight.data_ptr(), total.data_ptr(), normed.data_ptr(),
-                 x.numel() // dim, dim, eps)
+                 x.numel() // dim, dim, eps, cpu.threads())
     return total, normed
 
 

@@ -35,38 +35,90 @@ static inline float q8_scale(const uint8_t *block) {
     return sd_f16(h);
 }
 
+/* Rows of the small row-wise steps below a thread takes at a time, and the values below which a call stays on the
+ * calling thread (a decode window's: waking the pool costs more than the work). */
+#define ROWS_AT_ONCE 16
+#define SPREAD_FROM 65536
+
+/* 1 / sqrt(mean(a^2) + eps) over dim values: eight lanes of doubles (each product of floats exact), added in a
+ * fixed tree, so a row's scale depends on its own values only. */
+static float rms_scale(const float *a, int64_t dim, float eps) {
+    double lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += (double)a[i + l] * a[i + l];
+    double ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; i < dim; i++) ss += (double)a[i] * a[i];
+    return (float)(1.0 / sqrt(ss / (double)dim + eps));
+}
+
+typedef struct {
+    const float *x, *w;
+    float *out;
+    int64_t stride, groups, dim;
+    float eps;
+} norm_job;
+
+static void norm_row(void *ctx, int64_t r, int thread) {
+    const norm_job *j = ctx;
+    (void)thread;
+    float *out = j->out + r * j->groups * j->dim;
+    for (int64_t g = 0; g < j->groups; g++, out += j->dim) {
+        const float *a = j->x + r * j->stride + g * j->dim;
+        float scale = rms_scale(a, j->dim, j->eps);
+        for (int64_t i = 0; i < j->dim; i++) out[i] = a[i] * scale * j->w[i];
+    }
+}
+
 /* out[r, g] = x[r, g] / sqrt(mean(x[r, g]^2) + eps) * w for `groups` runs of dim values a row (per-head
- * norms), row r of x at x + r * stride (the rows of a split product are strided), out contiguous. */
+ * norms), row r of x at x + r * stride (the rows of a split product are strided), out contiguous; a prompt
+ * chunk's rows over `threads`. */
 void sd_rms_norm(const float *x, int64_t stride, const float *w, float *out, int64_t rows, int64_t groups,
-                 int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < groups; g++, out += dim) {
-            const float *a = x + r * stride + g * dim;
-            double ss = 0.0;
-            for (int64_t i = 0; i < dim; i++) ss += (double)a[i] * a[i];
-            float scale = (float)(1.0 / sqrt(ss / (double)dim + eps));
-            for (int64_t i = 0; i < dim; i++) out[i] = a[i] * scale * w[i];
-        }
+                 int64_t dim, float eps, int threads) {
+    norm_job j = {.x = x, .w = w, .out = out, .stride = stride, .groups = groups, .dim = dim, .eps = eps};
+    sd_parallel(rows * groups * dim < SPREAD_FROM ? 1 : threads, rows, ROWS_AT_ONCE, norm_row, &j);
+}
+
+typedef struct {
+    const float *x, *cos_t, *sin_t;
+    float *out;
+    const int64_t *pos;
+    int64_t stride, heads, dim;
+    int neox;
+} rope_job;
+
+static void rope_row(void *ctx, int64_t r, int thread) {
+    const rope_job *j = ctx;
+    int64_t half = j->dim / 2;
+    const float *c = j->cos_t + j->pos[r] * half, *s = j->sin_t + j->pos[r] * half;
+    (void)thread;
+    for (int64_t h = 0; h < j->heads; h++) {
+        const float *a = j->x + r * j->stride + h * j->dim;
+        float *o = j->out + (r * j->heads + h) * j->dim;
+        if (j->neox) /* the halves apart: contiguous, so the loop vectorizes */
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = a[i], x2 = a[i + half];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        else
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = a[2 * i], x2 = a[2 * i + 1];
+                o[2 * i] = x1 * c[i] - x2 * s[i];
+                o[2 * i + 1] = x2 * c[i] + x1 * s[i];
+            }
+    }
 }
 
 /* Rotary embedding of x [rows, heads, dim] (row r at x + r * stride) at pos[r] into out [rows, heads, dim],
  * with tables cos/sin [positions, dim/2]. Pair i is (i, i + dim/2) when neox (rotate halves), else (2i, 2i + 1):
- * llama.cpp's "normal" rope, which GGUF llama files expect (their q/k rows are permuted for it). */
+ * llama.cpp's "normal" rope, which GGUF llama files expect (their q/k rows are permuted for it). A prompt
+ * chunk's rows over `threads`. */
 void sd_rope(const float *x, int64_t stride, float *out, const int64_t *pos, int64_t rows, int64_t heads,
-             int64_t dim, const float *cos_t, const float *sin_t, int neox) {
-    int64_t half = dim / 2, step = neox ? 1 : 2, other = neox ? half : 1;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *a = x + r * stride + h * dim;
-            float *o = out + (r * heads + h) * dim;
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = a[i * step], x2 = a[i * step + other];
-                o[i * step] = x1 * c[i] - x2 * s[i];
-                o[i * step + other] = x2 * c[i] + x1 * s[i];
-            }
-        }
-    }
+             int64_t dim, const float *cos_t, const float *sin_t, int neox, int threads) {
+    rope_job j = {.x = x, .cos_t = cos_t, .sin_t = sin_t, .out = out, .pos = pos, .stride = stride, .heads = heads,
+                  .dim = dim, .neox = neox};
+    sd_parallel(rows * heads * dim < SPREAD_FROM ? 1 : threads, rows, ROWS_AT_ONCE, rope_row, &j);
 }
 
 /* out[r] = the index of the first largest value of row r of x [rows, n] (NaNs are passed over). */
@@ -410,9 +462,9 @@ void sd_add(const float *x, const float *r, float *out, int64_t count) {
 
 /* sum = x + r and normed = sd_rms_norm(sum, w), rows of dim values: a residual add and the next layer's norm. */
 void sd_add_rms_norm(const float *x, const float *r, const float *w, float *sum, float *normed, int64_t rows,
-                     int64_t dim, float eps) {
+                     int64_t dim, float eps, int threads) {
     sd_add(x, r, sum, rows * dim);
-    sd_rms_norm(sum, dim, w, normed, rows, 1, dim, eps);
+    sd_rms_norm(sum, dim, w, normed, rows, 1, dim, eps, threads);
 }
 
 /* out = x * s, count values. */

@@ -57,15 +57,15 @@ int64_t sd_run_plan(const sd_step *steps, int64_t count) {
         case OP_sd_matmul_packed: status = sd_matmul_packed(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7), I(8)); break;
         case OP_sd_dequantize_rows: status = sd_dequantize_rows(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7)); break;
         case OP_sd_unpack_rows: status = sd_unpack_rows(I(0), P(1), I(2), I(3), P(4), I(5), P(6), I(7)); break;
-        case OP_sd_rms_norm: sd_rms_norm(P(0), I(1), P(2), P(3), I(4), I(5), I(6), F(7)); break;
-        case OP_sd_rope: sd_rope(P(0), I(1), P(2), P(3), I(4), I(5), I(6), P(7), P(8), I(9)); break;
+        case OP_sd_rms_norm: sd_rms_norm(P(0), I(1), P(2), P(3), I(4), I(5), I(6), F(7), I(8)); break;
+        case OP_sd_rope: sd_rope(P(0), I(1), P(2), P(3), I(4), I(5), I(6), P(7), P(8), I(9), I(10)); break;
         case OP_sd_attend_rows:
             status = sd_attend_rows(P(0), I(1), P(2), I(3), P(4), I(5), I(6), P(7), P(8), I(9), I(10), I(11), P(12),
                                     P(13), I(14), I(15), I(16), F(17), P(18), I(19));
             break;
         case OP_sd_gated: sd_gated(I(0), P(1), I(2), P(3), I(4), P(5), I(6), I(7)); break;
         case OP_sd_add: sd_add(P(0), P(1), P(2), I(3)); break;
-        case OP_sd_add_rms_norm: sd_add_rms_norm(P(0), P(1), P(2), P(3), P(4), I(5), I(6), F(7)); break;
+        case OP_sd_add_rms_norm: sd_add_rms_norm(P(0), P(1), P(2), P(3), P(4), I(5), I(6), F(7), I(8)); break;
         case OP_sd_scale: sd_scale(P(0), F(1), P(2), I(3)); break;
         case OP_sd_route: status = sd_route(P(0), I(1), I(2), P(3), I(4), I(5), I(6), P(7), P(8), I(9)); break;
         case OP_sd_swiglu_experts:
