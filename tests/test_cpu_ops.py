@@ -128,6 +128,28 @@ def test_rows_of_a_split_product_are_normed_and_rotated_in_place():
         assert torch.equal(ops.rope(k, pos, cos, sin, neox), ops.rope(k.contiguous(), pos, cos, sin, neox))
 
 
+@pytest.mark.parametrize("neox", (True, False))
+def test_a_chunks_rows_normed_rotated_and_routed_as_each_row_alone(neox):
+    """A prompt chunk's 299 rows (past `SPREAD_FROM`: over the threads; the router's passes of 4 rows, the last
+    short): each row's bits those of the row alone, on 1 and 2 threads."""
+    x = torch.randn(299, 32, 128, generator=gen(20)) * 2
+    w, pos, cos_sin = torch.randn(128, generator=gen(21)), torch.arange(299) * 3, rope_tables(128, 1000)
+    router, hidden = torch.randn(128, 512, generator=gen(22)), x.reshape(-1, 512)[:299]
+    alone = [(ops.rms_norm(x[i:i + 1], w, 1e-6), ops.rope(x[i:i + 1], pos[i:i + 1], *cos_sin, neox),
+              ops.route(hidden[i:i + 1], router, 8, True)) for i in range(299)]
+    before = cpu.threads()
+    try:
+        for threads in (1, 2):
+            cpu.set_threads(threads)
+            normed, rotated = ops.rms_norm(x, w, 1e-6), ops.rope(x, pos, *cos_sin, neox)
+            weights, ids = ops.route(hidden, router, 8, True)
+            for i, (n, r, (wi, ii)) in enumerate(alone):
+                assert torch.equal(normed[i:i + 1], n) and torch.equal(rotated[i:i + 1], r), (threads, i)
+                assert torch.equal(weights[i:i + 1], wi) and torch.equal(ids[i:i + 1], ii), (threads, i)
+    finally:
+        cpu.set_threads(before)
+
+
 @pytest.mark.parametrize("window", (None, 5))
 def test_attend_rows_is_attend_row_for_each_row(window):
     """A decode step's rows, each from its session and position in the batch's tensors, as attend_row computes
