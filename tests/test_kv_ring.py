@@ -6,6 +6,7 @@ import pytest
 import torch
 from reference import reference_logits
 
+from engine import layers
 from engine.batch import Span
 from engine.kv import KVCache
 from engine.loading import open_model
@@ -103,6 +104,26 @@ def test_prompt_attention_in_row_blocks_matches_one_masked_call(start, lo, rows,
     whole = layers._sdpa(q, k, v, mask[None, None], 0.2)
     blocked = layers._blocked_sdpa(q, k, v, mask, 0.2, start - lo, window)
     assert torch.allclose(blocked, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not layers.GQA_IN_SDPA, reason="torch before 2.5: no enable_gqa")
+@pytest.mark.parametrize(("start", "rows", "window"), [(0, 300, None), (700, 200, None), (700, 200, 128)])
+def test_a_cpu_chunk_shares_its_kv_heads_with_the_same_bits(start, rows, window):
+    """A CPU chunk's attention reads each KV head for the query heads that share it (`enable_gqa`) instead of a
+    copy repeated per query head: bit for bit the repeated keys' values, in row blocks and in one call."""
+    gen = torch.Generator().manual_seed(rows)
+    lo = 0 if window is None else start - window + 1
+    keys = start + rows - lo
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h, n in ((8, rows), (2, keys), (2, keys)))
+    q_pos, k_pos = torch.arange(start, start + rows)[:, None], torch.arange(lo, start + rows)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    repeated = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    assert torch.equal(layers._blocked_sdpa(q, k, v, mask, 0.2, start - lo, window, gqa=True),
+                       layers._blocked_sdpa(q, *repeated, mask, 0.2, start - lo, window))
+    assert torch.equal(layers._sdpa(q, k, v, mask[None, None], 0.2, gqa=True),
+                       layers._sdpa(q, *repeated, mask[None, None], 0.2))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
