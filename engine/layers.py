@@ -23,7 +23,10 @@ ATTEND_BUCKET = 256
 # cuDNN's attention gave other bits for the same call, run to run, on an H200 (two eager runs of the same
 # windows); torch's other backends give the same bits every run.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-PROMPT_BLOCK = 64  # rows of a CPU prompt chunk's attention a call (`_blocked_sdpa`; the fastest of 64-256 here)
+# rows of a CPU prompt chunk's attention a call (`_blocked_sdpa`): 64 for a chunk from its session's start (the
+# fastest of 32-512 at 512 rows), 256 for one after at least as many keys (512 rows after 512, 1,536 and 3,584
+# keys: 45.0 -> 40.3, 105.2 -> 88.5, 233.6 -> 179.0 ms a layer of Qwen3-30B-A3B's heads on 2 cores)
+PROMPT_BLOCK, LATER_PROMPT_BLOCK = 64, 256
 # torch 2.5 added `enable_gqa`: a CPU chunk's attention then reads each KV head for its query heads instead of a
 # copy repeated per query head (the same bits; 512 rows over 4,096 keys of Qwen3-30B-A3B's heads: 341 -> 226 ms)
 GQA_IN_SDPA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -276,14 +279,16 @@ def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
 
 def _blocked_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
                   first: int, window: int | None, gqa: bool = False) -> torch.Tensor:
-    """A prompt chunk's attention on the CPU, its rows PROMPT_BLOCK at a time, each block over only the keys
-    its rows can see: torch's CPU kernel computes every key of a masked call, so one call over the chunk
-    does the whole square where the causal mask leaves half of it (512 rows, 4 heads of 256: 7.6 -> 5.2
-    ms). q [1, H, T, D]; keys, values [1, H, L, D]; mask [T, L]; row i sees key `first + i` and those
-    before it (within `window`); `gqa`: keys and values have fewer heads than q, each shared by its query heads."""
+    """A prompt chunk's attention on the CPU, its rows PROMPT_BLOCK at a time (LATER_PROMPT_BLOCK after at least
+    as many keys), each block over only the keys its rows can see: torch's CPU kernel computes every key of a
+    masked call, so one call over the chunk does the whole square where the causal mask leaves half of it (512
+    rows, 4 heads of 256: 7.6 -> 5.2 ms). q [1, H, T, D]; keys, values [1, H, L, D]; mask [T, L]; row i sees key
+    `first + i` and those before it (within `window`); `gqa`: keys and values have fewer heads than q, each
+    shared by its query heads."""
     out = []
-    for a in range(0, q.shape[2], PROMPT_BLOCK):
-        b = min(a + PROMPT_BLOCK, q.shape[2])
+    block = PROMPT_BLOCK if first < q.shape[2] else LATER_PROMPT_BLOCK
+    for a in range(0, q.shape[2], block):
+        b = min(a + block, q.shape[2])
         lo = 0 if window is None else max(0, first + a - window + 1)
         hi = first + b
         out.append(_sdpa(q[:, :, a:b], keys[:, :, lo:hi], values[:, :, lo:hi], mask[a:b, lo:hi][None, None], scale, gqa))

@@ -88,10 +88,12 @@ def test_usable_prefix_needs_the_window_in_the_ring():
 
 
 @pytest.mark.parametrize(("start", "lo", "rows", "window"), [(0, 0, 300, None), (100, 0, 200, None),
-                                                               (0, 0, 300, 128), (700, 573, 200, 128)])
+                                                               (700, 0, 300, None), (0, 0, 300, 128),
+                                                               (700, 573, 200, 128)])
 def test_prompt_attention_in_row_blocks_matches_one_masked_call(start, lo, rows, window):
-    """A CPU prompt chunk's attention runs PROMPT_BLOCK rows a call over only the keys they see (a chunk
-    from its session's start, one continuing a session, a sliding window's): one masked call's values."""
+    """A CPU prompt chunk's attention runs PROMPT_BLOCK rows a call (LATER_PROMPT_BLOCK after as many keys) over
+    only the keys they see (a chunk from its session's start, ones continuing a session, a sliding window's): one
+    masked call's values."""
     from engine import layers
 
     gen = torch.Generator().manual_seed(start)
@@ -107,7 +109,7 @@ def test_prompt_attention_in_row_blocks_matches_one_masked_call(start, lo, rows,
 
 
 @pytest.mark.skipif(not layers.GQA_IN_SDPA, reason="torch before 2.5: no enable_gqa")
-@pytest.mark.parametrize(("start", "rows", "window"), [(0, 300, None), (700, 200, None), (700, 200, 128)])
+@pytest.mark.parametrize(("start", "rows", "window"), [(0, 300, None), (700, 300, None), (700, 200, 128)])
 def test_a_cpu_chunk_shares_its_kv_heads_with_the_same_bits(start, rows, window):
     """A CPU chunk's attention reads each KV head for the query heads that share it (`enable_gqa`) instead of a
     copy repeated per query head: bit for bit the repeated keys' values, in row blocks and in one call."""
