@@ -130,13 +130,13 @@ typedef struct {
     const float *x, *router;
     int64_t hidden, experts, k;
     int normalize;
-    int64_t m;
+    int64_t m, per; /* per: rows an item takes (ROUTE_ROWS for a chunk, 1 for a decode window: over the threads) */
     float *weights, *probs; /* probs: ROUTE_ROWS rows of `experts` per thread */
     int64_t *ids;
     _Atomic int bad; /* a row met NaN logits */
 } route_job;
 
-#define ROUTE_ROWS 4 /* rows whose logits a pass over the router takes: its rows are read once for them all */
+#define ROUTE_ROWS 4 /* a chunk's rows an item takes: an expert's weights read from memory once for them all */
 
 /* Row r's choices from its logits p (softmax, the k most likely, their weights). */
 static void choose(route_job *j, int64_t r, float *p, float top) {
@@ -164,29 +164,29 @@ static void choose(route_job *j, int64_t r, float *p, float top) {
         for (int64_t c = 0; c < j->k; c++) weights[c] /= chosen;
 }
 
-/* Rows ROUTE_ROWS * b.. (fewer at the end): each logit a dot product in eight lanes added in a fixed tree, so a
- * row's logits do not depend on the rows beside it. */
+/* x . w over n values in eight lanes added in a fixed tree: a row's logit does not depend on the rows beside it. */
+static float dot(const float *x, const float *w, int64_t n) {
+    float lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += x[i + l] * w[i + l];
+    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; i < n; i++) sum += x[i] * w[i];
+    return sum;
+}
+
+/* Rows j->per * b.. (fewer at the end), an expert's weights at a time: read from memory once for them all. */
 static void route_rows(void *ctx, int64_t b, int thread) {
     route_job *j = ctx;
-    int64_t r0 = b * ROUTE_ROWS, rows = j->m - r0 < ROUTE_ROWS ? j->m - r0 : ROUTE_ROWS;
+    int64_t r0 = b * j->per, rows = j->m - r0 < j->per ? j->m - r0 : j->per;
     float *p = j->probs + thread * ROUTE_ROWS * j->experts, top[ROUTE_ROWS];
     for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY;
-    for (int64_t e = 0; e < j->experts; e++) {
-        const float *w = j->router + e * j->hidden;
-        float lanes[ROUTE_ROWS][8] = {{0}};
-        int64_t i = 0;
-        for (; i + 8 <= j->hidden; i += 8)
-            for (int64_t r = 0; r < rows; r++)
-                for (int l = 0; l < 8; l++) lanes[r][l] += j->x[(r0 + r) * j->hidden + i + l] * w[i + l];
+    for (int64_t e = 0; e < j->experts; e++)
         for (int64_t r = 0; r < rows; r++) {
-            const float *x = j->x + (r0 + r) * j->hidden;
-            float *a = lanes[r];
-            float dot = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-            for (int64_t v = i; v < j->hidden; v++) dot += x[v] * w[v];
-            p[r * j->experts + e] = dot;
-            if (dot > top[r]) top[r] = dot;
+            float logit = dot(j->x + (r0 + r) * j->hidden, j->router + e * j->hidden, j->hidden);
+            p[r * j->experts + e] = logit;
+            if (logit > top[r]) top[r] = logit;
         }
-    }
     for (int64_t r = 0; r < rows && !j->bad; r++) choose(j, r0 + r, p + r * j->experts, top[r]);
 }
 
@@ -202,8 +202,8 @@ int sd_route(const float *x, int64_t m, int64_t hidden, const float *router, int
     float *probs = malloc(sizeof(float) * (size_t)(ROUTE_ROWS * experts * threads));
     if (!probs) return -1;
     route_job j = {.x = x, .router = router, .hidden = hidden, .experts = experts, .k = k, .normalize = normalize,
-                   .m = m, .weights = weights, .probs = probs, .ids = ids};
-    int64_t blocks = (m + ROUTE_ROWS - 1) / ROUTE_ROWS;
+                   .m = m, .per = m >= 8 * threads ? ROUTE_ROWS : 1, .weights = weights, .probs = probs, .ids = ids};
+    int64_t blocks = (m + j.per - 1) / j.per;
     sd_parallel(threads, blocks, blocks / (8 * threads) + 1, route_rows, &j);
     free(probs);
     return j.bad ? -1 : 0;
