@@ -130,7 +130,7 @@ def test_rows_of_a_split_product_are_normed_and_rotated_in_place():
 
 @pytest.mark.parametrize("neox", (True, False))
 def test_a_chunks_rows_normed_rotated_and_routed_as_each_row_alone(neox):
-    """A prompt chunk's 299 rows (past `SPREAD_FROM`: over the threads; the router's passes of 4 rows, the last
+    """A prompt chunk's 299 rows (past `SD_SPREAD_FROM`: over the threads; the router's passes of 4 rows, the last
     short): each row's bits those of the row alone, on 1 and 2 threads."""
     x = torch.randn(299, 32, 128, generator=gen(20)) * 2
     w, pos, cos_sin = torch.randn(128, generator=gen(21)), torch.arange(299) * 3, rope_tables(128, 1000)

@@ -182,7 +182,7 @@ def test_a_packed_linear_joins_and_looks_up_like_the_file_layout(qtype, blocks):
 
 
 def test_a_chunks_experts_round_their_rows_once_over_the_threads():
-    """A prompt chunk's routed experts with more x values to round than a decode window's (`ROUNDING_AT_ONCE`,
+    """A prompt chunk's routed experts with more x values to round than a decode window's (`SD_CHUNK_FROM`,
     packed_cpu.c): each expert's gate and up share one rounding of its rows, the roundings run over the threads;
     the values of the file layout's products, and each row the bits of the row alone, on 1 and 2 threads."""
     from engine.experts import route

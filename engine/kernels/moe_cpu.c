@@ -31,10 +31,6 @@ static int products(const sd_product *p, int64_t count, int packed, int threads,
     return packed ? sd_matmul_packed_many(p, count, threads, activations) : sd_matmul_many(p, count, threads, activations);
 }
 
-/* The steps around a call's products, a pair or a row an item: over the threads for a prompt chunk (more values than
- * this), on the calling thread for a decode window, where a parallel region would cost more than the step. */
-#define STEPS_AT_ONCE (1 << 18)
-
 typedef struct {
     const float *x, *weights;
     const int64_t *at; /* where each pair's row landed */
@@ -110,7 +106,7 @@ int sd_swiglu_experts(int gate_type, const uint8_t *gate, int up_type, const uin
     }
     steps st = {.x = x, .weights = weights, .at = at, .k = k, .hidden = hidden, .ff = ff, .xs = xs, .g = g, .u = u,
                 .h = h, .y = y, .out = out};
-    int helpers = pairs * hidden > STEPS_AT_ONCE && threads > 1 ? threads : 1;
+    int helpers = pairs * hidden > SD_CHUNK_FROM && threads > 1 ? threads : 1; /* a pair or a row an item */
     if (!status) each(helpers, pairs, gather_pair, &st);
     if (!status && gate_packed == up_packed) { /* the ups moved up behind the gates: one region */
         memmove(prods + routed, prods + pairs, sizeof(sd_product) * (size_t)routed);

@@ -35,10 +35,7 @@ static inline float q8_scale(const uint8_t *block) {
     return sd_f16(h);
 }
 
-/* Rows of the small row-wise steps below a thread takes at a time, and the values below which a call stays on the
- * calling thread (a decode window's: waking the pool costs more than the work). */
-#define ROWS_AN_ITEM 16
-#define SPREAD_FROM 65536
+#define ROWS_AN_ITEM 16 /* rows of the row-wise steps below a thread takes at a time */
 
 /* 1 / sqrt(mean(a^2) + eps) over dim values: eight lanes of doubles (each product of floats exact), added in a
  * fixed tree, so a row's scale depends on its own values only. */
@@ -76,7 +73,7 @@ static void norm_row(void *ctx, int64_t r, int thread) {
 void sd_rms_norm(const float *x, int64_t stride, const float *w, float *out, int64_t rows, int64_t groups,
                  int64_t dim, float eps, int threads) {
     norm_job j = {.x = x, .w = w, .out = out, .stride = stride, .groups = groups, .dim = dim, .eps = eps};
-    sd_parallel(rows * groups * dim < SPREAD_FROM ? 1 : threads, rows, ROWS_AN_ITEM, norm_row, &j);
+    sd_parallel(rows * groups * dim < SD_SPREAD_FROM ? 1 : threads, rows, ROWS_AN_ITEM, norm_row, &j);
 }
 
 typedef struct {
@@ -118,7 +115,7 @@ void sd_rope(const float *x, int64_t stride, float *out, const int64_t *pos, int
              int64_t dim, const float *cos_t, const float *sin_t, int neox, int threads) {
     rope_job j = {.x = x, .cos_t = cos_t, .sin_t = sin_t, .out = out, .pos = pos, .stride = stride, .heads = heads,
                   .dim = dim, .neox = neox};
-    sd_parallel(rows * heads * dim < SPREAD_FROM ? 1 : threads, rows, ROWS_AN_ITEM, rope_row, &j);
+    sd_parallel(rows * heads * dim < SD_SPREAD_FROM ? 1 : threads, rows, ROWS_AN_ITEM, rope_row, &j);
 }
 
 /* out[r] = the index of the first largest value of row r of x [rows, n] (NaNs are passed over). */
@@ -346,7 +343,7 @@ int sd_attend_row(const float *q, const float *k_new, const float *v_new, int64_
     float *part = malloc((size_t)(heads * chunks * (d + 2)) * sizeof(float));
     if (!part) return -1;
     attend_job a = {q, k, v, type, heads, kv_heads, d, ring, lo, hi, chunks, scale, part, out};
-    if (heads * n * d < 65536) threads = 1; /* too little work to wake a thread */
+    if (heads * n * d < SD_SPREAD_FROM) threads = 1;
     sd_parallel(threads, kv_heads * chunks, 1, attend_chunk, &a);
     sd_parallel(chunks > 1 ? threads : 1, heads, 1, attend_merge, &a);
     free(part);

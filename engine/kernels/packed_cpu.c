@@ -762,7 +762,7 @@ int sd_matmul_packed(int type, const uint8_t *w, int64_t n, int64_t k, const flo
 #ifdef SD_AVX2
     product j = {.type = type, .w = w, .n = n, .k = k, .m = m, .x = x, .y = y};
     void *mem;
-    if (threads < 1 || n * k < 65536) threads = 1;
+    if (threads < 1 || n * k < SD_SPREAD_FROM) threads = 1;
     int64_t sets = prepare(&j, threads, activations, &mem);
     if (sets < 0) return -1;
     sd_parallel(threads, sets, sets / (8 * threads) + 1, product_set, &j);
@@ -786,10 +786,6 @@ static void product_set_of_list(void *ctx, int64_t item, int thread) {
     int64_t i = sd_owner(l->first, l->count, item);
     product_set((void *)&l->jobs[i], item - l->first[i], thread);
 }
-
-/* Rounding more x values than this at once goes over the threads: a prompt chunk's experts (~2 x 4,096 x 2,048 at
- * Qwen3-30B-A3B's shapes), not a decode window's, whose rounding would not pay for a second region. */
-#define ROUNDING_AT_ONCE (1 << 18)
 
 typedef struct {
     product *jobs;
@@ -846,7 +842,7 @@ int sd_matmul_packed_many(const sd_product *p, int64_t count, int threads, int a
     if (!status) {
         rounding_list r = {.jobs = jobs, .twin = twin, .mems = mems, .activations = activations};
         int64_t rounded = twins(jobs, count, twin);
-        sd_parallel(rounded > ROUNDING_AT_ONCE && activations != X_FLOAT ? threads : 1, count, 1, round_one, &r);
+        sd_parallel(rounded > SD_CHUNK_FROM && activations != X_FLOAT ? threads : 1, count, 1, round_one, &r);
         status = r.bad ? -1 : 0;
     }
     for (int64_t i = 0; i < count && !status; i++) {
@@ -855,7 +851,7 @@ int sd_matmul_packed_many(const sd_product *p, int64_t count, int threads, int a
         first[i + 1] = first[i] + (j->n > 0 && j->m > 0 ? work_items(j, threads, activations) : 0);
     }
     if (!status && first[count] > 0) {
-        if (values < 65536) threads = 1;
+        if (values < SD_SPREAD_FROM) threads = 1;
         product_list l = {.jobs = jobs, .first = first, .count = count};
         sd_parallel(threads, first[count], first[count] / (8 * threads) + 1, product_set_of_list, &l);
     }

@@ -5,6 +5,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Below SD_SPREAD_FROM values a call's work stays on the calling thread: waking the workers costs more than they
+ * save. SD_CHUNK_FROM: the same for the steps around a MoE call's products (rounding x, gathers, sums), where a
+ * decode window of 8 rows (8 x 8 x 2,048 values) stays on the calling thread and a prompt chunk spreads. */
+#define SD_SPREAD_FROM 65536
+#define SD_CHUNK_FROM (1 << 18)
+
 /* fn(ctx, item, thread) for every item in [0, items); thread is 0..threads-1 (per-thread buffers). */
 typedef void (*sd_task)(void *ctx, int64_t item, int thread);
 
