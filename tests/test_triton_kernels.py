@@ -99,24 +99,39 @@ def test_the_q8_0_head_tiles():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_q6_k_heads_rows_on_the_tensor_cores(dtype):
-    """The Q6_K head's (32,768 rows and more) windows of 2-8 rows take the int8 tensor-core kernel: the int16
-    kernel's integer sums, so its results to float rounding; each row's bits whatever the window; one row
-    keeps its own kernel. Run on the head's first 40 rows (two programs, the second partial)."""
+    """The Q6_K head's (32,768 rows and more) windows of 2-8 rows take the int8 tensor-core kernel: run on the
+    head's first 40 rows (two programs, the second partial)."""
     k = 512
     blocks = tb.random_blocks(Q.Q6_K, 32768, k, torch.Generator().manual_seed(9)).to(DEVICE)
     mat, part = tb.Matrix(Q.Q6_K, blocks, k), tb.Matrix(Q.Q6_K, blocks[:40].clone(), k)
     assert mat._mma is not None and part._mma is None
-    x = torch.randn(tb.MATVEC_ROWS, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    int16, one = part.matvec(x), part.matvec(x[:1])
-    part._mma = mat._mma
-    y = part.matvec(x)
-    assert_close(y, x, reference(Q.Q6_K, blocks[:40]), matvec_tolerance(dtype), rounding_error(x))
+    check_tensor_cores(part, mat._mma, dtype)
+
+
+@pytest.mark.parametrize(("qtype", "parts"), [(Q.Q4_K, 1), (Q.Q4_K, 3), (Q.Q6_K, 3)], ids=str)
+def test_rows_on_the_tensor_cores_with_k_in_parts(qtype, parts):
+    """k cut into parts (programs of their own, added in order after): the same sums to float rounding, each
+    row's bits whatever the window."""
+    k = 768
+    blocks = tb.random_blocks(qtype, 40, k, torch.Generator().manual_seed(parts)).to(DEVICE)
+    check_tensor_cores(tb.Matrix(qtype, blocks, k), tb.MmaTiles(16, 1, 2, parts), torch.float32)
+
+
+def check_tensor_cores(mat: tb.Matrix, tiles: tb.MmaTiles, dtype: torch.dtype) -> None:
+    """`mat`'s 2-8 rows on the tensor cores with `tiles`: the int16 kernel's integer sums, so its results to
+    float rounding; each row's bits whatever the window; one row keeps its own kernel."""
+    x = torch.randn(tb.MATVEC_ROWS, mat.k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    mat._mma = None
+    int16, one = mat.matvec(x), mat.matvec(x[:1])
+    mat._mma = tiles
+    y = mat.matvec(x)
+    assert_close(y, x, reference(mat.qtype, mat.blocks), matvec_tolerance(dtype), rounding_error(x))
     if dtype == torch.float32:
         torch.testing.assert_close(y, int16, rtol=1e-5, atol=1e-5 * int16.abs().max().item())
-    assert_same_bits(part.matvec(x[:1]), one)
+    assert_same_bits(mat.matvec(x[:1]), one)
     for i in range(tb.MATVEC_ROWS - 1):
-        assert_same_bits(part.matvec(x[i:i + 2]), y[i:i + 2])
-    assert_same_bits(part.matvec(x[2:7]), y[2:7])
+        assert_same_bits(mat.matvec(x[i:i + 2]), y[i:i + 2])
+    assert_same_bits(mat.matvec(x[2:7]), y[2:7])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

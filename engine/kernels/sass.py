@@ -135,10 +135,10 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
 
 def head_mma() -> Usage:
     """The Q6_K head's 2-8 rows on the tensor cores, with `Matrix`'s tiles for it."""
-    rows, warps, _ = tb.mma_tiles(Q.Q6_K, HEAD)
-    return usage(tb._q6k_mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", y="*bf16", m=8, n=HEAD,
-                                          k=HIDDEN, row_bytes=tb.row_bytes(Q.Q6_K, HIDDEN)), dict(R=rows, PDL=False),
-                 warps)
+    tiles = tb.mma_tiles(Q.Q6_K, HEAD, HIDDEN)
+    return usage(tb._q6k_mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", out="*bf16", m=8, n=HEAD,
+                                          k=HIDDEN, row_bytes=tb.row_bytes(Q.Q6_K, HIDDEN), per=HIDDEN // 256),
+                 dict(R=tiles.rows, PDL=False), tiles.warps)
 
 
 def main() -> None:

@@ -3,8 +3,8 @@
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
 down; skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16
 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head
-and dense shapes for 8 rows and for one, the Q8_0 head's float-sum tiles, the Q6_K head's 8 rows on the
-tensor cores, then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA graph
+and dense shapes for 8 rows and for one, the Q8_0 head's float-sum tiles, the dense shapes' 8 rows on the
+tensor cores (k in parts), then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA graph
 (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed fastest first, the one the
 code uses marked."""
 
@@ -92,21 +92,27 @@ def q8_head(deadline: float) -> None:
         _report(f"Q8_0 {n}x{k}, {m} rows", times, used, "values a step, warps" if m == 1 else "warps, stages")
 
 
-def q6k_head_mma(deadline: float) -> None:
-    """The Q6_K head's 2-8 rows on the tensor cores (`Matrix._mma`: weight rows a program, warps, stages), beside
-    its int16 kernel (`_mma` None); each time includes x's rounding and int8 planes, as a window's does."""
-    n, k = 151936, HIDDEN
-    mat = tb.Matrix(Q.Q6_K, tb.random_blocks(Q.Q6_K, n, k, torch.Generator().manual_seed(3)).cuda(), k)
-    x = torch.randn(tb.MATVEC_ROWS, k, device="cuda", dtype=torch.bfloat16)
-    used, times = mat._mma, {}
-    choices = [c for c in itertools.product((16, 32, 64, 128), (1, 2, 4), (2, 3)) if c[0] // 16 >= c[1]]
-    for config in [used, None] + [c for c in choices if c != used]:
-        if config not in (used, None) and time.monotonic() > deadline:
-            break
-        mat._mma = config
-        times[config or ("int16 kernel",)] = _us(lambda: mat.matvec(x))
-    mat._mma = used
-    _report(f"Q6_K {n}x{k}, {tb.MATVEC_ROWS} rows", times, used, "rows a program, warps, stages")
+def dense_mma(deadline: float) -> None:
+    """The dense shapes' 2-8 rows on the tensor cores (`Matrix._mma`: weight rows a program, warps, stages, parts
+    of k), beside the int16 kernel (`_mma` None); each time includes x's rounding and int8 planes, as a window's
+    does."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = DENSE[1:] + DENSE[:1]  # the head's long compiles last
+    for i, (qtype, n, k) in enumerate(shapes):
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(shapes) - i)
+        mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k)
+        x = torch.randn(tb.MATVEC_ROWS, k, device="cuda", dtype=torch.bfloat16)
+        used, times = mat._mma, {}
+        parts = [p for p in (1, 2, 4, 8) if (k // 256) % p == 0 and (n < 32768 or p == 1)]
+        choices = [tb.MmaTiles(r, w, s, p) for (r, w), s, p in itertools.product(
+            ((16, 1), (32, 1), (32, 2), (64, 2)), (2, 3), parts)]
+        for config in [used, None] + [c for c in choices if c != used]:
+            if config not in (used, None) and time.monotonic() > shape_deadline:
+                break
+            mat._mma = config
+            times[dataclasses.astuple(config) if config else ("int16 kernel",)] = _us(lambda mat=mat, x=x: mat.matvec(x))
+        _report(f"{qtype.name} {n}x{k}, {tb.MATVEC_ROWS} rows", times, dataclasses.astuple(used) if used else
+                ("int16 kernel",), "rows a program, warps, stages, parts of k")
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -173,7 +179,7 @@ def main() -> None:
     dense(tb.MATVEC_ROWS, start + seconds * 0.6)
     dense(1, start + seconds * 0.75)
     q8_head(start + seconds * 0.8)
-    q6k_head_mma(start + seconds * 0.9)
+    dense_mma(start + seconds * 0.9)
     moe_window(1, start + seconds)
 
 

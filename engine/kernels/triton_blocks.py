@@ -543,14 +543,56 @@ def _int8_sums(w_q, x_hi, x_lo, live):
     return hi * 256 + lo + tl.dot(w_q, tl.trans(live.to(tl.int8)), out_dtype=tl.int32) * 128
 
 
-@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
-def _q6k_mma_kernel(w, x_hi, x_lo, xs, y, m, n, k, row_bytes, R: tl.constexpr, PDL: tl.constexpr):
-    """y [m <= 8, n] for x rounded to int16, Q6_K, on the tensor cores: each run of 32 values of R weight rows is
-    one int8 product with a tile of 16 x rows, row t holding x row t % 8's first 16 values of the run (t < 8)
-    or its last 16 (the run's two scales), zeros elsewhere. The sums are the int16 kernel's integers; the
-    floats after them are elementwise, so row i's bits do not depend on m."""
+@triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
+def _q4k_mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, R: tl.constexpr, PDL: tl.constexpr):
+    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16, Q4_K, on the tensor cores: blocks
+    [s * per, (s + 1) * per) of each weight row, into `out` (y itself for one part, else float32 [parts, 8, n]).
+    Each 32 bytes of a block hold two sub-blocks (low and high nibbles): two int8 products with a tile of 16 x
+    rows, row t holding x row t % 8's values of the low (t < 8) or the high sub-block (t >= 8), zeros elsewhere.
+    The sums are the int16 kernel's integers; the floats after them are elementwise, so row i's bits do not
+    depend on m."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
+    part = tl.program_id(1)
+    live_n = rows < n
+    row = rows.to(tl.int64) * row_bytes
+    t = tl.arange(0, 16)
+    x_row, half = t % 8, t // 8
+    c = tl.arange(0, 32)
+    low = (x_row[:, None] < m) & (half[:, None] == 0) & (c[None, :] >= 0)
+    high = (x_row[:, None] < m) & (half[:, None] == 1) & (c[None, :] >= 0)
+    x_at = x_row.to(tl.int64)[:, None] * k + c[None, :]
+    acc = tl.zeros((R, 16), dtype=tl.float32)
+    for b in range(part * per, (part + 1) * per):
+        blk = row + b * 144  # d, dmin, 12 bytes of scales and mins, qs[128]
+        for p in tl.static_range(4):
+            qs = tl.load(w + blk[:, None] + 16 + p * 32 + c[None, :], mask=live_n[:, None], other=0)
+            at = x_at + b * 256 + p * 64
+            s = _int8_sums((qs & 15).to(tl.int8), tl.load(x_hi + at, mask=low, other=0),
+                           tl.load(x_lo + at, mask=low, other=0), low)
+            s += _int8_sums((qs >> 4).to(tl.int8), tl.load(x_hi + at + 32, mask=high, other=0),
+                            tl.load(x_lo + at + 32, mask=high, other=0), high)
+            scale_low, min_low = _k_scales(w, blk, 2 * p, live_n)
+            scale_high, min_high = _k_scales(w, blk, 2 * p + 1, live_n)
+            scale = tl.where(half[None, :] == 0, scale_low[:, None], scale_high[:, None])
+            minimum = tl.where(half[None, :] == 0, min_low[:, None], min_high[:, None])
+            g = x_row * (k // 32) + b * 8 + 2 * p + half
+            xsc = tl.load(xs + g, mask=x_row < m, other=0.0)
+            acc += scale * (s.to(tl.float32) * xsc[None, :]) - minimum * tl.load(xsum + g, mask=x_row < m,
+                                                                                 other=0.0)[None, :]
+    _store_halves(out, acc, rows, part, m, n, R)
+
+
+@triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
+def _q6k_mma_kernel(w, x_hi, x_lo, xs, out, m, n, k, row_bytes, per, R: tl.constexpr, PDL: tl.constexpr):
+    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16, Q6_K, on the tensor cores (blocks and
+    `out` as `_q4k_mma_kernel`'s): each run of 32 values of R weight rows is one int8 product with a tile of 16
+    x rows, row t holding x row t % 8's first 16 values of the run (t < 8) or its last 16 (the run's two
+    scales), zeros elsewhere. The sums are the int16 kernel's integers; the floats after them are elementwise,
+    so row i's bits do not depend on m."""
+    pdl.wait(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    part = tl.program_id(1)
     live_n = rows < n
     row = rows.to(tl.int64) * row_bytes
     t = tl.arange(0, 16)
@@ -559,7 +601,7 @@ def _q6k_mma_kernel(w, x_hi, x_lo, xs, y, m, n, k, row_bytes, R: tl.constexpr, P
     live = (x_row[:, None] < m) & (c[None, :] // 16 == half[:, None])
     x_at = x_row.to(tl.int64)[:, None] * k + c[None, :]
     acc = tl.zeros((R, 16), dtype=tl.float32)
-    for b in range(0, k // 256):
+    for b in range(part * per, (part + 1) * per):
         blk = row + b * 210  # ql[128], qh[64], 16 int8 scales, d
         d = _f16(w, blk + 208, live_n)
         for h in tl.static_range(2):
@@ -577,9 +619,28 @@ def _q6k_mma_kernel(w, x_hi, x_lo, xs, y, m, n, k, row_bytes, R: tl.constexpr, P
                     scale = d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
                     xsc = tl.load(xs + x_row * (k // 32) + b * 8 + h * 4 + r, mask=x_row < m, other=0.0)
                     acc += scale * (s.to(tl.float32) * xsc[None, :])
-    out = tl.sum(tl.reshape(tl.trans(acc), (2, 8, R)), axis=0)  # a run's first and last 16 values
+    _store_halves(out, acc, rows, part, m, n, R)
+
+
+@triton.jit
+def _store_halves(out, acc, rows, part, m, n, R: tl.constexpr):
+    """Rows t and t + 8 of the tiles' sums added (the two halves of x row t's values), stored as part `part` of
+    [parts, 8, n] (y [m, n] itself for one part: part 0)."""
+    y = tl.sum(tl.reshape(tl.trans(acc), (2, 8, R)), axis=0)
     r8 = tl.arange(0, 8)[:, None]
-    tl.store(y + r8 * n + rows[None, :], out.to(y.dtype.element_ty), mask=(r8 < m) & live_n[None, :])
+    tl.store(out + part * 8 * n + r8 * n + rows[None, :], y.to(out.dtype.element_ty), mask=(r8 < m) & (rows[None, :] < n))
+
+
+@triton.jit(do_not_specialize=["m"])
+def _add_parts(parts, y, m, n, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y [m, n] = parts[0] + parts[1] + ... in that order (parts float32 [PARTS, 8, n]), elementwise."""
+    pdl.wait(PDL)
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = at < m * n
+    total = tl.load(parts + at, mask=live, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        total += tl.load(parts + s * 8 * n + at, mask=live, other=0.0)
+    tl.store(y + at, total.to(y.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -654,12 +715,24 @@ def int16_tiles(qtype: Q, n: int, k: int, tiles: Tiles) -> tuple[tuple[int, int,
     return one_row, rows
 
 
-def mma_tiles(qtype: Q, n: int) -> tuple[int, int, int] | None:
-    """(weight rows a program, warps, stages) of `_q6k_mma_kernel` for 2-8 rows of an n-row matrix of `qtype`, or
-    None where the int16 kernel is faster. The Q6_K head only: on an H200 at 8 rows 404.2 -> 292.7 us, the fastest
-    of rows 16-128, warps 1-4 and stages 2-3; smaller Q4_K and Q6_K matrices were as fast or slower on the
-    tensor cores (Q6_K 512 x 2048: 8.4 -> 23.8 us; Q4_K 2048 x 4096: 18.0 -> 24.3)."""
-    return (32, 2, 2) if qtype == Q.Q6_K and n >= 32768 else None
+@dataclass(frozen=True)
+class MmaTiles:
+    """The tensor-core kernels' launch for 2-8 rows of a matrix: weight rows a program, warps, stages, and the
+    parts k is cut into (each a program of its own; `_add_parts` adds them in order, so the sums' order is
+    fixed by the matrix's shape, never by m)."""
+
+    rows: int
+    warps: int
+    stages: int
+    parts: int = 1
+
+
+def mma_tiles(qtype: Q, n: int, k: int) -> MmaTiles | None:
+    """The tensor cores' tiles for 2-8 rows of an n x k matrix of `qtype`, or None where the int16 kernel is
+    faster. The Q6_K head only: on an H200 at 8 rows 404.2 -> 292.7 us, the fastest of rows 16-128, warps 1-4 and
+    stages 2-3; smaller Q4_K and Q6_K matrices, k in one part, were as fast or slower on the tensor cores (Q6_K
+    512 x 2048: 8.4 -> 23.8 us; Q4_K 2048 x 4096: 18.0 -> 24.3): too few programs to fill the GPU."""
+    return MmaTiles(32, 2, 2) if qtype == Q.Q6_K and n >= 32768 else None
 
 
 class Matrix:
@@ -686,7 +759,7 @@ class Matrix:
         if self._rounded:
             RoundedRows.want(blocks.device)
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
-        self._mma = mma_tiles(qtype, self.n) if self._rounded else None
+        self._mma = mma_tiles(qtype, self.n, k) if self._rounded else None
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
         # head (151,936 x 2,048) the fastest of a sweep on an H200 (rows 1-8 a program, steps 512-2048, warps
         # 1-4; warps 1-8 and stages 2-4): one row 148.0 -> 132.4 us, 8 rows 247.5 -> 223.8 us
@@ -720,11 +793,7 @@ class Matrix:
         y = self._out(x)
         t = self.tiles
         if x.shape[0] > 1 and self._mma is not None:
-            rounded = RoundedRows.of(x)
-            rows, warps, stages = self._mma
-            _q6k_mma_kernel[(triton.cdiv(self.n, rows),)](
-                self.blocks, *rounded.planes(), rounded.scale, y, x.shape[0], self.n, self.k, self.blocks.shape[1],
-                R=rows, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+            self._on_tensor_cores(x, y, self._mma)
         elif x.shape[0] and self._rounded:
             rounded = RoundedRows.of(x)
             rows, blocks, warps = self._one_row if x.shape[0] == 1 else self._rows
@@ -740,6 +809,20 @@ class Matrix:
             warps, stages = self._small_gemm
             self._gemm(x, y, SMALL_M, t.small_n, t.small_k, num_warps=warps, num_stages=stages)
         return y
+
+    def _on_tensor_cores(self, x: torch.Tensor, y: torch.Tensor, tiles: MmaTiles) -> None:
+        rounded, m = RoundedRows.of(x), x.shape[0]
+        parts = tiles.parts
+        out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
+        x_args = (*rounded.planes(), rounded.scale) + ((rounded.sums,) if self.qtype == Q.Q4_K else ())
+        kernel = _q4k_mma_kernel if self.qtype == Q.Q4_K else _q6k_mma_kernel
+        kernel[(triton.cdiv(self.n, tiles.rows), parts)](
+            self.blocks, *x_args, out, m, self.n, self.k, self.blocks.shape[1], self.k // 256 // parts, R=tiles.rows,
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch(x.device))
+        if parts > 1:
+            block = 1024
+            _add_parts[(triton.cdiv(m * self.n, block),)](out, y, m, self.n, PARTS=parts, BLOCK=block,
+                                                          **pdl.launch(x.device))
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ W.T -> [m, n] in x's dtype: tiles of W dequantized to x's dtype, float32 sums."""
