@@ -148,6 +148,31 @@ def test_decode_pairs_do_not_depend_on_the_window(qtype):
     assert_same_bits(pairs[1, 0], window[2, 0])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_decode_runs_on_the_tensor_cores(qtype):
+    """`Tiles.mma_rows`: runs of 2-8 pairs as int8 products on the tensor cores, the int16 runs' integer sums, so
+    their results to float rounding; a pair's bits whatever its run's company and order; pairs alone unchanged.
+    The down with its shape's tiles (4-8 weight rows a program) over 48 rows: programs of 16 rows where every
+    2-4 programs start one; the gate and up with `TILES` (interpreted: one program of all rows)."""
+    stacks, values = stacks_of(qtype, 11, shapes=((FF, H), (FF, H), (48, FF)))
+    int16 = [tm.Stack(s.qtype, s.blocks, s.k, t) for s, t in zip(
+        stacks, (TILES or tm.Tiles.for_stack(qtype, H, True),) * 2 + (tm.Tiles.for_stack(qtype, FF, False),),
+        strict=True)]
+    mma = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), mma_rows=16)) for s in int16]
+    ids = ids_of([[1, 3], [3, 1], [1, 0], [4, 2]])  # expert 1: a run of 3, expert 3: of 2; 0, 2, 4 alone
+    x = random_x(4, torch.float32, seed=3)
+    routing, h, y = run(mma, x, ids, prompt=False)
+    check_moe(values, x, routing, h, y, prompt=False, rounded=True)
+    _, h16, y16 = run(int16, x, ids, prompt=False)
+    torch.testing.assert_close(h, h16, rtol=1e-5, atol=1e-5 * h16.abs().max().item())
+    torch.testing.assert_close(y, y16, rtol=1e-5, atol=1e-5 * y16.abs().max().item())
+    window = per_pair(routing, y)
+    sub = [1, 0, 3]  # experts 1 and 3 in runs of 2 (1's in another order), 4 and 2 alone again
+    routing, _, y = run(mma, x[sub], ids[sub], prompt=False)
+    for i, row in enumerate(sub):
+        assert_same_bits(per_pair(routing, y)[i], window[row])
+
+
 def test_joint_gate_and_up_give_the_same_bits():
     """`Tiles.joint`: Q4_K gates and ups in one pass over the blocks, the sums of two passes: in the matvec for
     runs and pairs alone (`DECODE_IDS` has both) and for a window of one row (its own tiles), in the GEMM for a

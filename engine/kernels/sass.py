@@ -107,14 +107,17 @@ def _moe(qtype: Q, gated: bool) -> tuple[tm.Tiles, dict[str, str | int], dict[st
         GATED=gated, JOINT=gated and tiles.joins(qtype, qtype), PDL=False)
 
 
-def moe_matvec(qtype: Q, gated: bool, one_row: bool) -> Usage:
+def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None) -> Usage:
     """The fused MoE matvec for a projection of `qtype` (gate+up when `gated`), with its tiles for windows of 2-8
-    rows, or of one row."""
+    rows (runs on the tensor cores in programs of `mma_rows` weight rows, when given), or of one row."""
     t, args, consts = _moe(qtype, gated)
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
+    mma_rows = t.mma_rows if mma_rows is None else mma_rows
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks,
-                                                            SB2=blocks, ASM=True), warps)
+                                                            SB2=blocks, ASM=True,
+                                                            MMA=max(rows, mma_rows) if mma_rows and not one_row else 0),
+                 warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:
@@ -136,15 +139,17 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
 def head_mma() -> Usage:
     """The Q6_K head's 2-8 rows on the tensor cores, with `Matrix`'s tiles for it."""
     tiles = tb.mma_tiles(Q.Q6_K, HEAD, HIDDEN)
-    return usage(tb._q6k_mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", out="*bf16", m=8, n=HEAD,
-                                          k=HIDDEN, row_bytes=tb.row_bytes(Q.Q6_K, HIDDEN), per=HIDDEN // 256),
-                 dict(R=tiles.rows, PDL=False), tiles.warps)
+    return usage(tb._mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", xsum="*fp32", out="*bf16", m=8,
+                                      n=HEAD, k=HIDDEN, row_bytes=tb.row_bytes(Q.Q6_K, HIDDEN), per=HIDDEN // 256),
+                 dict(QTYPE=int(Q.Q6_K), R=tiles.rows, PDL=False), tiles.warps)
 
 
 def main() -> None:
     print(f"sm_90, triton {triton.__version__}, qwen3-30b-a3b's shapes, the code's tiles")
     for name, fn in (("MoE gate+up Q4_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q4_K, True, False)),
                      ("MoE down Q6_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q6_K, False, False)),
+                     ("MoE gate+up Q4_K, runs on the tensor cores", lambda: moe_matvec(Q.Q4_K, True, False, 16)),
+                     ("MoE down Q6_K, runs on the tensor cores", lambda: moe_matvec(Q.Q6_K, False, False, 16)),
                      ("MoE gate+up Q8_0, windows of 2-8 rows", lambda: moe_matvec(Q.Q8_0, True, False)),
                      ("MoE gate+up Q4_K, one row", lambda: moe_matvec(Q.Q4_K, True, True)),
                      ("MoE down Q6_K, one row", lambda: moe_matvec(Q.Q6_K, False, True)),

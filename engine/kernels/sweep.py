@@ -1,7 +1,7 @@
 """`python -m engine.kernels.sweep [SECONDS]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
-down; skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16
+down; runs on the tensor cores, `Tiles.mma_rows`; skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16
 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head
 and dense shapes for 8 rows and for one, the Q8_0 head's float-sum tiles, the dense shapes' 8 rows on the
 tensor cores (k in parts), then the MoE kernel's one-row windows. Each figure is one call replayed from a CUDA graph
@@ -164,6 +164,13 @@ def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
         g = dataclasses.replace(g, joint=True)
         gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    for mma, warps in itertools.product((16, 32), (1, 2, 4)) if rows > 1 else ():  # runs on the tensor cores
+        if time.monotonic() > deadline:
+            break
+        g = dataclasses.replace(tm.Tiles.for_stack(Q.Q4_K, HIDDEN, True), matvec_warps=warps, mma_rows=mma)
+        d = dataclasses.replace(tm.Tiles.for_stack(Q.Q6_K, FF, False), matvec_warps=warps, mma_rows=mma)
+        gated[("mma", mma, warps)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        down[("mma", mma, warps)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(Q.Q4_K, HIDDEN, True) + (("joint",) if tm.Tiles.for_stack(Q.Q4_K, HIDDEN, True).joint else ())
     _report(f"MoE gate+up (Q4_K), {rows} rows, {experts} experts", gated, used)

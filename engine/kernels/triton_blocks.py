@@ -8,7 +8,7 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   (`triton_xq`) and sum weights and x in int32 two at a time (dp2a), a 16-byte chunk of blocks a
   thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
   one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The
-  Q6_K head's 2-8 rows take the tensor cores instead (`_q6k_mma_kernel`): the same integer sums as int8
+  Q6_K head's 2-8 rows take the tensor cores instead (`_mma_kernel`): the same integer sums as int8
   products, x split into two int8 planes. The other types' windows of 2-8 rows take the GEMM below with tiles
   of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8
   rows: 62.2 -> 18.9 us).
@@ -534,74 +534,85 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
 
 
 @triton.jit
+def _x_planes(x_hi, x_lo, at, live, PLANES: tl.constexpr):
+    """[16, K] int8 planes hi, lo of x rounded to int16 at offsets `at` (0 where not `live`), x = 256 hi + lo + 128:
+    loaded from `RoundedRows.planes` (PLANES), or split here from the int16 values at `x_hi` (`x_lo` unused)."""
+    if PLANES:
+        hi = tl.load(x_hi + at, mask=live, other=0)
+        lo = tl.load(x_lo + at, mask=live, other=0)
+    else:
+        q = tl.load(x_hi + at, mask=live, other=0).to(tl.int32)
+        hi = (q >> 8).to(tl.int8)
+        lo = tl.where(live, (q & 255) - 128, 0).to(tl.int8)
+    return hi, lo
+
+
+@triton.jit
 def _int8_sums(w_q, x_hi, x_lo, live):
-    """[R, 16] int32: weight values w_q [R, K] int8 times x rows given as planes (`RoundedRows.planes`, [16, K], 0
-    where not `live`) on the tensor cores, exactly: x = 256 hi + lo + 128, so x . w is 256 (hi . w) + (lo . w) +
-    128 (live . w), three int8 products."""
+    """[R, 16] int32: weight values w_q [R, K] int8 times x rows given as planes (`_x_planes`, [16, K], 0 where not
+    `live`) on the tensor cores, exactly: x . w is 256 (hi . w) + (lo . w) + 128 (live . w), three int8 products."""
     hi = tl.dot(w_q, tl.trans(x_hi), out_dtype=tl.int32)
     lo = tl.dot(w_q, tl.trans(x_lo), out_dtype=tl.int32)
     return hi * 256 + lo + tl.dot(w_q, tl.trans(live.to(tl.int8)), out_dtype=tl.int32) * 128
 
 
-@triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
-def _q4k_mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, R: tl.constexpr, PDL: tl.constexpr):
-    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16, Q4_K, on the tensor cores: blocks
-    [s * per, (s + 1) * per) of each weight row, into `out` (y itself for one part, else float32 [parts, 8, n]).
-    Each 32 bytes of a block hold two sub-blocks (low and high nibbles): two int8 products with a tile of 16 x
-    rows, row t holding x row t % 8's values of the low (t < 8) or the high sub-block (t >= 8), zeros elsewhere.
-    The sums are the int16 kernel's integers; the floats after them are elementwise, so row i's bits do not
-    depend on m."""
-    pdl.wait(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    part = tl.program_id(1)
-    live_n = rows < n
-    row = rows.to(tl.int64) * row_bytes
-    t = tl.arange(0, 16)
-    x_row, half = t % 8, t // 8
+@triton.jit
+def _q4k_mma_step(w, blk, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc):
+    """acc + the sums of bytes 32p.. of the Q4_K blocks at `blk` [R] (sub-blocks 2p and 2p + 1) with x's tiles."""
     c = tl.arange(0, 32)
-    low = (x_row[:, None] < m) & (half[:, None] == 0) & (c[None, :] >= 0)
-    high = (x_row[:, None] < m) & (half[:, None] == 1) & (c[None, :] >= 0)
-    x_at = x_row.to(tl.int64)[:, None] * k + c[None, :]
+    qs = tl.load(w + blk[:, None] + 16 + p * 32 + c[None, :], mask=live_n[:, None], other=0)
+    s = _int8_sums((qs & 15).to(tl.int8), x_low[0], x_low[1], low)
+    s += _int8_sums((qs >> 4).to(tl.int8), x_high[0], x_high[1], high)
+    scale_low, min_low = _k_scales(w, blk, 2 * p, live_n)
+    scale_high, min_high = _k_scales(w, blk, 2 * p + 1, live_n)
+    scale = tl.where(half[None, :] == 0, scale_low[:, None], scale_high[:, None])
+    minimum = tl.where(half[None, :] == 0, min_low[:, None], min_high[:, None])
+    return acc + scale * (s.to(tl.float32) * xsc[None, :]) - minimum * xsm[None, :]
+
+
+@triton.jit
+def _q4k_mma(w, w2, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, R: tl.constexpr,
+             BOTH: tl.constexpr, PLANES: tl.constexpr):
+    """[R, 16] float32 sums of the Q4_K weight rows at bytes `row` [R] of w (and, BOTH, of w2, a matrix of w's
+    shape, from the same x tiles) over blocks [b0, b1) with the x rows `x_row` [16] (int64, `x_live`) on the
+    tensor cores: tile row t holds x row x_row[t]'s values of each 32 bytes' low sub-block (t < 8) or high one
+    (t >= 8), zeros elsewhere; `_halves_of` adds rows t and t + 8. The sums are the int16 kernel's integers; the
+    floats after them are elementwise, so an x row's bits do not depend on the others."""
+    t = tl.arange(0, 16)
+    half = t // 8
+    c = tl.arange(0, 32)
+    low = x_live[:, None] & (half[:, None] == 0) & (c[None, :] >= 0)
+    high = x_live[:, None] & (half[:, None] == 1) & (c[None, :] >= 0)
+    x_at = x_row[:, None] * k + c[None, :]
+    groups = x_row * (k // 32) + half
     acc = tl.zeros((R, 16), dtype=tl.float32)
-    for b in range(part * per, (part + 1) * per):
-        blk = row + b * 144  # d, dmin, 12 bytes of scales and mins, qs[128]
+    acc2 = tl.zeros((R, 16), dtype=tl.float32)
+    for b in range(b0, b1):  # blocks: d, dmin, 12 bytes of scales and mins, qs[128]
         for p in tl.static_range(4):
-            qs = tl.load(w + blk[:, None] + 16 + p * 32 + c[None, :], mask=live_n[:, None], other=0)
             at = x_at + b * 256 + p * 64
-            s = _int8_sums((qs & 15).to(tl.int8), tl.load(x_hi + at, mask=low, other=0),
-                           tl.load(x_lo + at, mask=low, other=0), low)
-            s += _int8_sums((qs >> 4).to(tl.int8), tl.load(x_hi + at + 32, mask=high, other=0),
-                            tl.load(x_lo + at + 32, mask=high, other=0), high)
-            scale_low, min_low = _k_scales(w, blk, 2 * p, live_n)
-            scale_high, min_high = _k_scales(w, blk, 2 * p + 1, live_n)
-            scale = tl.where(half[None, :] == 0, scale_low[:, None], scale_high[:, None])
-            minimum = tl.where(half[None, :] == 0, min_low[:, None], min_high[:, None])
-            g = x_row * (k // 32) + b * 8 + 2 * p + half
-            xsc = tl.load(xs + g, mask=x_row < m, other=0.0)
-            acc += scale * (s.to(tl.float32) * xsc[None, :]) - minimum * tl.load(xsum + g, mask=x_row < m,
-                                                                                 other=0.0)[None, :]
-    _store_halves(out, acc, rows, part, m, n, R)
+            x_low, x_high = _x_planes(x_hi, x_lo, at, low, PLANES), _x_planes(x_hi, x_lo, at + 32, high, PLANES)
+            g = groups + b * 8 + 2 * p
+            xsc = tl.load(xs + g, mask=x_live, other=0.0)
+            xsm = tl.load(xsum + g, mask=x_live, other=0.0)
+            acc = _q4k_mma_step(w, row + b * 144, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc)
+            if BOTH:
+                acc2 = _q4k_mma_step(w2, row + b * 144, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc2)
+    return acc, acc2
 
 
-@triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
-def _q6k_mma_kernel(w, x_hi, x_lo, xs, out, m, n, k, row_bytes, per, R: tl.constexpr, PDL: tl.constexpr):
-    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16, Q6_K, on the tensor cores (blocks and
-    `out` as `_q4k_mma_kernel`'s): each run of 32 values of R weight rows is one int8 product with a tile of 16
-    x rows, row t holding x row t % 8's first 16 values of the run (t < 8) or its last 16 (the run's two
-    scales), zeros elsewhere. The sums are the int16 kernel's integers; the floats after them are elementwise,
-    so row i's bits do not depend on m."""
-    pdl.wait(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    part = tl.program_id(1)
-    live_n = rows < n
-    row = rows.to(tl.int64) * row_bytes
+@triton.jit
+def _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.constexpr, PLANES: tl.constexpr):
+    """[R, 16] float32 sums of the Q6_K weight rows at bytes `row` [R] of w over blocks [b0, b1) with the x rows
+    `x_row` [16] on the tensor cores (as `_q4k_mma`): each run of 32 values is one int8 product with a tile of
+    16 x rows, row t holding x row x_row[t]'s first 16 values of the run (t < 8) or its last 16 (the run's two
+    scales), zeros elsewhere."""
     t = tl.arange(0, 16)
-    x_row, half = t % 8, t // 8
+    half = t // 8
     c = tl.arange(0, 32)
-    live = (x_row[:, None] < m) & (c[None, :] // 16 == half[:, None])
-    x_at = x_row.to(tl.int64)[:, None] * k + c[None, :]
+    live = x_live[:, None] & (c[None, :] // 16 == half[:, None])
+    x_at = x_row[:, None] * k + c[None, :]
     acc = tl.zeros((R, 16), dtype=tl.float32)
-    for b in range(part * per, (part + 1) * per):
+    for b in range(b0, b1):
         blk = row + b * 210  # ql[128], qh[64], 16 int8 scales, d
         d = _f16(w, blk + 208, live_n)
         for h in tl.static_range(2):
@@ -611,24 +622,43 @@ def _q6k_mma_kernel(w, x_hi, x_lo, xs, out, m, n, k, row_bytes, per, R: tl.const
                 for u in tl.static_range(2):
                     r = 2 * u + j  # run r of half h: values 128h + 32r.., scales 8h + 2r and 8h + 2r + 1
                     q = (((ql >> (4 * u)) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8) - 32
-                    at = x_at + b * 256 + h * 128 + r * 32
-                    s = _int8_sums(q, tl.load(x_hi + at, mask=live, other=0), tl.load(x_lo + at, mask=live, other=0),
-                                   live)
+                    x_t = _x_planes(x_hi, x_lo, x_at + b * 256 + h * 128 + r * 32, live, PLANES)
+                    s = _int8_sums(q, x_t[0], x_t[1], live)
                     first = _signed(w, blk + 192 + h * 8 + r * 2, live_n)
                     second = _signed(w, blk + 193 + h * 8 + r * 2, live_n)
                     scale = d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
-                    xsc = tl.load(xs + x_row * (k // 32) + b * 8 + h * 4 + r, mask=x_row < m, other=0.0)
+                    xsc = tl.load(xs + x_row * (k // 32) + b * 8 + h * 4 + r, mask=x_live, other=0.0)
                     acc += scale * (s.to(tl.float32) * xsc[None, :])
-    _store_halves(out, acc, rows, part, m, n, R)
+    return acc
 
 
 @triton.jit
-def _store_halves(out, acc, rows, part, m, n, R: tl.constexpr):
-    """Rows t and t + 8 of the tiles' sums added (the two halves of x row t's values), stored as part `part` of
-    [parts, 8, n] (y [m, n] itself for one part: part 0)."""
-    y = tl.sum(tl.reshape(tl.trans(acc), (2, 8, R)), axis=0)
+def _halves_of(acc, R: tl.constexpr):
+    """[8, R]: rows t and t + 8 of the tensor-core sums [R, 16] added (the two halves of x row t's values)."""
+    return tl.sum(tl.reshape(tl.trans(acc), (2, 8, R)), axis=0)
+
+
+@triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
+def _mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, QTYPE: tl.constexpr, R: tl.constexpr,
+                PDL: tl.constexpr):
+    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16 (as planes), Q4_K or Q6_K, on the tensor
+    cores: blocks [s * per, (s + 1) * per) of each weight row, into `out` (y itself for one part, else float32
+    [parts, 8, n]). Row i's bits do not depend on m."""
+    pdl.wait(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    part = tl.program_id(1)
+    live_n = rows < n
+    row = rows.to(tl.int64) * row_bytes
+    x_row = tl.arange(0, 16) % 8
+    b0, b1 = part * per, (part + 1) * per
+    if QTYPE == _Q4_K:
+        acc, _ = _q4k_mma(w, w, row, live_n, x_hi, x_lo, xs, xsum, x_row.to(tl.int64), x_row < m, k, b0, b1, R,
+                          False, True)
+    else:
+        acc = _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row.to(tl.int64), x_row < m, k, b0, b1, R, True)
     r8 = tl.arange(0, 8)[:, None]
-    tl.store(out + part * 8 * n + r8 * n + rows[None, :], y.to(out.dtype.element_ty), mask=(r8 < m) & (rows[None, :] < n))
+    tl.store(out + part * 8 * n + r8 * n + rows[None, :], _halves_of(acc, R).to(out.dtype.element_ty),
+             mask=(r8 < m) & live_n[None, :])
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -814,11 +844,10 @@ class Matrix:
         rounded, m = RoundedRows.of(x), x.shape[0]
         parts = tiles.parts
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
-        x_args = (*rounded.planes(), rounded.scale) + ((rounded.sums,) if self.qtype == Q.Q4_K else ())
-        kernel = _q4k_mma_kernel if self.qtype == Q.Q4_K else _q6k_mma_kernel
-        kernel[(triton.cdiv(self.n, tiles.rows), parts)](
-            self.blocks, *x_args, out, m, self.n, self.k, self.blocks.shape[1], self.k // 256 // parts, R=tiles.rows,
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch(x.device))
+        _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
+            self.blocks, *rounded.planes(), rounded.scale, rounded.sums, out, m, self.n, self.k, self.blocks.shape[1],
+            self.k // 256 // parts, QTYPE=int(self.qtype), R=tiles.rows, num_warps=tiles.warps,
+            num_stages=tiles.stages, **pdl.launch(x.device))
         if parts > 1:
             block = 1024
             _add_parts[(triton.cdiv(m * self.n, block),)](out, y, m, self.n, PARTS=parts, BLOCK=block,

@@ -47,7 +47,10 @@ from engine.kernels.triton_blocks import (
     ROUNDED,
     X_DTYPES,
     _group,
+    _halves_of,
     _partial,
+    _q4k_mma,
+    _q6k_mma,
     _row_dot,
     _row_dot2_q4k,
     _row_dot_q4k,
@@ -113,6 +116,18 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYP
 
 
 @triton.jit
+def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
+    """[8, R] float32: weight rows `rows` of the expert at `w` (Q4_K or Q6_K) times the x rows `x_row` [16] (rows t
+    and t + 8 alike, `x_live`) on the tensor cores, x's int8 planes split from its int16 values."""
+    row = rows.to(tl.int64) * row_bytes
+    if QTYPE == _Q4_K:
+        acc, _ = _q4k_mma(w, w, row, rows < n, xq, xq, xs, xsum, x_row, x_live, k, 0, k // 256, R, False, False)
+    else:
+        acc = _q6k_mma(w, row, rows < n, xq, xq, xs, x_row, x_live, k, 0, k // 256, R, False)
+    return _halves_of(acc, R)
+
+
+@triton.jit
 def _expert_at(w, far, slot, expert_bytes):
     """The expert's blocks: slot `slot` of the stack, or entry -2 - slot of `far` (slot <= -2)."""
     base = w + slot * expert_bytes
@@ -136,7 +151,8 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                       ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                       ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
@@ -160,6 +176,27 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                                    row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                     one = one * tl.sigmoid(one) * up1
             tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
+        elif MMA > 0:  # a run on the tensor cores: the programs whose weight rows start a tile of MMA rows
+            if (tl.program_id(0) * R) % MMA == 0:
+                tile = tl.program_id(0) * R + tl.arange(0, MMA)
+                t = tl.arange(0, 16) % 8  # tile rows t and t + 8: the run's pair t
+                x_live = t < count
+                x_row = tl.load(src + p + t, mask=x_live, other=0).to(tl.int64)
+                wa = _expert_at(w, wf, slot, expert_bytes)
+                if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
+                    acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
+                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, 0, k // 256, MMA, True, False)
+                    acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
+                    acc = acc * tl.sigmoid(acc) * up
+                else:
+                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE, MMA)
+                    if GATED:
+                        up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row, x_live,
+                                       k, row_bytes2, QTYPE2, MMA)
+                        acc = acc * tl.sigmoid(acc) * up
+                r = tl.arange(0, 8)[:, None]
+                out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + tile[None, :]
+                tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (tile[None, :] < n))
         else:
             if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
                 acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
@@ -257,6 +294,9 @@ class Tiles:
     # 8 rows on 44 experts: 71.1 -> 66.1), and the GEMM's tiles of a prompt chunk (512 rows on ~128 experts:
     # 685.9 -> 630.4 us; Q8_0's went 645.5 -> 722.7 that way, so other types keep two passes)
     joint: bool = True
+    # weight rows of a program for a run of 2-8 pairs of Q4_K or Q6_K on the tensor cores (int8 products, x split
+    # into two int8 planes; the rows a program otherwise, `matvec_rows`, where fewer); 0: the int16 sums
+    mma_rows: int = 0
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -535,11 +575,13 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         # the kernel takes the rounded rows' pointers whatever the types; the float types never read them
         rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
+        # runs of 2-8 pairs on the tensor cores: programs of at least `mma_rows` weight rows, a multiple of `rows`
+        mma = max(rows, tiles.mma_rows) if tiles.mma_rows and not solo and {w.qtype, other.qtype} <= set(ROUNDED) else 0
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, num_warps=warps, **_FUSED,
+            R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, num_warps=warps, **_FUSED,
             **pdl.launch(x.device))
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
