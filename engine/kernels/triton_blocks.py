@@ -19,8 +19,9 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
 Every kernel sees a weight row as groups of 16 or 32 values sharing a scale (and, in Q4_K/Q5_K, a min):
 w = q * scale - min, computed in float32 as gguf-py does (`_group` knows where each type keeps them).
 
-Deterministic by construction: no atomics and no split-K; each output is reduced over k in one order,
-set by the tile sizes (`Tiles`), which are chosen from the matrix's shape only, never from m.
+Deterministic by construction: no atomics; each output is reduced over k in one order, set by the tile
+sizes (`Tiles`, `MmaTiles`), which are chosen from the matrix's shape only, never from m (where the
+tensor-core kernel cuts k into parts, `_add_parts` adds them in order).
 Batch invariance, within each path: every call of a matrix runs one compiled kernel (m is not
 specialized; x is copied when its rows do not start 16-byte aligned). In the int16 matvec of 2-8 rows,
 row i of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); on the
