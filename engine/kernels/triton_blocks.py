@@ -589,7 +589,7 @@ def _q4k_mma(w, w2, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1,
     acc = tl.zeros((R, 16), dtype=tl.float32)
     acc2 = tl.zeros((R, 16), dtype=tl.float32)
     for b in range(b0, b1):  # blocks: d, dmin, 12 bytes of scales and mins, qs[128]
-        for p in tl.static_range(4):
+        for p in range(4):  # not unrolled: unrolled, a one-warp MoE run held 255 registers and spilled (sm_90)
             at = x_at + b * 256 + p * 64
             x_low, x_high = _x_planes(x_hi, x_lo, at, low, PLANES), _x_planes(x_hi, x_lo, at + 32, high, PLANES)
             g = groups + b * 8 + 2 * p
