@@ -114,7 +114,11 @@ def test_rows_on_the_tensor_cores_with_k_in_parts(qtype, parts):
     row's bits whatever the window."""
     k = 768
     blocks = tb.random_blocks(qtype, 40, k, torch.Generator().manual_seed(parts)).to(DEVICE)
-    check_tensor_cores(tb.Matrix(qtype, blocks, k), tb.MmaTiles(16, 1, 2, parts), torch.float32)
+    mat = tb.Matrix(qtype, blocks, k)
+    check_tensor_cores(mat, tb.MmaTiles(16, 1, 2, parts), torch.float32)
+    mat._mma = tb.MmaTiles(16, 1, 2, 2)
+    with pytest.raises(ValueError, match="not 2 parts"):
+        mat.matvec(torch.zeros(2, k, device=DEVICE))
 
 
 def check_tensor_cores(mat: tb.Matrix, tiles: tb.MmaTiles, dtype: torch.dtype) -> None:

@@ -316,6 +316,8 @@ def test_bad_input():
     routing = tm.Routing.of(ids, E)
     with pytest.raises(ValueError, match="one row per routed pair"):
         tm.project(stacks[2], x, routing, SLOTS)
+    with pytest.raises(ValueError, match="mma_rows must be"):
+        tm.Tiles(4, 256, 64, 64, 64, mma_rows=8)
 
 
 def info(name: str, shape: tuple[int, ...], qtype: Q) -> TensorInfo:

@@ -842,8 +842,10 @@ class Matrix:
         return y
 
     def _on_tensor_cores(self, x: torch.Tensor, y: torch.Tensor, tiles: MmaTiles) -> None:
-        rounded, m = RoundedRows.of(x), x.shape[0]
         parts = tiles.parts
+        if (self.k // 256) % parts:
+            raise ValueError(f"k={self.k} is {self.k // 256} blocks: not {parts} parts of whole blocks")
+        rounded, m = RoundedRows.of(x), x.shape[0]
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
             self.blocks, *rounded.planes(), rounded.scale, rounded.sums, out, m, self.n, self.k, self.blocks.shape[1],

@@ -302,6 +302,11 @@ class Tiles:
     solo_warps: int | None = None
     solo_blocks: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.mma_rows and (self.mma_rows < 16 or self.mma_rows & (self.mma_rows - 1)):
+            raise ValueError(f"mma_rows must be 0 or a power of two of at least 16 (the tensor cores' tile), "
+                             f"got {self.mma_rows}")
+
     def joins(self, gate: Q, up: Q) -> bool:
         """Whether gates and ups of these types take one pass (`joint`: Q4_K's, measured faster)."""
         return self.joint and gate == up == Q.Q4_K
