@@ -12,6 +12,7 @@ differ from the GPU host's; they guide, and a GPU's timing decides (`engine.kern
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -113,11 +114,9 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
     t, args, consts = _moe(qtype, gated)
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
-    mma_rows = t.mma_rows if mma_rows is None else mma_rows
+    mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks,
-                                                            SB2=blocks, ASM=True,
-                                                            MMA=max(rows, mma_rows) if mma_rows and not one_row else 0),
-                 warps)
+                                                            SB2=blocks, ASM=True, MMA=mma), warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:

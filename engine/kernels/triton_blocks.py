@@ -634,6 +634,17 @@ def _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.con
 
 
 @triton.jit
+def _mma_sums(w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, QTYPE: tl.constexpr, R: tl.constexpr,
+              PLANES: tl.constexpr):
+    """[R, 16] float32: `_q4k_mma`'s sums (Q4_K, one matrix) or `_q6k_mma`'s (Q6_K)."""
+    if QTYPE == _Q4_K:
+        acc, _ = _q4k_mma(w, w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, R, False, PLANES)
+    else:
+        acc = _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R, PLANES)
+    return acc
+
+
+@triton.jit
 def _halves_of(acc, R: tl.constexpr):
     """[8, R]: rows t and t + 8 of the tensor-core sums [R, 16] added (the two halves of x row t's values)."""
     return tl.sum(tl.reshape(tl.trans(acc), (2, 8, R)), axis=0)
@@ -651,12 +662,8 @@ def _mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, QTYPE: tl
     live_n = rows < n
     row = rows.to(tl.int64) * row_bytes
     x_row = tl.arange(0, 16) % 8
-    b0, b1 = part * per, (part + 1) * per
-    if QTYPE == _Q4_K:
-        acc, _ = _q4k_mma(w, w, row, live_n, x_hi, x_lo, xs, xsum, x_row.to(tl.int64), x_row < m, k, b0, b1, R,
-                          False, True)
-    else:
-        acc = _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row.to(tl.int64), x_row < m, k, b0, b1, R, True)
+    acc = _mma_sums(w, row, live_n, x_hi, x_lo, xs, xsum, x_row.to(tl.int64), x_row < m, k, part * per,
+                    (part + 1) * per, QTYPE, R, True)
     r8 = tl.arange(0, 8)[:, None]
     tl.store(out + part * 8 * n + r8 * n + rows[None, :], _halves_of(acc, R).to(out.dtype.element_ty),
              mask=(r8 < m) & live_n[None, :])

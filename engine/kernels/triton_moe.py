@@ -48,9 +48,9 @@ from engine.kernels.triton_blocks import (
     X_DTYPES,
     _group,
     _halves_of,
+    _mma_sums,
     _partial,
     _q4k_mma,
-    _q6k_mma,
     _row_dot,
     _row_dot2_q4k,
     _row_dot_q4k,
@@ -119,12 +119,8 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYP
 def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
     """[8, R] float32: weight rows `rows` of the expert at `w` (Q4_K or Q6_K) times the x rows `x_row` [16] (rows t
     and t + 8 alike, `x_live`) on the tensor cores, x's int8 planes split from its int16 values."""
-    row = rows.to(tl.int64) * row_bytes
-    if QTYPE == _Q4_K:
-        acc, _ = _q4k_mma(w, w, row, rows < n, xq, xq, xs, xsum, x_row, x_live, k, 0, k // 256, R, False, False)
-    else:
-        acc = _q6k_mma(w, row, rows < n, xq, xq, xs, x_row, x_live, k, 0, k // 256, R, False)
-    return _halves_of(acc, R)
+    return _halves_of(_mma_sums(w, rows.to(tl.int64) * row_bytes, rows < n, xq, xq, xs, xsum, x_row, x_live, k, 0,
+                                k // 256, QTYPE, R, False), R)
 
 
 @triton.jit
@@ -306,6 +302,11 @@ class Tiles:
         if self.mma_rows and (self.mma_rows < 16 or self.mma_rows & (self.mma_rows - 1)):
             raise ValueError(f"mma_rows must be 0 or a power of two of at least 16 (the tensor cores' tile), "
                              f"got {self.mma_rows}")
+
+    def mma_program(self, rows: int) -> int:
+        """Weight rows of a tensor-core program for runs of 2-8 pairs, where programs have `rows` (the kernel's
+        MMA: at least `mma_rows`, a multiple of `rows`); 0 where runs take the int16 sums."""
+        return max(rows, self.mma_rows) if self.mma_rows else 0
 
     def joins(self, gate: Q, up: Q) -> bool:
         """Whether gates and ups of these types take one pass (`joint`: Q4_K's, measured faster)."""
@@ -580,8 +581,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         # the kernel takes the rounded rows' pointers whatever the types; the float types never read them
         rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
-        # runs of 2-8 pairs on the tensor cores: programs of at least `mma_rows` weight rows, a multiple of `rows`
-        mma = max(rows, tiles.mma_rows) if tiles.mma_rows and not solo and {w.qtype, other.qtype} <= set(ROUNDED) else 0
+        mma = tiles.mma_program(rows) if not solo and {w.qtype, other.qtype} <= set(ROUNDED) else 0
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
