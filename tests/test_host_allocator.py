@@ -22,7 +22,7 @@ def step():
     q = ops.rope(ops.rms_norm(x[:, :4096].reshape(512, 32, 128), w, 1e-6), pos, cos, sin, True)
     return torch.cat([q[:256], q[256:]])[0, 0, 0].item()
 def faults():
-    for _ in range(3):
+    for _ in range(10):
         step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(20):
@@ -41,8 +41,9 @@ def run(env: dict[str, str] | None = None) -> list[str]:
 @pytest.mark.skipif(not GLIBC or not cpu.available(), reason="glibc's mallopt and the CPU kernels")
 def test_a_chunks_tensors_reuse_freed_pages():
     """Twenty steps of 8 MiB tensors: with blocks over 128 KiB mapped fresh each fault their pages in again
-    (measured 122,949 faults), with the thresholds set they come back without a fault; MALLOC_MMAP_THRESHOLD_ in the
-    environment is the process's own choice, left alone."""
+    (measured 122,949 faults), with the thresholds set they come back without a fault (0 here in 25 runs; one fresh
+    CI run counted 2,048, one tensor's pages once, so the bound is a fiftieth of the fresh count);
+    MALLOC_MMAP_THRESHOLD_ in the environment is the process's own choice, left alone."""
     fresh, applied, kept = run()
-    assert int(fresh) > 1000 and applied == "True" and int(kept) < 100, (fresh, kept)
+    assert int(fresh) > 10_000 and applied == "True" and int(kept) * 50 < int(fresh), (fresh, kept)
     assert run({"MALLOC_MMAP_THRESHOLD_": "131072"})[1] == "False"
