@@ -150,6 +150,8 @@ def main() -> None:
                      ("MoE gate+up Q4_K, runs on the tensor cores", lambda: moe_matvec(Q.Q4_K, True, False, 16)),
                      ("MoE down Q6_K, runs on the tensor cores", lambda: moe_matvec(Q.Q6_K, False, False, 16)),
                      ("MoE gate+up Q8_0, windows of 2-8 rows", lambda: moe_matvec(Q.Q8_0, True, False)),
+                     ("MoE gate+up Q8_0, runs on the tensor cores", lambda: moe_matvec(Q.Q8_0, True, False, 16)),
+                     ("MoE down Q8_0, runs on the tensor cores", lambda: moe_matvec(Q.Q8_0, False, False, 16)),
                      ("MoE gate+up Q4_K, one row", lambda: moe_matvec(Q.Q4_K, True, True)),
                      ("MoE down Q6_K, one row", lambda: moe_matvec(Q.Q6_K, False, True)),
                      ("MoE GEMM gate+up Q4_K (prompt)", lambda: moe_gemm(Q.Q4_K, True)),

@@ -27,7 +27,9 @@ from engine.kernels.triton_xq import ASM, RoundedRows
 
 DENSE = ((Q.Q6_K, 151936, 2048), (Q.Q4_K, 5120, 2048), (Q.Q4_K, 2048, 4096), (Q.Q6_K, 512, 2048))
 HIDDEN, FF, EXPERTS, TOP_K = 2048, 768, 128, 8
+Q8_0_DENSE = ((Q.Q8_0, 5120, 2048), (Q.Q8_0, 2048, 4096), (Q.Q8_0, 512, 2048), (Q.Q8_0, 151936, 2048))
 CHOICES = (1, 2, 4, 8)
+WITHOUT = "without tensor cores"
 
 
 def _us(fn: Callable[[], object]) -> float:
@@ -92,12 +94,11 @@ def q8_head(deadline: float) -> None:
         _report(f"Q8_0 {n}x{k}, {m} rows", times, used, "values a step, warps" if m == 1 else "warps, stages")
 
 
-def dense_mma(deadline: float) -> None:
+def dense_mma(deadline: float, shapes: tuple[tuple[Q, int, int], ...] = DENSE[1:] + DENSE[:1]) -> None:
     """The dense shapes' 2-8 rows on the tensor cores (`Matrix._mma`: weight rows a program, warps, stages, parts
-    of k), beside the int16 kernel (`_mma` None); each time includes x's rounding and int8 planes, as a window's
-    does."""
+    of k), beside the code without them (`_mma` None: the int16 kernel, Q8_0's GEMM); each time includes x's
+    rounding and int8 planes, as a window's does. The head's long compiles last."""
     gen = torch.Generator().manual_seed(3)
-    shapes = DENSE[1:] + DENSE[:1]  # the head's long compiles last
     for i, (qtype, n, k) in enumerate(shapes):
         shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(shapes) - i)
         mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k)
@@ -110,9 +111,9 @@ def dense_mma(deadline: float) -> None:
             if config not in (used, None) and time.monotonic() > shape_deadline:
                 break
             mat._mma = config
-            times[dataclasses.astuple(config) if config else ("int16 kernel",)] = _us(lambda mat=mat, x=x: mat.matvec(x))
+            times[dataclasses.astuple(config) if config else (WITHOUT,)] = _us(lambda mat=mat, x=x: mat.matvec(x))
         _report(f"{qtype.name} {n}x{k}, {tb.MATVEC_ROWS} rows", times, dataclasses.astuple(used) if used else
-                ("int16 kernel",), "rows a program, warps, stages, parts of k")
+                (WITHOUT,), "rows a program, warps, stages, parts of k")
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -122,14 +123,16 @@ def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([torch.multinomial(weights, TOP_K, generator=gen) for _ in range(rows)])
 
 
-def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
-    """The fused MoE kernel on a window of `rows` rows: one row sweeps `Tiles.solo_*`, more rows the matvec
-    tiles (`matvec_rows`, `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert,
-    and for the gates and ups each configuration with `Tiles.joint` ("joint" in the key) and without.
+def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K)) -> None:
+    """The fused MoE kernel on a window of `rows` rows, gates and ups of `types[0]`, downs of `types[1]` (the
+    Q4_K_M mix's by default): one row sweeps `Tiles.solo_*`, more rows the matvec tiles (`matvec_rows`,
+    `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert, and for the gates and ups
+    each configuration with `Tiles.joint` ("joint" in the key, where the type joins) and without.
     `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
     do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3."""
     gen = torch.Generator().manual_seed(1)
-    shapes = {"gate": (Q.Q4_K, FF, HIDDEN), "up": (Q.Q4_K, FF, HIDDEN), "down": (Q.Q6_K, HIDDEN, FF)}
+    gate_type, down_type = types
+    shapes = {"gate": (gate_type, FF, HIDDEN), "up": (gate_type, FF, HIDDEN), "down": (down_type, HIDDEN, FF)}
     blocks = {name: (qtype, tb.random_blocks(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1).cuda(), k)
               for name, (qtype, n, k) in shapes.items()}
     slot_of = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
@@ -153,28 +156,31 @@ def moe_window(rows: int, deadline: float, copies: bool = False) -> None:
         return (t.solo_rows, t.solo_blocks, t.solo_warps) if rows == 1 else (t.matvec_rows, t.row_blocks, t.matvec_warps)
 
     gated, down = {}, {}
-    configs = [chosen(Q.Q4_K, HIDDEN, True), chosen(Q.Q6_K, FF, False)]
+    joins = tm.Tiles.for_stack(gate_type, HIDDEN, True).joins(gate_type, gate_type)
+    configs = [chosen(gate_type, HIDDEN, True), chosen(down_type, FF, False)]
     configs += [c for c in _configs(CHOICES, CHOICES, CHOICES[:3]) if c not in configs]
     for config in configs:
         if time.monotonic() > deadline:
             break
-        g = dataclasses.replace(tiles_of(Q.Q4_K, HIDDEN, True, config), joint=False)
-        d = tiles_of(Q.Q6_K, FF, False, config)
+        g = dataclasses.replace(tiles_of(gate_type, HIDDEN, True, config), joint=False)
+        d = tiles_of(down_type, FF, False, config)
         gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
-        g = dataclasses.replace(g, joint=True)
-        gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        if joins:
+            g = dataclasses.replace(g, joint=True)
+            gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
+                                                                    slot_of))
         down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     for mma, warps in itertools.product((16, 32), (1, 2, 4)) if rows > 1 else ():  # runs on the tensor cores
         if time.monotonic() > deadline:
             break
-        g = dataclasses.replace(tm.Tiles.for_stack(Q.Q4_K, HIDDEN, True), matvec_warps=warps, mma_rows=mma)
-        d = dataclasses.replace(tm.Tiles.for_stack(Q.Q6_K, FF, False), matvec_warps=warps, mma_rows=mma)
+        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), matvec_warps=warps, mma_rows=mma)
+        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), matvec_warps=warps, mma_rows=mma)
         gated[("mma", mma, warps)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         down[("mma", mma, warps)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
-    used = chosen(Q.Q4_K, HIDDEN, True) + (("joint",) if tm.Tiles.for_stack(Q.Q4_K, HIDDEN, True).joint else ())
-    _report(f"MoE gate+up (Q4_K), {rows} rows, {experts} experts", gated, used)
-    _report(f"MoE down (Q6_K), {rows} rows, {experts} experts", down, chosen(Q.Q6_K, FF, False))
+    used = chosen(gate_type, HIDDEN, True) + (("joint",) if joins else ())
+    _report(f"MoE gate+up ({gate_type.name}), {rows} rows, {experts} experts", gated, used)
+    _report(f"MoE down ({down_type.name}), {rows} rows, {experts} experts", down, chosen(down_type, FF, False))
 
 
 def main() -> None:

@@ -63,6 +63,7 @@ _Q6_K = tl.constexpr(int(Q.Q6_K))
 _F16 = tl.constexpr(int(Q.F16))
 _BF16 = tl.constexpr(int(Q.BF16))
 ROUNDED = (Q.Q4_K, Q.Q6_K)  # types whose decode sums take x rounded to int16 (`triton_xq`)
+TENSOR_CORES = ROUNDED + (Q.Q8_0,)  # types with int8 tensor-core sums for 2-8 rows (`_mma_sums`), x rounded too
 
 
 @triton.jit
@@ -634,13 +635,40 @@ def _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.con
 
 
 @triton.jit
+def _q8_0_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.constexpr, PLANES: tl.constexpr):
+    """[R, 16] float32 sums of the Q8_0 weight rows at bytes `row` [R] of w over the 256 values [256 b0, 256 b1)
+    with the x rows `x_row` [16] on the tensor cores (as `_q6k_mma`): two blocks' 64 values are one int8 product
+    with a tile of 16 x rows, row t holding x row x_row[t]'s values of the first block (t < 8) or of the second
+    (their two scales), zeros elsewhere."""
+    t = tl.arange(0, 16)
+    half = t // 8
+    c = tl.arange(0, 64)
+    live = x_live[:, None] & (c[None, :] // 32 == half[:, None])
+    x_at = x_row[:, None] * k + c[None, :]
+    at = (c // 32) * 34 + 2 + c % 32  # blocks: d, qs[32]
+    acc = tl.zeros((R, 16), dtype=tl.float32)
+    for b in range(b0, b1):
+        for p in range(4):  # blocks 8b + 2p and 8b + 2p + 1
+            blk = row + (b * 8 + p * 2) * 34
+            q = tl.load(w + blk[:, None] + at[None, :], mask=live_n[:, None], other=0).to(tl.int8, bitcast=True)
+            x_t = _x_planes(x_hi, x_lo, x_at + b * 256 + p * 64, live, PLANES)
+            s = _int8_sums(q, x_t[0], x_t[1], live)
+            scale = tl.where(half[None, :] == 0, _f16(w, blk, live_n)[:, None], _f16(w, blk + 34, live_n)[:, None])
+            xsc = tl.load(xs + x_row * (k // 32) + b * 8 + p * 2 + half, mask=x_live, other=0.0)
+            acc += scale * (s.to(tl.float32) * xsc[None, :])
+    return acc
+
+
+@triton.jit
 def _mma_sums(w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, QTYPE: tl.constexpr, R: tl.constexpr,
               PLANES: tl.constexpr):
-    """[R, 16] float32: `_q4k_mma`'s sums (Q4_K, one matrix) or `_q6k_mma`'s (Q6_K)."""
+    """[R, 16] float32: `_q4k_mma`'s sums (Q4_K, one matrix), `_q6k_mma`'s (Q6_K) or `_q8_0_mma`'s (Q8_0)."""
     if QTYPE == _Q4_K:
         acc, _ = _q4k_mma(w, w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, R, False, PLANES)
-    else:
+    elif QTYPE == _Q6_K:
         acc = _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R, PLANES)
+    else:
+        acc = _q8_0_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R, PLANES)
     return acc
 
 
@@ -793,11 +821,12 @@ class Matrix:
         self.tiles = tiles or Tiles.for_shape(self.n, k)
         # Q4_K and Q6_K decode products sum x rounded to int16 (`triton_xq`), a 16-byte chunk a thread: 8
         # chunks a Q4_K block, 4 a Q6_K one; two weight rows a program
-        self._rounded = qtype in ROUNDED and blocks.data_ptr() % 4 == 0
-        if self._rounded:
-            RoundedRows.want(blocks.device)
+        aligned = blocks.data_ptr() % 4 == 0
+        self._rounded = qtype in ROUNDED and aligned
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
-        self._mma = mma_tiles(qtype, self.n, k) if self._rounded else None
+        self._mma = mma_tiles(qtype, self.n, k) if qtype in TENSOR_CORES and aligned else None
+        if self._rounded or self._mma:
+            RoundedRows.want(blocks.device)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
         # head (151,936 x 2,048) the fastest of a sweep on an H200 (rows 1-8 a program, steps 512-2048, warps
         # 1-4; warps 1-8 and stages 2-4): one row 148.0 -> 132.4 us, 8 rows 247.5 -> 223.8 us

@@ -45,6 +45,7 @@ from engine.kernels.triton_blocks import (
     GROUP,
     MATVEC_ROWS,
     ROUNDED,
+    TENSOR_CORES,
     X_DTYPES,
     _group,
     _halves_of,
@@ -117,7 +118,7 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYP
 
 @triton.jit
 def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
-    """[8, R] float32: weight rows `rows` of the expert at `w` (Q4_K or Q6_K) times the x rows `x_row` [16] (rows t
+    """[8, R] float32: weight rows `rows` of the expert at `w` (a `TENSOR_CORES` type) times the x rows `x_row` [16] (rows t
     and t + 8 alike, `x_live`) on the tensor cores, x's int8 planes split from its int16 values."""
     return _halves_of(_mma_sums(w, rows.to(tl.int64) * row_bytes, rows < n, xq, xq, xs, xsum, x_row, x_live, k, 0,
                                 k // 256, QTYPE, R, False), R)
@@ -290,8 +291,9 @@ class Tiles:
     # 8 rows on 44 experts: 71.1 -> 66.1), and the GEMM's tiles of a prompt chunk (512 rows on ~128 experts:
     # 685.9 -> 630.4 us; Q8_0's went 645.5 -> 722.7 that way, so other types keep two passes)
     joint: bool = True
-    # weight rows of a program for a run of 2-8 pairs of Q4_K or Q6_K on the tensor cores (int8 products, x split
-    # into two int8 planes; the rows a program otherwise, `matvec_rows`, where fewer); 0: the int16 sums
+    # weight rows of a program for a run of 2-8 pairs of Q4_K, Q6_K or Q8_0 on the tensor cores (int8 products, x
+    # split into two int8 planes; the rows a program otherwise, `matvec_rows`, where fewer); 0: the int16 or float
+    # sums
     mma_rows: int = 0
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
@@ -375,11 +377,11 @@ class Stack:
                 raise ValueError(f"{name} must be contiguous and start at a multiple of 4 bytes")
         self.qtype, self.blocks, self.k = qtype, blocks, k
         self.far = blocks if far is None else far
-        if qtype in ROUNDED:
-            RoundedRows.want(blocks.device)
         self.slots, self.n, self.row_bytes = blocks.shape
         self.expert_bytes = self.n * self.row_bytes
         self._tiles = tiles  # None: from the shape
+        if qtype in ROUNDED or (qtype in TENSOR_CORES and (self.tiles(False).mma_rows or self.tiles(True).mma_rows)):
+            RoundedRows.want(blocks.device)
 
     def tiles(self, gated: bool) -> Tiles:
         return self._tiles or Tiles.for_stack(self.qtype, self.k, gated)
@@ -579,9 +581,12 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
                            (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
-        # the kernel takes the rounded rows' pointers whatever the types; the float types never read them
-        rounded = RoundedRows.of(x) if {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x)
-        mma = tiles.mma_program(rows) if not solo and {w.qtype, other.qtype} <= set(ROUNDED) else 0
+        # on the tensor cores k goes 256 values a step (a Q8_0 stack of other k keeps its float sums)
+        on_tensor_cores = not solo and {w.qtype, other.qtype} <= set(TENSOR_CORES) and w.k % 256 == 0
+        mma = tiles.mma_program(rows) if on_tensor_cores else 0
+        # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
+        rounded = (RoundedRows.of(x) if mma or {w.qtype, other.qtype} & set(ROUNDED) else
+                   RoundedRows(x, x, x, x))
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
