@@ -121,6 +121,18 @@ def test_rows_on_the_tensor_cores_with_k_in_parts(qtype, parts):
         mat.matvec(torch.zeros(2, k, device=DEVICE))
 
 
+def test_q8_0_keeps_the_gemm_where_k_is_not_whole_steps(monkeypatch):
+    """The tensor cores take k 256 values a step: a Q8_0 matrix of k = 96 keeps its GEMM whatever `mma_tiles`
+    names, and tiles forced on it are refused rather than summing none of k."""
+    monkeypatch.setattr(tb, "mma_tiles", lambda *shape: tb.MmaTiles(16, 1, 2))
+    blocks = tb.random_blocks(Q.Q8_0, 40, 96, torch.Generator().manual_seed(1)).to(DEVICE)
+    mat = tb.Matrix(Q.Q8_0, blocks, 96)
+    assert mat._mma is None
+    mat._mma = tb.MmaTiles(16, 1, 2)
+    with pytest.raises(ValueError, match="not 1 parts"):
+        mat.matvec(torch.zeros(2, 96, device=DEVICE))
+
+
 def check_tensor_cores(mat: tb.Matrix, tiles: tb.MmaTiles, dtype: torch.dtype) -> None:
     """`mat`'s 2-8 rows on the tensor cores with `tiles`: for Q4_K and Q6_K the int16 kernel's integer sums, so
     its results to float rounding (Q8_0's windows otherwise take the GEMM over x unrounded); each row's bits

@@ -824,7 +824,9 @@ class Matrix:
         aligned = blocks.data_ptr() % 4 == 0
         self._rounded = qtype in ROUNDED and aligned
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
-        self._mma = mma_tiles(qtype, self.n, k) if qtype in TENSOR_CORES and aligned else None
+        # the tensor cores take k 256 values a step (a Q8_0 matrix of other k keeps the GEMM)
+        on_tensor_cores = qtype in TENSOR_CORES and aligned and k % 256 == 0
+        self._mma = mma_tiles(qtype, self.n, k) if on_tensor_cores else None
         if self._rounded or self._mma:
             RoundedRows.want(blocks.device)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
@@ -879,8 +881,8 @@ class Matrix:
 
     def _on_tensor_cores(self, x: torch.Tensor, y: torch.Tensor, tiles: MmaTiles) -> None:
         parts = tiles.parts
-        if (self.k // 256) % parts:
-            raise ValueError(f"k={self.k} is {self.k // 256} blocks: not {parts} parts of whole blocks")
+        if self.k % 256 or (self.k // 256) % parts:
+            raise ValueError(f"k={self.k} is not {parts} parts of whole 256-value steps")
         rounded, m = RoundedRows.of(x), x.shape[0]
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](

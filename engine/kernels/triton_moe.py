@@ -118,8 +118,8 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYP
 
 @triton.jit
 def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
-    """[8, R] float32: weight rows `rows` of the expert at `w` (a `TENSOR_CORES` type) times the x rows `x_row` [16] (rows t
-    and t + 8 alike, `x_live`) on the tensor cores, x's int8 planes split from its int16 values."""
+    """[8, R] float32: weight rows `rows` of the expert at `w` (a `TENSOR_CORES` type) times the x rows `x_row`
+    [16] (rows t and t + 8 alike, `x_live`) on the tensor cores, x's int8 planes split from its int16 values."""
     return _halves_of(_mma_sums(w, rows.to(tl.int64) * row_bytes, rows < n, xq, xq, xs, xsum, x_row, x_live, k, 0,
                                 k // 256, QTYPE, R, False), R)
 
