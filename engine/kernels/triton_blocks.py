@@ -9,7 +9,8 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
   one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The
   Q6_K head's 2-8 rows take the tensor cores instead (`_mma_kernel`): the same integer sums as int8
-  products, x split into two int8 planes. The other types' windows of 2-8 rows take the GEMM below with tiles
+  products, x split into two int8 planes (Q4_K and Q8_0 matrices too, where `mma_tiles` names tiles: none
+  yet). The other types' windows of 2-8 rows take the GEMM below with tiles
   of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8
   rows: 62.2 -> 18.9 us).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
