@@ -65,6 +65,13 @@ _F16 = tl.constexpr(int(Q.F16))
 _BF16 = tl.constexpr(int(Q.BF16))
 ROUNDED = (Q.Q4_K, Q.Q6_K)  # types whose decode sums take x rounded to int16 (`triton_xq`)
 TENSOR_CORES = ROUNDED + (Q.Q8_0,)  # types with int8 tensor-core sums for 2-8 rows (`_mma_sums`), x rounded too
+MMA_STEP = 256  # values of k a tensor-core step takes (`_mma_sums`' b0, b1)
+
+
+def takes_tensor_cores(qtype: Q, k: int) -> bool:
+    """Whether products of `qtype` over k values can take the tensor-core sums: k in whole steps (a Q8_0 matrix or
+    stack of other k keeps its float sums)."""
+    return qtype in TENSOR_CORES and k % MMA_STEP == 0
 
 
 @triton.jit
@@ -825,9 +832,7 @@ class Matrix:
         aligned = blocks.data_ptr() % 4 == 0
         self._rounded = qtype in ROUNDED and aligned
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
-        # the tensor cores take k 256 values a step (a Q8_0 matrix of other k keeps the GEMM)
-        on_tensor_cores = qtype in TENSOR_CORES and aligned and k % 256 == 0
-        self._mma = mma_tiles(qtype, self.n, k) if on_tensor_cores else None
+        self._mma = mma_tiles(qtype, self.n, k) if aligned and takes_tensor_cores(qtype, k) else None
         if self._rounded or self._mma:
             RoundedRows.want(blocks.device)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
@@ -882,13 +887,13 @@ class Matrix:
 
     def _on_tensor_cores(self, x: torch.Tensor, y: torch.Tensor, tiles: MmaTiles) -> None:
         parts = tiles.parts
-        if self.k % 256 or (self.k // 256) % parts:
-            raise ValueError(f"k={self.k} is not {parts} parts of whole 256-value steps")
+        if not takes_tensor_cores(self.qtype, self.k) or (self.k // MMA_STEP) % parts:
+            raise ValueError(f"k={self.k} is not {parts} parts of whole {MMA_STEP}-value steps")
         rounded, m = RoundedRows.of(x), x.shape[0]
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
             self.blocks, *rounded.planes(), rounded.scale, rounded.sums, out, m, self.n, self.k, self.blocks.shape[1],
-            self.k // 256 // parts, QTYPE=int(self.qtype), R=tiles.rows, num_warps=tiles.warps,
+            self.k // MMA_STEP // parts, QTYPE=int(self.qtype), R=tiles.rows, num_warps=tiles.warps,
             num_stages=tiles.stages, **pdl.launch(x.device))
         if parts > 1:
             block = 1024

@@ -45,7 +45,6 @@ from engine.kernels.triton_blocks import (
     GROUP,
     MATVEC_ROWS,
     ROUNDED,
-    TENSOR_CORES,
     X_DTYPES,
     _group,
     _halves_of,
@@ -60,6 +59,7 @@ from engine.kernels.triton_blocks import (
     _rows_dot_q4k,
     _rows_dot_q6k,
     row_bytes,
+    takes_tensor_cores,
 )
 from engine.kernels.triton_xq import ASM, RoundedRows
 
@@ -380,7 +380,8 @@ class Stack:
         self.slots, self.n, self.row_bytes = blocks.shape
         self.expert_bytes = self.n * self.row_bytes
         self._tiles = tiles  # None: from the shape
-        if qtype in ROUNDED or (qtype in TENSOR_CORES and (self.tiles(False).mma_rows or self.tiles(True).mma_rows)):
+        if qtype in ROUNDED or (takes_tensor_cores(qtype, k) and (self.tiles(False).mma_rows or
+                                                               self.tiles(True).mma_rows)):
             RoundedRows.want(blocks.device)
 
     def tiles(self, gated: bool) -> Tiles:
@@ -581,8 +582,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
                            (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
-        # on the tensor cores k goes 256 values a step (a Q8_0 stack of other k keeps its float sums)
-        on_tensor_cores = not solo and {w.qtype, other.qtype} <= set(TENSOR_CORES) and w.k % 256 == 0
+        on_tensor_cores = not solo and takes_tensor_cores(w.qtype, w.k) and takes_tensor_cores(other.qtype, other.k)
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounded = (RoundedRows.of(x) if mma or {w.qtype, other.qtype} & set(ROUNDED) else
