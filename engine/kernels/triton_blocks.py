@@ -9,8 +9,8 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
   one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The
   Q6_K head's 2-8 rows take the tensor cores instead (`_mma_kernel`): the same integer sums as int8
-  products, x split into two int8 planes (Q4_K and Q8_0 matrices too, where `mma_tiles` names tiles: none
-  yet). The other types' windows of 2-8 rows take the GEMM below with tiles
+  products, x split into two int8 planes, as do Q4_K and Q8_0 matrices below head size (`mma_tiles`). The other
+  types' windows of 2-8 rows (and the Q8_0 head's) take the GEMM below with tiles
   of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8
   rows: 62.2 -> 18.9 us).
 - `Matrix.gemm`: x [m, k] @ W.T for prompt chunks: each weight tile is dequantized in registers to x's
@@ -802,11 +802,21 @@ class MmaTiles:
 
 
 def mma_tiles(qtype: Q, n: int, k: int) -> MmaTiles | None:
-    """The tensor cores' tiles for 2-8 rows of an n x k matrix of `qtype`, or None where the int16 kernel is
-    faster. The Q6_K head only: on an H200 at 8 rows 404.2 -> 292.7 us, the fastest of rows 16-128, warps 1-4 and
-    stages 2-3; smaller Q4_K and Q6_K matrices, k in one part, were as fast or slower on the tensor cores (Q6_K
-    512 x 2048: 8.4 -> 23.8 us; Q4_K 2048 x 4096: 18.0 -> 24.3): too few programs to fill the GPU."""
-    return MmaTiles(32, 2, 2) if qtype == Q.Q6_K and n >= 32768 else None
+    """The tensor cores' tiles for 2-8 rows of an n x k matrix of `qtype`, or None where the int16 kernel (Q8_0:
+    the GEMM) is faster. 8 rows, H100, one call replayed from a CUDA graph (`sweep.dense_mma`):
+    - the Q6_K head: 404.0 -> 278.9 us; the Q8_0 head stays on its GEMM (220.2 against 264.9 at best);
+    - Q4_K and Q8_0 matrices below head size, k cut into parts of 512 values so that enough programs fill the GPU
+      (one part was 1.5-4x slower): Q4_K 5120 x 2048 20.4 -> 17.6 us, 2048 x 4096 18.0 -> 15.5; Q8_0 5120 x 2048
+      17.9 -> 15.1, 2048 x 4096 27.7 -> 14.4, 512 x 2048 15.3 -> 10.4 (two warps a Q8_0 program, one a Q4_K's);
+    - Q6_K's small matrices keep the int16 kernel (512 x 2048: 8.3 against 10.0 us at best)."""
+    if n >= 32768:
+        return MmaTiles(32, 2, 2) if qtype == Q.Q6_K else None
+    if qtype not in (Q.Q4_K, Q.Q8_0) or k < 2 * 512:
+        return None
+    parts = 8
+    while parts > k // 512 or (k // MMA_STEP) % parts:
+        parts //= 2
+    return MmaTiles(32, 2 if qtype == Q.Q8_0 else 1, 2, parts)
 
 
 class Matrix:
