@@ -77,7 +77,8 @@ def test_matvec_rows_with_the_tiles_of_their_shape(qtype, n, k):
     12 rows here, the interpreter takes minutes for the whole)."""
     blocks = tb.random_blocks(qtype, n, k, torch.Generator().manual_seed(n)).to(DEVICE)
     mat, part = tb.Matrix(qtype, blocks, k), tb.Matrix(qtype, blocks[:12].clone(), k)
-    part._rows = mat._rows
+    # the int16 kernel: below head size a Q4_K matrix of this k takes the tensor cores instead (tested below)
+    part._rows, part._mma = mat._rows, None
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     assert_close(part.matvec(x), x, reference(qtype, blocks[:12]), matvec_tolerance(x.dtype), rounding_error(x))
 
@@ -119,6 +120,18 @@ def test_rows_on_the_tensor_cores_with_k_in_parts(qtype, parts):
     mat._mma = tb.MmaTiles(16, 1, 2, 2)
     with pytest.raises(ValueError, match="not 2 parts"):
         mat.matvec(torch.zeros(2, k, device=DEVICE))
+
+
+@pytest.mark.parametrize(("qtype", "n", "k", "tiles"), [
+    (Q.Q4_K, 5120, 2048, tb.MmaTiles(32, 1, 2, 4)), (Q.Q4_K, 2048, 4096, tb.MmaTiles(32, 1, 2, 8)),
+    (Q.Q8_0, 512, 2048, tb.MmaTiles(32, 2, 2, 4)), (Q.Q8_0, 64, 1536, tb.MmaTiles(32, 2, 2, 2)),
+    (Q.Q4_K, 2048, 768, None), (Q.Q6_K, 512, 2048, None), (Q.Q4_0, 2048, 4096, None),
+    (Q.Q6_K, 151936, 2048, tb.MmaTiles(32, 2, 2)), (Q.Q8_0, 151936, 2048, None), (Q.Q4_K, 151936, 2048, None)],
+    ids=str)
+def test_which_matrices_take_the_tensor_cores(qtype, n, k, tiles):
+    """Q4_K and Q8_0 below head size with k cut into parts of 512 values (a whole number of 256-value steps each,
+    at most 8), the Q6_K head in one part; the others keep the int16 kernel or the GEMM."""
+    assert tb.mma_tiles(qtype, n, k) == tiles
 
 
 def test_q8_0_keeps_the_gemm_where_k_is_not_whole_steps(monkeypatch):

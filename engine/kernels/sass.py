@@ -135,12 +135,13 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
                  warps)
 
 
-def head_mma() -> Usage:
-    """The Q6_K head's 2-8 rows on the tensor cores, with `Matrix`'s tiles for it."""
-    tiles = tb.mma_tiles(Q.Q6_K, HEAD, HIDDEN)
-    return usage(tb._mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", xsum="*fp32", out="*bf16", m=8,
-                                      n=HEAD, k=HIDDEN, row_bytes=tb.row_bytes(Q.Q6_K, HIDDEN), per=HIDDEN // 256),
-                 dict(QTYPE=int(Q.Q6_K), R=tiles.rows, PDL=False), tiles.warps)
+def dense_mma(qtype: Q, n: int, k: int) -> Usage:
+    """`Matrix.matvec`'s 2-8 rows on the tensor cores, with the tiles `mma_tiles` names for n x k."""
+    tiles = tb.mma_tiles(qtype, n, k)
+    out = "*fp32" if tiles.parts > 1 else "*bf16"  # parts go to a float32 buffer, `_add_parts` adds them
+    return usage(tb._mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", xsum="*fp32", out=out, m=8, n=n,
+                                      k=k, row_bytes=tb.row_bytes(qtype, k), per=k // tb.MMA_STEP // tiles.parts),
+                 dict(QTYPE=int(qtype), R=tiles.rows, PDL=False), tiles.warps)
 
 
 def main() -> None:
@@ -156,9 +157,11 @@ def main() -> None:
                      ("MoE down Q6_K, one row", lambda: moe_matvec(Q.Q6_K, False, True)),
                      ("MoE GEMM gate+up Q4_K (prompt)", lambda: moe_gemm(Q.Q4_K, True)),
                      ("MoE GEMM gate+up Q8_0 (prompt)", lambda: moe_gemm(Q.Q8_0, True)),
-                     ("Q4_K 5120x2048, 8 rows", lambda: dense(Q.Q4_K, 5120, HIDDEN, 8)),
+                     ("Q4_K 5120x2048, 8 rows (int16 kernel)", lambda: dense(Q.Q4_K, 5120, HIDDEN, 8)),
                      ("Q6_K head, 8 rows (int16 kernel)", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 8)),
-                     ("Q6_K head, 8 rows (tensor cores)", head_mma),
+                     ("Q4_K 5120x2048, 8 rows (tensor cores)", lambda: dense_mma(Q.Q4_K, 5120, HIDDEN)),
+                     ("Q8_0 2048x4096, 8 rows (tensor cores)", lambda: dense_mma(Q.Q8_0, HIDDEN, 4096)),
+                     ("Q6_K head, 8 rows (tensor cores)", lambda: dense_mma(Q.Q6_K, HEAD, HIDDEN)),
                      ("Q6_K head, one row", lambda: dense(Q.Q6_K, HEAD, HIDDEN, 1))):
         print(fn().line(name), flush=True)
 

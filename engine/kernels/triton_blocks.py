@@ -689,9 +689,9 @@ def _halves_of(acc, R: tl.constexpr):
 @triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
 def _mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, QTYPE: tl.constexpr, R: tl.constexpr,
                 PDL: tl.constexpr):
-    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16 (as planes), Q4_K or Q6_K, on the tensor
-    cores: blocks [s * per, (s + 1) * per) of each weight row, into `out` (y itself for one part, else float32
-    [parts, 8, n]). Row i's bits do not depend on m."""
+    """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16 (as planes), a `TENSOR_CORES` type, on
+    the tensor cores: steps [s * per, (s + 1) * per) of 256 values of each weight row, into `out` (y itself for
+    one part, else float32 [parts, 8, n]). Row i's bits do not depend on m."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     part = tl.program_id(1)
@@ -784,7 +784,8 @@ def int16_tiles(qtype: Q, n: int, k: int, tiles: Tiles) -> tuple[tuple[int, int,
     one_row = (4, 1, 1) if head else (2, blocks, warps)
     # 2-8 rows: the Q6_K head eight rows a program (565.2 -> 396.5 us at 8 rows), a Q4_K matrix of k >= 4096
     # four rows and two warps (2048x4096: 24.9 -> 17.5 us), the fastest of a sweep on an H200 (rows 1-8,
-    # blocks 2-8, warps 1-2)
+    # blocks 2-8, warps 1-2); where `mma_tiles` names tiles (the head, Q4_K below head size) the tensor cores
+    # take 2-8 rows instead
     rows = (8, 4, 1) if head else (4, 8, 2) if qtype == Q.Q4_K and k >= 4096 else (2, blocks, warps)
     return one_row, rows
 

@@ -293,7 +293,9 @@ class Tiles:
     joint: bool = True
     # weight rows of a program for a run of 2-8 pairs of Q4_K, Q6_K or Q8_0 on the tensor cores (int8 products, x
     # split into two int8 planes; the rows a program otherwise, `matvec_rows`, where fewer); 0: the int16 or float
-    # sums
+    # sums, which `for_stack` keeps: on an H100 at 8 rows the runs on the tensor cores were slower at every tile but
+    # one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down on 8 experts alone
+    # gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run, too few programs
     mma_rows: int = 0
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
