@@ -175,6 +175,48 @@ def test_decode_runs_on_the_tensor_cores(qtype):
         assert_same_bits(per_pair(routing, y)[i], window[row])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_decode_runs_in_parts_of_k(qtype):
+    """`Tiles.mma_parts`: a run's k cut into parts on the tensor cores (programs of their own, added in order
+    after, then silu(gate) * up): one part's sums to float rounding; a pair's bits whatever its run's company;
+    pairs alone, and the pairs the slot table skips, as in one part. k = 768: three parts of one step."""
+    k = 768
+    stacks, _ = stacks_of(qtype, 13, shapes=((32, k), (32, k), (48, k)))
+
+    def tiled(parts: int) -> list[tm.Stack]:
+        return [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), mma_rows=16, mma_parts=parts))
+                for i, s in enumerate(stacks)]
+
+    def window(parts: int, rows: list[int], slot_of: torch.Tensor = SLOTS,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, down = tiled(parts)
+        routing = tm.Routing.of(ids[rows], E)
+        h = tm.swiglu(gate, up, x[rows], routing, slot_of, out)
+        return per_pair(routing, h), per_pair(routing, tm.project(down, hs[:len(rows) * 2], routing, slot_of))
+
+    ids = ids_of([[1, 3], [3, 1], [1, 0], [4, 2]])  # expert 1: a run of 3, expert 3: of 2; 0, 2, 4 alone
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(4, k, generator=gen) / 16).to(DEVICE)
+    hs = (torch.randn(8, k, generator=gen) / 16).to(DEVICE)
+    whole, parts = window(1, [0, 1, 2, 3]), window(3, [0, 1, 2, 3])
+    for a, b in zip(parts, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    assert_same_bits(parts[0][3], whole[0][3])  # row 3: experts 4 and 2, alone
+    sub = [1, 0, 3]  # experts 1 and 3 in runs of 2 (1's in another order)
+    h_sub, _ = window(3, sub)
+    for i, row in enumerate(sub):
+        assert_same_bits(h_sub[i], parts[0][row])
+    slot_of = SLOTS.clone()
+    slot_of[1] = tm.SKIP
+    out = torch.full((8, 32), 7.0, device=DEVICE)
+    h_skip, _ = window(3, [0, 1, 2, 3], slot_of, out)
+    left = ids.cpu() == 1
+    assert (h_skip.cpu()[left] == 7).all()
+    assert_same_bits(h_skip.cpu()[~left], parts[0].cpu()[~left])
+    with pytest.raises(ValueError, match="not 2 parts"):
+        window(2, [0, 1])
+
+
 def test_joint_gate_and_up_give_the_same_bits():
     """`Tiles.joint`: Q4_K gates and ups in one pass over the blocks, the sums of two passes: in the matvec for
     runs and pairs alone (`DECODE_IDS` has both) and for a window of one row (its own tiles), in the GEMM for a

@@ -92,8 +92,8 @@ def usage(kernel: triton.runtime.jit.JITFunction, args: dict[str, str | int], co
 
 
 _MOE_ARGS = dict(w="*u8", w2="*u8", wf="*u8", wf2="*u8", slot_of="*i32", experts="*i32", src="*i32", dst="*i64",
-                 x="*bf16", xq="*i16", xs="*fp32", xsum="*fp32", xh="*i32", y="*bf16", tile_expert="*i32",
-                 padded="*i32", pairs=64)
+                 x="*bf16", xq="*i16", xs="*fp32", xsum="*fp32", xh="*i32", y="*bf16", parts="*fp32",
+                 tile_expert="*i32", padded="*i32", pairs=64)
 _DENSE_ARGS = dict(w="*u8", xq="*i16", xs="*fp32", xsum="*fp32", halves="*i32", y="*bf16", m=8)
 
 
@@ -108,15 +108,16 @@ def _moe(qtype: Q, gated: bool) -> tuple[tm.Tiles, dict[str, str | int], dict[st
         GATED=gated, JOINT=gated and tiles.joins(qtype, qtype), PDL=False)
 
 
-def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None) -> Usage:
+def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None, parts: int = 1) -> Usage:
     """The fused MoE matvec for a projection of `qtype` (gate+up when `gated`), with its tiles for windows of 2-8
-    rows (runs on the tensor cores in programs of `mma_rows` weight rows, when given), or of one row."""
+    rows (runs on the tensor cores in programs of `mma_rows` weight rows, k in `parts`, when given), or of one
+    row."""
     t, args, consts = _moe(qtype, gated)
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks,
-                                                            SB2=blocks, ASM=True, MMA=mma), warps)
+                                                            SB2=blocks, ASM=True, MMA=mma, PARTS=parts), warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:
@@ -150,6 +151,8 @@ def main() -> None:
                      ("MoE down Q6_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q6_K, False, False)),
                      ("MoE gate+up Q4_K, runs on the tensor cores", lambda: moe_matvec(Q.Q4_K, True, False, 16)),
                      ("MoE down Q6_K, runs on the tensor cores", lambda: moe_matvec(Q.Q6_K, False, False, 16)),
+                     ("MoE gate+up Q4_K, runs on the tensor cores, k in 4 parts",
+                      lambda: moe_matvec(Q.Q4_K, True, False, 16, 4)),
                      ("MoE gate+up Q8_0, windows of 2-8 rows", lambda: moe_matvec(Q.Q8_0, True, False)),
                      ("MoE gate+up Q8_0, runs on the tensor cores", lambda: moe_matvec(Q.Q8_0, True, False, 16)),
                      ("MoE down Q8_0, runs on the tensor cores", lambda: moe_matvec(Q.Q8_0, False, False, 16)),

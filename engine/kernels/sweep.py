@@ -1,12 +1,13 @@
-"""`python -m engine.kernels.sweep [SECONDS]`: the decode tile sweeps behind `triton_blocks` and
+"""`python -m engine.kernels.sweep [SECONDS] [--runs]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
-down, then runs on the tensor cores, `Tiles.mma_rows`; skewed routing, then every row on the same experts as
-`bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step,
+down, then runs on the tensor cores, `Tiles.mma_rows` and `mma_parts`; skewed routing, then every row on the
+same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a program, blocks a step,
 warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's float-sum tiles,
 the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row windows. Each figure
 is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are
-printed fastest first, the one the code uses marked."""
+printed fastest first, the one the code uses marked. `--runs`: the MoE's runs on the tensor cores alone, beside
+the code's tiles, for the Q4_K_M mix and Q8_0."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ DENSE = ((Q.Q6_K, 151936, 2048), (Q.Q4_K, 5120, 2048), (Q.Q4_K, 2048, 4096), (Q.
 HIDDEN, FF, EXPERTS, TOP_K = 2048, 768, 128, 8
 Q8_0_DENSE = ((Q.Q8_0, 5120, 2048), (Q.Q8_0, 2048, 4096), (Q.Q8_0, 512, 2048), (Q.Q8_0, 151936, 2048))
 CHOICES = (1, 2, 4, 8)
+MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 WITHOUT = "without tensor cores"
 
 
@@ -123,13 +125,15 @@ def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([torch.multinomial(weights, TOP_K, generator=gen) for _ in range(rows)])
 
 
-def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K)) -> None:
+def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K),
+               runs_only: bool = False) -> None:
     """The fused MoE kernel on a window of `rows` rows, gates and ups of `types[0]`, downs of `types[1]` (the
     Q4_K_M mix's by default): one row sweeps `Tiles.solo_*`, more rows the matvec tiles (`matvec_rows`,
     `row_blocks`, `matvec_warps`), which also serve their pairs alone on an expert, and for the gates and ups
     each configuration with `Tiles.joint` ("joint" in the key, where the type joins) and without.
     `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
-    do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3."""
+    do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3. Then runs on the tensor cores
+    (`MMA_RUNS`: `Tiles.mma_rows`, warps, `Tiles.mma_parts`); `runs_only`: those beside the code's tiles alone."""
     gen = torch.Generator().manual_seed(1)
     gate_type, down_type = types
     shapes = {"gate": (gate_type, FF, HIDDEN), "up": (gate_type, FF, HIDDEN), "down": (down_type, HIDDEN, FF)}
@@ -157,26 +161,32 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
 
     gated, down = {}, {}
     joins = tm.Tiles.for_stack(gate_type, HIDDEN, True).joins(gate_type, gate_type)
-    configs = [chosen(gate_type, HIDDEN, True), chosen(down_type, FF, False)]
-    configs += [c for c in _configs(CHOICES, CHOICES, CHOICES[:3]) if c not in configs]
+    code = [chosen(gate_type, HIDDEN, True), chosen(down_type, FF, False)]
+    configs = code + ([] if runs_only else [c for c in _configs(CHOICES, CHOICES, CHOICES[:3]) if c not in code])
     for config in configs:
         if time.monotonic() > deadline:
             break
-        g = dataclasses.replace(tiles_of(gate_type, HIDDEN, True, config), joint=False)
-        d = tiles_of(down_type, FF, False, config)
-        gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
-        if joins:
-            g = dataclasses.replace(g, joint=True)
-            gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
-                                                                    slot_of))
-        down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
-    for mma, warps in itertools.product((16, 32), (1, 2, 4)) if rows > 1 else ():  # runs on the tensor cores
+        if not runs_only or config == code[0]:
+            g = dataclasses.replace(tiles_of(gate_type, HIDDEN, True, config), joint=False)
+            gated[config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+            if joins:
+                g = dataclasses.replace(g, joint=True)
+                gated[config + ("joint",)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
+                                                                        slot_of))
+        if not runs_only or config == code[1]:
+            d = tiles_of(down_type, FF, False, config)
+            down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    # runs on the tensor cores: weight rows a program, warps, parts of k (the down's k = 768 in 1 or 3)
+    for mma, warps, parts in MMA_RUNS if rows > 1 else ():
         if time.monotonic() > deadline:
             break
-        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), matvec_warps=warps, mma_rows=mma)
-        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), matvec_warps=warps, mma_rows=mma)
-        gated[("mma", mma, warps)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
-        down[("mma", mma, warps)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), matvec_warps=warps, mma_rows=mma,
+                                mma_parts=parts)
+        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), matvec_warps=warps, mma_rows=mma,
+                                mma_parts=1 if parts == 1 else FF // tb.MMA_STEP)
+        gated[("mma", mma, warps, parts)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
+                                                                       slot_of))
+        down[("mma", mma, warps, d.mma_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(gate_type, HIDDEN, True) + (("joint",) if joins else ())
     _report(f"MoE gate+up ({gate_type.name}), {rows} rows, {experts} experts", gated, used)
@@ -184,9 +194,15 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
 
 
 def main() -> None:
-    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
+    args = [a for a in sys.argv[1:] if a != "--runs"]
+    seconds = float(args[0]) if args else 300.0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {seconds:.0f} s")
     start = time.monotonic()
+    if "--runs" in sys.argv:  # the MoE's runs on the tensor cores only, both mixes, both routings
+        cases = [(types, copies) for types in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)) for copies in (False, True)]
+        for i, (types, copies) in enumerate(cases, 1):
+            moe_window(tb.MATVEC_ROWS, start + seconds * i / len(cases), copies, types, runs_only=True)
+        return
     moe_window(tb.MATVEC_ROWS, start + seconds * 0.25)
     moe_window(tb.MATVEC_ROWS, start + seconds * 0.4, copies=True)
     dense(tb.MATVEC_ROWS, start + seconds * 0.6)

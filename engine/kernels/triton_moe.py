@@ -17,7 +17,8 @@ the device, no host sync):
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot (`Tiles.joint`: Q4_K gates and ups in one pass, each x tile loaded once for both).
 
-Float32 accumulation, no atomics, no split-K; tile sizes come from the matrices' types and shapes only (`Tiles`), so
+Float32 accumulation, no atomics (runs on the tensor cores may cut k into parts, `Tiles.mma_parts`, added in order
+by a second launch); tile sizes come from the matrices' types and shapes only (`Tiles`), so
 a pair's result depends on its own row, and in the matvec on whether its expert's run has company: in a run
 of 2-8 a pair runs the same instructions whatever its place, alone it runs the one-row sums (exact mode runs
 rows alone: always those); in the GEMM it is the same dots over the same tiles whatever its place in the
@@ -44,6 +45,7 @@ from engine.kernels.triton_blocks import (
     _Q6_K,
     GROUP,
     MATVEC_ROWS,
+    MMA_STEP,
     ROUNDED,
     X_DTYPES,
     _group,
@@ -117,11 +119,12 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYP
 
 
 @triton.jit
-def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
+def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
     """[8, R] float32: weight rows `rows` of the expert at `w` (a `TENSOR_CORES` type) times the x rows `x_row`
-    [16] (rows t and t + 8 alike, `x_live`) on the tensor cores, x's int8 planes split from its int16 values."""
-    return _halves_of(_mma_sums(w, rows.to(tl.int64) * row_bytes, rows < n, xq, xq, xs, xsum, x_row, x_live, k, 0,
-                                k // 256, QTYPE, R, False), R)
+    [16] (rows t and t + 8 alike, `x_live`) over k's 256-value steps [b0, b1) on the tensor cores, x's int8 planes
+    split from its int16 values."""
+    return _halves_of(_mma_sums(w, rows.to(tl.int64) * row_bytes, rows < n, xq, xq, xs, xsum, x_row, x_live, k, b0,
+                                b1, QTYPE, R, False), R)
 
 
 @triton.jit
@@ -144,35 +147,40 @@ def _run_start(experts, slot_of, p):
 
 
 @triton.jit(do_not_specialize=["pairs"])  # one compiled kernel for every window
-def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, pairs, n, k, row_bytes,
-                       expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k,
+                       row_bytes, expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
                        ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PARTS: tl.constexpr, PDL: tl.constexpr):
+    """Program (weight-row tile, sorted pair p, part): see the module's doc. PARTS > 1 (runs on the tensor cores
+    only): part s of a run's sums, k's steps [s * k / PARTS, (s + 1) * k / PARTS), into `parts` float32
+    [PARTS, 1 + GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`; pairs alone take part 0."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
+    part = tl.program_id(2)
     e, slot, first = _run_start(experts, slot_of, p)
     slot = slot.to(tl.int64)
     if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
-        if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums
-            at = tl.load(src + p).to(tl.int64)
-            if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
-                one, up1 = _row_dot2_q4k(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
-                                         rows, n, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes,
-                                         R, SB, ASM)
-                one = one * tl.sigmoid(one) * up1
-            else:
-                one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k, row_bytes,
-                               QTYPE, GROUP, R, BK, SB, ASM)
-                if GATED:
-                    up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
-                                   row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
+        if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums (part 0's)
+            if part == 0:
+                at = tl.load(src + p).to(tl.int64)
+                if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
+                    one, up1 = _row_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
+                                             _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq + at * k,
+                                             xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB, ASM)
                     one = one * tl.sigmoid(one) * up1
-            tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
+                else:
+                    one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k,
+                                   row_bytes, QTYPE, GROUP, R, BK, SB, ASM)
+                    if GATED:
+                        up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
+                                       row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
+                        one = one * tl.sigmoid(one) * up1
+                tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
         elif MMA > 0:  # a run on the tensor cores: the programs whose weight rows start a tile of MMA rows
             if (tl.program_id(0) * R) % MMA == 0:
                 tile = tl.program_id(0) * R + tl.arange(0, MMA)
@@ -180,21 +188,31 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                 x_live = t < count
                 x_row = tl.load(src + p + t, mask=x_live, other=0).to(tl.int64)
                 wa = _expert_at(w, wf, slot, expert_bytes)
+                b0 = part * (k // 256 // PARTS)
+                b1 = b0 + k // 256 // PARTS
+                up = tl.zeros((8, MMA), dtype=tl.float32)
                 if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
                     acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
-                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, 0, k // 256, MMA, True, False)
+                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
                     acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
-                    acc = acc * tl.sigmoid(acc) * up
                 else:
-                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, row_bytes, QTYPE, MMA)
+                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA)
                     if GATED:
                         up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row, x_live,
-                                       k, row_bytes2, QTYPE2, MMA)
-                        acc = acc * tl.sigmoid(acc) * up
+                                       k, b0, b1, row_bytes2, QTYPE2, MMA)
                 r = tl.arange(0, 8)[:, None]
-                out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + tile[None, :]
-                tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (tile[None, :] < n))
-        else:
+                live = (r < count) & (tile[None, :] < n)
+                if PARTS == 1:
+                    if GATED:
+                        acc = acc * tl.sigmoid(acc) * up
+                    out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + tile[None, :]
+                    tl.store(out, acc.to(y.dtype.element_ty), mask=live)
+                else:  # the run's sorted pairs' rows of this part (`_add_run_parts` adds the parts)
+                    at = parts + ((part * (2 if GATED else 1)) * pairs + p + r).to(tl.int64) * n + tile[None, :]
+                    tl.store(at, acc, mask=live)
+                    if GATED:
+                        tl.store(at + pairs * n, up, mask=live)
+        elif part == 0:
             if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
                 acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
                                          _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq, xs, xsum, src + p,
@@ -210,6 +228,31 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
             r = tl.arange(0, ROWS)[:, None]
             out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + rows[None, :]
             tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
+
+
+@triton.jit(do_not_specialize=["pairs"])
+def _add_run_parts(parts, y, experts, slot_of, dst, pairs, n, GATED: tl.constexpr, PARTS: tl.constexpr,
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y's row of sorted pair p = program_id(0), where p is in a run of 2-8 on a computed expert: its parts
+    (`_moe_matvec_kernel`'s PARTS > 1) added in order, silu(gate) * up when GATED."""
+    pdl.wait(PDL)
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(experts + p)
+    in_run = (tl.load(experts + p - 1, mask=p > 0, other=-1) == e) | \
+        (tl.load(experts + p + 1, mask=p + 1 < pairs, other=-1) == e)
+    if in_run & (tl.load(slot_of + e) != -1):
+        at = parts + p.to(tl.int64) * n + cols
+        live = cols < n
+        acc = tl.load(at, mask=live, other=0.0)
+        for s in tl.static_range(1, PARTS):
+            acc += tl.load(at + s * (2 if GATED else 1) * pairs * n, mask=live, other=0.0)
+        if GATED:
+            up = tl.load(at + pairs * n, mask=live, other=0.0)
+            for s in tl.static_range(1, PARTS):
+                up += tl.load(at + (2 * s + 1) * pairs * n, mask=live, other=0.0)
+            acc = acc * tl.sigmoid(acc) * up
+        tl.store(y + tl.load(dst + p).to(tl.int64) * n + cols, acc.to(y.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -297,6 +340,9 @@ class Tiles:
     # one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down on 8 experts alone
     # gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run, too few programs
     mma_rows: int = 0
+    # parts of k for those runs, each a program of its own (k // 256 steps split evenly), their sums added in order
+    # after (`_add_run_parts`, which also applies silu(gate) * up): more programs for the few runs of a window
+    mma_parts: int = 1
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -306,6 +352,8 @@ class Tiles:
         if self.mma_rows and (self.mma_rows < 16 or self.mma_rows & (self.mma_rows - 1)):
             raise ValueError(f"mma_rows must be 0 or a power of two of at least 16 (the tensor cores' tile), "
                              f"got {self.mma_rows}")
+        if self.mma_parts < 1:
+            raise ValueError(f"mma_parts must be at least 1, got {self.mma_parts}")
 
     def mma_program(self, rows: int) -> int:
         """Weight rows of a tensor-core program for runs of 2-8 pairs, where programs have `rows` (the kernel's
@@ -586,15 +634,25 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         on_tensor_cores = not solo and takes_tensor_cores(w.qtype, w.k) and takes_tensor_cores(other.qtype, other.k)
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
+        n_parts = tiles.mma_parts if mma else 1
+        if (w.k // MMA_STEP) % n_parts:
+            raise ValueError(f"k={w.k} is not {n_parts} parts of whole {MMA_STEP}-value steps")
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounded = (RoundedRows.of(x) if mma or {w.qtype, other.qtype} & set(ROUNDED) else
                    RoundedRows(x, x, x, x))
-        _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs)](
+        parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
+                 else y)
+        _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs, n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
-            rounded.scale, rounded.sums, rounded.halves, y, pairs, w.n, w.k, *sizes, **w.type_args(),
+            rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, num_warps=warps, **_FUSED,
-            **pdl.launch(x.device))
+            R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, PARTS=n_parts,
+            num_warps=warps, **_FUSED, **pdl.launch(x.device))
+        if n_parts > 1:
+            block = 256
+            _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
+                                                             w.n, GATED=gated, PARTS=n_parts, BLOCK=block,
+                                                             **pdl.launch(x.device))
     else:
         if routing.padded.numel() != routing.tile_expert.numel() * tiles.gemm_m:
             raise ValueError(f"the routing's tiles are not of {tiles.gemm_m} pairs: Routing.of(ids, experts, "
