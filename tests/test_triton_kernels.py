@@ -89,8 +89,9 @@ def test_the_q8_0_head_tiles():
     k = 1024  # two steps of 512
     blocks = tb.random_blocks(Q.Q8_0, 32768, k, torch.Generator().manual_seed(6)).to(DEVICE)
     mat, part = tb.Matrix(Q.Q8_0, blocks, k), tb.Matrix(Q.Q8_0, blocks[:12].clone(), k)
-    assert (mat._float_row, mat._small_gemm) != (part._float_row, part._small_gemm)
-    part._float_row, part._small_gemm = mat._float_row, mat._small_gemm
+    assert (mat._float_row, mat._small_gemm, mat._mma) != (part._float_row, part._small_gemm, part._mma)
+    # the head's: its 2-8 rows keep the GEMM where a smaller Q8_0 matrix takes the tensor cores
+    part._float_row, part._small_gemm, part._mma = mat._float_row, mat._small_gemm, mat._mma
     ref = reference(Q.Q8_0, blocks[:12])
     for rows in (1, 3):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
