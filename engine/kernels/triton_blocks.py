@@ -74,6 +74,14 @@ def takes_tensor_cores(qtype: Q, k: int) -> bool:
     return qtype in TENSOR_CORES and k % MMA_STEP == 0
 
 
+def steps_per_part(qtype: Q, k: int, parts: int) -> int:
+    """The tensor-core steps of each of `parts` programs over k (`MMA_STEP` values a step); refused where
+    products of `qtype` over k cannot take the tensor cores in that many parts."""
+    if not takes_tensor_cores(qtype, k) or (k // MMA_STEP) % parts:
+        raise ValueError(f"k={k} is not {parts} parts of whole {MMA_STEP}-value steps")
+    return k // MMA_STEP // parts
+
+
 @triton.jit
 def _byte(w, at, mask):
     return tl.load(w + at, mask=mask, other=0).to(tl.int32)
@@ -812,10 +820,11 @@ def mma_tiles(qtype: Q, n: int, k: int) -> MmaTiles | None:
     - Q6_K's small matrices keep the int16 kernel (512 x 2048: 8.3 against 10.0 us at best)."""
     if n >= 32768:
         return MmaTiles(32, 2, 2) if qtype == Q.Q6_K else None
-    if qtype not in (Q.Q4_K, Q.Q8_0) or k < 2 * 512:
+    part = 2 * MMA_STEP  # the values of k a program takes, at least
+    if qtype not in (Q.Q4_K, Q.Q8_0) or k < 2 * part:
         return None
     parts = 8
-    while parts > k // 512 or (k // MMA_STEP) % parts:
+    while parts > k // part or (k // MMA_STEP) % parts:
         parts //= 2
     return MmaTiles(32, 2 if qtype == Q.Q8_0 else 1, 2, parts)
 
@@ -898,13 +907,12 @@ class Matrix:
 
     def _on_tensor_cores(self, x: torch.Tensor, y: torch.Tensor, tiles: MmaTiles) -> None:
         parts = tiles.parts
-        if not takes_tensor_cores(self.qtype, self.k) or (self.k // MMA_STEP) % parts:
-            raise ValueError(f"k={self.k} is not {parts} parts of whole {MMA_STEP}-value steps")
+        per = steps_per_part(self.qtype, self.k, parts)
         rounded, m = RoundedRows.of(x), x.shape[0]
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
             self.blocks, *rounded.planes(), rounded.scale, rounded.sums, out, m, self.n, self.k, self.blocks.shape[1],
-            self.k // MMA_STEP // parts, QTYPE=int(self.qtype), R=tiles.rows, num_warps=tiles.warps,
+            per, QTYPE=int(self.qtype), R=tiles.rows, num_warps=tiles.warps,
             num_stages=tiles.stages, **pdl.launch(x.device))
         if parts > 1:
             block = 1024

@@ -45,7 +45,6 @@ from engine.kernels.triton_blocks import (
     _Q6_K,
     GROUP,
     MATVEC_ROWS,
-    MMA_STEP,
     ROUNDED,
     X_DTYPES,
     _group,
@@ -61,6 +60,7 @@ from engine.kernels.triton_blocks import (
     _rows_dot_q4k,
     _rows_dot_q6k,
     row_bytes,
+    steps_per_part,
     takes_tensor_cores,
 )
 from engine.kernels.triton_xq import ASM, RoundedRows
@@ -190,7 +190,6 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                 wa = _expert_at(w, wf, slot, expert_bytes)
                 b0 = part * (k // 256 // PARTS)
                 b1 = b0 + k // 256 // PARTS
-                up = tl.zeros((8, MMA), dtype=tl.float32)
                 if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
                     acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
                                        tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
@@ -635,8 +634,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         on_tensor_cores = not solo and takes_tensor_cores(w.qtype, w.k) and takes_tensor_cores(other.qtype, other.k)
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
         n_parts = tiles.mma_parts if mma else 1
-        if (w.k // MMA_STEP) % n_parts:
-            raise ValueError(f"k={w.k} is not {n_parts} parts of whole {MMA_STEP}-value steps")
+        if mma:
+            steps_per_part(w.qtype, w.k, n_parts)  # refuses parts that do not cut k into whole steps
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounded = (RoundedRows.of(x) if mma or {w.qtype, other.qtype} & set(ROUNDED) else
                    RoundedRows(x, x, x, x))
