@@ -127,6 +127,23 @@ def test_the_rows_keys_and_values_are_written_first():
         decode_attention(q, k[:, :1], v[:, :1], k_cache, v_cache, sessions, positions, 0.2)
 
 
+def test_keys_and_values_read_from_column_slices_of_one_product():
+    """k and v of a window as `Model.attention` passes them (v a column slice of the joined q|k|v product, its
+    rows a stride apart): written and attended the same as from contiguous copies."""
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * D, generator=gen).to(DEVICE, torch.float16)
+    q, k, v = (part.reshape(3, -1, D) for part in qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1))
+    sessions = torch.tensor([2, 0, 1], device=DEVICE)
+    positions = torch.tensor([5, 39, 87], device=DEVICE)
+    outs, caches_after = [], []
+    for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+        k_cache, v_cache = caches(40, torch.float16, seed=9)
+        outs.append(decode_attention(q, kk, vv, k_cache, v_cache, sessions, positions, 0.2, window=40))
+        caches_after.append((k_cache, v_cache))
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*caches_after, strict=True))
+
+
 def test_bad_shapes_are_refused():
     k_cache, v_cache = caches(16, torch.float32)
     q = torch.zeros(1, 5, D, device=DEVICE)  # 5 query heads over 2 KV heads

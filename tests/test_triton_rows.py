@@ -169,6 +169,26 @@ def test_rope_pair_rotates_q_and_k_in_one_launch(neox, normed):
         tr.rope_pair(q, k, positions, cos, sin, neox, (wq, EPS), None)
 
 
+def test_rope_pair_reads_column_slices_of_one_product_in_place():
+    """A window's q and k are column slices of one joined product ([N, q | k | v]): read where they are, rows
+    a stride apart, the same bits as from contiguous copies."""
+    qkv = torch.randn(5, (32 + 4 + 4) * 64, generator=gen(17)).to(DEVICE, torch.bfloat16)
+    q, k, _ = (part.reshape(5, -1, 64) for part in qkv.split([32 * 64, 4 * 64, 4 * 64], dim=1))
+    assert q.data_ptr() == qkv.data_ptr() and not q.is_contiguous()  # views, as `Model.attention` gets them
+    assert tr.rows_of_heads(q) is q and tr.rows_of_heads(k) is k
+    wq, wk = (torch.randn(64, generator=gen(s)).to(DEVICE) for s in (18, 19))
+    positions = random_positions(5, seed=20)
+    cos, sin = tables(64)
+    for neox in (True, False):
+        yq, yk = tr.rope_pair(q, k, positions, cos, sin, neox, (wq, EPS), (wk, EPS))
+        cq, ck = tr.rope_pair(q.contiguous(), k.contiguous(), positions, cos, sin, neox, (wq, EPS), (wk, EPS))
+        assert yq.is_contiguous() and yk.is_contiguous()
+        assert_same_bits(yq, cq)
+        assert_same_bits(yk, ck)
+    swapped = q.transpose(0, 1)  # heads not contiguous within a row: copied first
+    assert tr.rows_of_heads(swapped).is_contiguous()
+
+
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
 def test_rope_row_alone_is_the_same_bits(neox):
     x = torch.randn(9, 4, 64, generator=gen(7)).to(DEVICE, torch.bfloat16)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from engine.kernels import pdl
 from engine.kernels.triton_blocks import MATVEC_ROWS
+from engine.kernels.triton_rows import rows_of_heads
 from engine.kernels.triton_xq import GROUP, RoundedRows, round_groups
 
 BLOCK_L = 64  # keys per step: fixed, so a row's reduction order depends on its own length only
@@ -39,7 +40,7 @@ def _first_seen(pos, window):
 
 @triton.jit
 def _chunks_kernel(q, k, v, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions, scale, ring, window,
-                   chunks, stride_s, stride_h, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                   chunks, stride_s, stride_h, stride_k, stride_v, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                    BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     row = tl.program_id(0)
@@ -55,10 +56,10 @@ def _chunks_kernel(q, k, v, k_cache, v_cache, part_max, part_total, part_acc, se
     qh = tl.load(q + head[:, None] * D + d[None, :], mask=live_h[:, None], other=0.0).to(k_cache.dtype.element_ty)
     base = session * stride_s + kv_head * stride_h
     if tl.program_id(2) == ((pos - lo) // CHUNK) % tl.num_programs(2):  # the program of the row's last chunk
-        new = (row * tl.num_programs(1) + kv_head).to(tl.int64) * D + d  # writes the row's key and value first
+        new = kv_head.to(tl.int64) * D + d  # writes the row's key and value first
         slot = base + (pos % ring).to(tl.int64) * D + d
-        tl.store(k_cache + slot, tl.load(k + new).to(k_cache.dtype.element_ty))
-        tl.store(v_cache + slot, tl.load(v + new).to(v_cache.dtype.element_ty))
+        tl.store(k_cache + slot, tl.load(k + row.to(tl.int64) * stride_k + new).to(k_cache.dtype.element_ty))
+        tl.store(v_cache + slot, tl.load(v + row.to(tl.int64) * stride_v + new).to(v_cache.dtype.element_ty))
         tl.debug_barrier()  # then its threads read them back among the chunk's keys
     for c in range(tl.program_id(2), tl.cdiv(pos - lo + 1, CHUNK), tl.num_programs(2)):
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -130,7 +131,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         raise ValueError("the K and V caches must be contiguous and of one shape")
     if k.shape != (n, kv_heads, dim) or v.shape != k.shape:
         raise ValueError(f"k, v [{n}, {kv_heads}, {dim}] for these caches, got {tuple(k.shape)} and {tuple(v.shape)}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = q.contiguous(), rows_of_heads(k), rows_of_heads(v)
     chunks = triton.cdiv(ring, CHUNK)  # the most a row can have: its positions fit in the ring
     part_max = torch.empty(n, heads, chunks, dtype=torch.float32, device=q.device)
     part_total = torch.empty_like(part_max)
@@ -140,6 +141,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     _chunks_kernel[(n, kv_heads, splits)](q, k, v, k_cache, v_cache, part_max, part_total, part_acc, sessions, positions,
                                           scale, ring, window or 0, chunks, k_cache.stride(0), k_cache.stride(1),
+                                          k.stride(0), v.stride(0),
                                           N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=dim,
                                           BLOCK_L=BLOCK_L, CHUNK=CHUNK, PRECISION=precision,
                                           **pdl.launch(q.device))

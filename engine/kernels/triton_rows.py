@@ -65,44 +65,47 @@ def _add_rms_norm_kernel(x, r, w, s, y, q, scale, sums, halves, rows, d, eps, RO
 
 
 @triton.jit
-def _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, n, tile, NEOX: tl.constexpr, NORM: tl.constexpr,
-                HEADS: tl.constexpr, HALF: tl.constexpr):
-    """Heads tile * HEADS.. of row n of x [N, heads, 2 * half], rotated (RMS-normed with w first when NORM)."""
+def _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, stride, n, tile, NEOX: tl.constexpr,
+                NORM: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Heads tile * HEADS.. of row n of x [N, heads, 2 * half] (rows `stride` values apart: a column slice of a
+    joined product) into y's row n (contiguous), rotated (RMS-normed with w first when NORM)."""
     h = tile * HEADS + tl.arange(0, HEADS)[:, None]
     j = tl.arange(0, HALF)[None, :]
     mask = (h < heads) & (j < half)
     at = tl.load(positions + n).to(tl.int64) * half + j
     c = tl.load(cos + at, mask=j < half, other=0.0)
     s = tl.load(sin + at, mask=j < half, other=0.0)
-    row = (n.to(tl.int64) * heads + h) * (2 * half)
     if NEOX:  # pairs (j, j + D/2)
-        first = row + j
+        first = j
         second = first + half
     else:  # pairs (2j, 2j + 1)
-        first = row + 2 * j
+        first = 2 * j
         second = first + 1
-    x1 = tl.load(x + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + second, mask=mask, other=0.0).to(tl.float32)
+    src = n.to(tl.int64) * stride + h * (2 * half)
+    x1 = tl.load(x + src + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + src + second, mask=mask, other=0.0).to(tl.float32)
     if NORM:  # each head RMS-normed with weight w [D] first, in the same registers
         scale = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / (2 * half) + eps)
-        x1 = x1 * scale * tl.load(w + first - row, mask=j < half, other=0.0).to(tl.float32)
-        x2 = x2 * scale * tl.load(w + second - row, mask=j < half, other=0.0).to(tl.float32)
-    tl.store(y + first, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
-    tl.store(y + second, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
+        x1 = x1 * scale * tl.load(w + first, mask=j < half, other=0.0).to(tl.float32)
+        x2 = x2 * scale * tl.load(w + second, mask=j < half, other=0.0).to(tl.float32)
+    dst = (n.to(tl.int64) * heads + h) * (2 * half)
+    tl.store(y + dst + first, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
+    tl.store(y + dst + second, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, x2, y2, w2, eps2, heads2, tiles, NEOX: tl.constexpr,
-                 NORM: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+def _rope_kernel(x, y, positions, cos, sin, w, eps, heads, half, stride, x2, y2, w2, eps2, heads2, stride2, tiles,
+                 NEOX: tl.constexpr, NORM: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """Row program_id(0): the first `tiles` programs of axis 1 rotate x's heads, the others x2's (q and k
     of a layer in one launch; each head's arithmetic the same either way)."""
     pdl.wait(PDL)
     n = tl.program_id(0)
     t = tl.program_id(1)
     if t < tiles:
-        _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, n, t, NEOX, NORM, HEADS, HALF)
+        _rope_heads(x, y, positions, cos, sin, w, eps, heads, half, stride, n, t, NEOX, NORM, HEADS, HALF)
     else:
-        _rope_heads(x2, y2, positions, cos, sin, w2, eps2, heads2, half, n, t - tiles, NEOX, NORM, HEADS, HALF)
+        _rope_heads(x2, y2, positions, cos, sin, w2, eps2, heads2, half, stride2, n, t - tiles, NEOX, NORM, HEADS,
+                    HALF)
 
 
 def _warps(values: int) -> int:
@@ -181,10 +184,10 @@ def rope_pair(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, 
                 k_norm is None):
             raise ValueError(f"k must be [{q.shape[0]}, heads, {q.shape[2]}] of {q.dtype}, normed as q is, got "
                              f"{k.dtype} {tuple(k.shape)}")
-    q, cos, sin = q.contiguous(), cos.contiguous(), sin.contiguous()
-    yq = torch.empty_like(q)
-    k = q if k is None else k.contiguous()
-    yk = yq if k is q else torch.empty_like(k)
+    q, cos, sin = rows_of_heads(q), cos.contiguous(), sin.contiguous()
+    yq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k = q if k is None else rows_of_heads(k)
+    yk = yq if k is q else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.numel() == 0:
         return yq, (None if k is q else yk)
     n, _, d = q.shape
@@ -196,10 +199,17 @@ def rope_pair(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, 
     wq, eq = (q_norm[0].contiguous(), q_norm[1]) if q_norm is not None else (q, 0.0)
     wk, ek = (k_norm[0].contiguous(), k_norm[1]) if k_norm is not None else (wq, eq)
     _rope_kernel[(n, tiles[0] + tiles[1])](
-        q, yq, positions, cos, sin, wq, eq, heads[0], half, k, yk, wk, ek, max(heads[1], 1), tiles[0], NEOX=neox,
+        q, yq, positions, cos, sin, wq, eq, heads[0], half, q.stride(0), k, yk, wk, ek, max(heads[1], 1), k.stride(0),
+        tiles[0], NEOX=neox,
         NORM=q_norm is not None, HEADS=per_program, HALF=block, num_warps=_warps(per_program * block), **_UNFUSED,
         **pdl.launch(q.device))
     return yq, (None if k is q else yk)
+
+
+def rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] as the kernels read it: each row's heads contiguous, its rows at any stride (q, k and v of
+    several rows are column slices of one joined product: read in place, not copied); else a contiguous copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -68,7 +68,7 @@ class Model:
         sessions: [N, Hq * D]."""
         b, h = self.blk[i], self.hyper
         q, k, v = b.attn_qkv(a)
-        q = q.reshape(-1, h.heads, h.head_dim)  # split from one product: views for a row, copies for more
+        q = q.reshape(-1, h.heads, h.head_dim)  # column slices of one product: views, which the CUDA kernels read
         k = k.reshape(-1, h.kv_heads, h.head_dim)
         v = v.reshape(-1, h.kv_heads, h.head_dim)
         normed = hasattr(b, "attn_q_norm")
