@@ -78,6 +78,43 @@ class Figures:
     swaps: int  # experts the tier copied into its slots during the timed one-row decode
     replay_ms: float | None  # a one-row window's CUDA graph replayed alone (None: no graph)
     prefill_peak: int | None  # VRAM bytes the timed prompt read took at its peak, over what it found (CUDA)
+    batch_experts: float | None  # distinct experts a layer the batch rows routed, counted in one window after
+
+
+class _Routed:
+    """A layer's `Experts`, noting the distinct experts of each call (`experts_a_window`)."""
+
+    def __init__(self, experts: object, seen: list[int]):
+        self.experts, self.seen = experts, seen
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        self.seen.append(int(ids.unique().numel()))
+        return self.experts(x, weights, ids, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.experts, name)
+
+
+def experts_a_window(runner: Runner, rows: list[Row]) -> tuple[float | None, list[Row]]:
+    """The distinct experts a layer one more window of `rows` routes (the mean over the layers), counted on
+    an eager run of it, and the rows of the window after; None for a dense model or an expert tier (its own
+    `Experts` stand in the layers)."""
+    model = runner.model
+    if not model.hyper.experts or model.tier is not None:
+        return None, rows
+    seen: list[int] = []
+    layers = [b for b in model.blk if hasattr(b, "experts")]
+    graphs, plans = runner.graphs, runner.plans
+    runner.graphs = runner.plans = None  # a replay would not call the layers' Python
+    for b in layers:
+        b.experts = _Routed(b.experts, seen)
+    try:
+        tokens = runner.decode(rows)
+    finally:
+        for b in layers:
+            b.experts = b.experts.experts
+        runner.graphs, runner.plans = graphs, plans
+    return sum(seen) / len(seen), [Row(r.session, t, r.sampling, r.seed) for r, t in zip(rows, tokens, strict=True)]
 
 
 def decode_steps(runner: Runner, rows: list[Row], steps: int) -> list[Row]:
@@ -145,7 +182,7 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
         replay_ms = runner.graphs.replay_ms(runner.batches.build([Span(runner.solo.index, last, 1)],
                                                                  [runner.solo.tokens[last]]))
     rows: list[Row] = []
-    batch_tok_s = None
+    batch_tok_s = batch_experts = None
     if slots >= 2:
         for n, s in enumerate(runner.sessions[:slots], start=1):
             if distinct:
@@ -160,9 +197,10 @@ def run(model: Model, device: torch.device, prompt_len: int, decode: int, slots:
 
         steps(warmup)
         batch_tok_s = slots * decode / timed(device, lambda: steps(decode))
+        batch_experts, rows = experts_a_window(runner, rows)
     solo = Row(runner.solo, state["token"], greedy, 0)
     return Figures(prompt_len / prefill_s, decode / decode_s, batch_tok_s, runner, solo, rows, served, swaps, replay_ms,
-                   prefill_peak)
+                   prefill_peak, batch_experts)
 
 
 def handoff_us(model: Model, rows: int, reps: int = 100) -> float:
@@ -376,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         kind = "different prompts" if args.distinct else "copies of the one-row session"
         print(f"batch        {spread(batch)} aggregate over {args.slots} rows, {kind} "
               f"({median(batch) / decode_tok_s:.2f}x one row)")
+        if r.batch_experts is not None:
+            batch_bound = args.slots * bw / model.bytes_per_window(r.batch_experts)
+            print(f"batch bound  {batch_bound:.1f} tok/s for {args.slots} rows reading {r.batch_experts:.1f} distinct "
+                  f"experts a layer (counted in one window; {batch_bound / bound:.2f}x one row's bound) -> "
+                  f"{100 * median(batch) / batch_bound:.1f}% of it")
     if peers:
         peer_prefill, peer_decode = median(q.prefill_tok_s for q in peers), median(q.decode_tok_s for q in peers)
         print(f"llama.cpp    {peers[0].build}, {threads} threads: prefill {spread([q.prefill_tok_s for q in peers])}, "

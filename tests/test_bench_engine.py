@@ -125,8 +125,14 @@ def test_batch_rows_copy_the_session_or_read_prompts_of_their_own(tiny_model_q8:
     solo = tuple(figures.runner.solo.tokens[:8])
     assert len(prompts) == 3
     assert (len({solo, *prompts}) == 4) if distinct else (set(prompts) == {solo})
+    # the distinct experts a layer the rows routed, counted: copies route one row's, different prompts more
+    used, experts = model.hyper.experts_used, model.hyper.experts
+    assert figures.batch_experts == used if not distinct else used < figures.batch_experts <= min(experts, 3 * used)
     args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "8", "--decode", "4", "--slots", "2",
             "--context", "64"] + (["--distinct"] if distinct else [])
     assert bench.main(args) == 0
     label = "different prompts" if distinct else "copies of the one-row session"
-    assert re.search(rf"^batch .* aggregate over 2 rows, {label} \(", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    assert re.search(rf"^batch .* aggregate over 2 rows, {label} \(", out, re.M)
+    assert re.search(r"^batch bound  [\d.]+ tok/s for 2 rows reading [\d.]+ distinct experts a layer .*% of it$", out,
+                     re.M), out

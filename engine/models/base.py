@@ -112,6 +112,11 @@ class Model:
     def bytes_per_token(self) -> int:
         """Weight bytes one decoded token reads: every matrix but the embedding (the head reads it
         when tied), and `experts_used` of each layer's experts."""
+        return self.bytes_per_window(self.hyper.experts_used)
+
+    def bytes_per_window(self, experts_read: float) -> int:
+        """Weight bytes a decode window reads: every matrix but the embedding (the head reads it when tied), and
+        `experts_read` of each layer's experts (one row: `experts_used`; several: the distinct experts they route)."""
         h, w = self.hyper, self.w
         dense = w.bytes(lambda n: "_exps" not in n and (n != "token_embd.weight" or self.output is self.token_embd))
-        return dense + (w.expert_bytes() * h.experts_used // h.experts if h.experts else 0)
+        return dense + (round(w.expert_bytes() * experts_read / h.experts) if h.experts else 0)
