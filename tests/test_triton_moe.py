@@ -175,17 +175,19 @@ def test_decode_runs_on_the_tensor_cores(qtype):
         assert_same_bits(per_pair(routing, y)[i], window[row])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
-def test_decode_runs_in_parts_of_k(qtype):
-    """`Tiles.mma_parts`: a run's k cut into parts on the tensor cores (programs of their own, added in order
-    after, then silu(gate) * up): one part's sums to float rounding; a pair's bits whatever its run's company;
-    pairs alone, and the pairs the slot table skips, as in one part. k = 768: three parts of one step. Q4_K's
-    gates and ups take one pass (`joint`), Q8_0's two, as Q6_K's would (its sums are the type's only change)."""
+@pytest.mark.parametrize(("qtype", "mma"), [(Q.Q4_K, 16), (Q.Q8_0, 16), (Q.Q4_K, 0), (Q.Q6_K, 0)],
+                         ids=["Q4_K-tensor-cores", "Q8_0-tensor-cores", "Q4_K-int16", "Q6_K-int16"])
+def test_decode_runs_in_parts_of_k(qtype, mma):
+    """`Tiles.run_parts`: a run's k cut into parts, on the tensor cores (`mma_rows`) or on the int16 sums
+    (programs of their own, added in order after, then silu(gate) * up): one part's sums to float rounding; a
+    pair's bits whatever its run's company; pairs alone, and the pairs the slot table skips, as in one part.
+    k = 768: three parts of one step. Q4_K's gates and ups take one pass (`joint`), the others' two."""
     k = 768
     stacks, _ = stacks_of(qtype, 13, shapes=((32, k), (32, k), (48, k)))
 
-    def tiled(parts: int) -> list[tm.Stack]:
-        return [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), mma_rows=16, mma_parts=parts))
+    def tiled(parts: int) -> list[tm.Stack]:  # a block a step: a part of one step takes no more
+        return [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), mma_rows=mma, run_parts=parts,
+                                                                     row_blocks=1))
                 for i, s in enumerate(stacks)]
 
     def window(parts: int, rows: list[int], slot_of: torch.Tensor = SLOTS,
@@ -214,8 +216,18 @@ def test_decode_runs_in_parts_of_k(qtype):
     left = ids.cpu() == 1
     assert (h_skip.cpu()[left] == 7).all()
     assert_same_bits(h_skip.cpu()[~left], parts[0].cpu()[~left])
-    with pytest.raises(ValueError, match="not 2 parts"):
+    with pytest.raises(ValueError, match="2 parts"):
         window(2, [0, 1])
+
+
+def test_runs_in_parts_are_refused_where_their_path_cannot():
+    """Q8_0 runs off the tensor cores take float sums over all of k: parts refused before anything runs."""
+    stacks, _ = stacks_of(Q.Q8_0, 13, shapes=((32, 768), (32, 768), (48, 768)))
+    gate, up = (tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), mma_rows=0, run_parts=3))
+                for s in stacks[:2])
+    x = torch.zeros(2, 768, device=DEVICE)
+    with pytest.raises(ValueError, match="cannot take 3 parts"):
+        tm.swiglu(gate, up, x, tm.Routing.of(ids_of([[1, 3], [3, 1]]), E), SLOTS)
 
 
 def test_joint_gate_and_up_give_the_same_bits():

@@ -1,7 +1,8 @@
 """`python -m engine.kernels.sweep [SECONDS] [--runs]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
-down, then runs on the tensor cores, `Tiles.mma_rows` and `mma_parts`; skewed routing, then every row on the
+down, then runs on the tensor cores, `Tiles.mma_rows` and `run_parts`, and runs on the int16 sums in parts of k,
+`run_parts`; skewed routing, then every row on the
 same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a program,
 blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
@@ -31,6 +32,7 @@ HIDDEN, FF, EXPERTS, TOP_K = 2048, 768, 128, 8
 Q8_0_DENSE = ((Q.Q8_0, 5120, 2048), (Q.Q8_0, 2048, 4096), (Q.Q8_0, 512, 2048), (Q.Q8_0, 151936, 2048))
 CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
+INT16_PARTS = (2, 4, 8)
 WITHOUT = "without tensor cores"
 
 
@@ -133,7 +135,8 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
     each configuration with `Tiles.joint` ("joint" in the key, where the type joins) and without.
     `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
     do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3. Then runs on the tensor cores
-    (`MMA_RUNS`: `Tiles.mma_rows`, warps, `Tiles.mma_parts`); `runs_only`: those beside the code's tiles alone."""
+    (`MMA_RUNS`: `Tiles.mma_rows`, warps, `Tiles.run_parts`) and, for Q4_K and Q6_K, on the int16 sums in parts of
+    k (`INT16_PARTS`, the down's k of 768 in 3); `runs_only`: those beside the code's tiles alone."""
     gen = torch.Generator().manual_seed(1)
     gate_type, down_type = types
     shapes = {"gate": (gate_type, FF, HIDDEN), "up": (gate_type, FF, HIDDEN), "down": (down_type, HIDDEN, FF)}
@@ -181,12 +184,23 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
         if time.monotonic() > deadline:
             break
         g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), matvec_warps=warps, mma_rows=mma,
-                                mma_parts=parts)
+                                run_parts=parts)
         d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), matvec_warps=warps, mma_rows=mma,
-                                mma_parts=1 if parts == 1 else FF // tb.MMA_STEP)
+                                run_parts=1 if parts == 1 else FF // tb.MMA_STEP)
         gated[("mma", mma, warps, parts)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
                                                                        slot_of))
-        down[("mma", mma, warps, d.mma_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+        down[("mma", mma, warps, d.run_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    # runs on the int16 sums with k in parts: the code's tiles otherwise
+    for parts in INT16_PARTS if rows > 1 and {gate_type, down_type} <= set(tb.ROUNDED) else ():
+        if time.monotonic() > deadline:
+            break
+        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), run_parts=parts)
+        gated[("int16", g.matvec_warps, parts)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x,
+                                                                             routing, slot_of))
+        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), run_parts=FF // 256)
+        if ("int16", d.matvec_warps, d.run_parts) not in down:
+            down[("int16", d.matvec_warps, d.run_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing,
+                                                                                       slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(gate_type, HIDDEN, True) + (("joint",) if joins else ())
     _report(f"MoE gate+up ({gate_type.name}), {rows} rows, {experts} experts", gated, used)

@@ -461,15 +461,15 @@ def _sums_total(acc, EACH_STEP: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
+def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, b0, b1, row_bytes, R: tl.constexpr, SB: tl.constexpr,
                   ROWS: tl.constexpr, ASM: tl.constexpr, RUN: tl.constexpr):
-    """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (RUN; else rows 0..count-1), as
-    `_rows_dot_q4k` does for Q4_K."""
+    """[ROWS, R] float32: Q6_K weight rows `rows` times x rows src[0..count-1] (RUN; else rows 0..count-1) over
+    blocks [b0, b1) of each row, as `_rows_dot_q4k` does for Q4_K."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 2)
     blocks = k // 256
     acc = _sums(ROWS, R, SB, 4, RUN)
-    for s0 in range(0, blocks, SB):
+    for s0 in range(b0, b1, SB):
         q0, q1, q2, q3, d0, d1, d2, d3, sb = _q6k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
@@ -481,17 +481,18 @@ def _rows_dot_q6k(w, rows, n, xq, xs, halves, src, count, k, row_bytes, R: tl.co
 
 
 @triton.jit
-def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
+def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, b0, b1, row_bytes, R: tl.constexpr, SB: tl.constexpr,
                   ROWS: tl.constexpr, ASM: tl.constexpr, RUN: tl.constexpr):
     """[ROWS, R] float32: Q4_K weight rows `rows` times x rows src[0..count-1] (RUN: a fused MoE run's pairs,
     their sums reduced every step; else rows 0..count-1 of a dense product, sums kept to the end: `_sums`),
-    count <= ROWS, rounded to int16: each weight chunk is read once for all of them, and row j runs the same
-    instructions whatever `count` is (rows past it skipped by a uniform branch)."""
+    count <= ROWS, rounded to int16, over blocks [b0, b1) of each row (a part of k; all of them: 0, k // 256):
+    each weight chunk is read once for all the x rows, and row j runs the same instructions whatever `count` is
+    (rows past it skipped by a uniform branch)."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
     acc = _sums(ROWS, R, SB, 8, RUN)
-    for s0 in range(0, blocks, SB):
+    for s0 in range(b0, b1, SB):
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
             if j < count:
@@ -503,17 +504,17 @@ def _rows_dot_q4k(w, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.cons
 
 
 @triton.jit
-def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, row_bytes, R: tl.constexpr, SB: tl.constexpr,
+def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, b0, b1, row_bytes, R: tl.constexpr, SB: tl.constexpr,
                    ROWS: tl.constexpr, ASM: tl.constexpr):
     """`_rows_dot_q4k` of two Q4_K matrices of one shape (a layer's gates and ups) over the same x rows
-    src[0..count-1], in one pass over the blocks: each x chunk is loaded once for both. Each matrix's sums
-    are those `_rows_dot_q4k` gives for a run, bit for bit."""
+    src[0..count-1] and blocks [b0, b1), in one pass over the blocks: each x chunk is loaded once for both. Each
+    matrix's sums are those `_rows_dot_q4k` gives for a run, bit for bit."""
     rows4 = rows[:, None, None, None]
     row = rows4.to(tl.int64) * (row_bytes // 4)
     blocks = k // 256
     acc = _sums(ROWS, R, SB, 8, True)
     acc2 = _sums(ROWS, R, SB, 8, True)
-    for s0 in range(0, blocks, SB):
+    for s0 in range(b0, b1, SB):
         lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, g = _q4k_step(w, row, rows4, n, s0, blocks, R, SB)
         lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, _ = _q4k_step(w2, row, rows4, n, s0, blocks, R, SB)
         for j in tl.static_range(ROWS):
@@ -544,9 +545,9 @@ def _rounded_kernel(w, xq, xs, xsum, halves, y, m, n, k, row_bytes, QTYPE: tl.co
         tl.store(y + rows, one.to(y.dtype.element_ty), mask=rows < n)
     else:
         if QTYPE == _Q4_K:
-            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+            acc = _rows_dot_q4k(w, rows, n, xq, xs, xsum, xq, m, k, 0, k // 256, row_bytes, R, SB, ROWS, ASM, False)
         else:
-            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, row_bytes, R, SB, ROWS, ASM, False)
+            acc = _rows_dot_q6k(w, rows, n, xq, xs, halves, xq, m, k, 0, k // 256, row_bytes, R, SB, ROWS, ASM, False)
         r = tl.arange(0, ROWS)[:, None]
         tl.store(y + r * n + rows[None, :], acc.to(y.dtype.element_ty), mask=(r < m) & (rows[None, :] < n))
 

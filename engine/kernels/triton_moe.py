@@ -17,8 +17,8 @@ the device, no host sync):
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot (`Tiles.joint`: Q4_K gates and ups in one pass, each x tile loaded once for both).
 
-Float32 accumulation, no atomics (runs on the tensor cores may cut k into parts, `Tiles.mma_parts`, added in order
-by a second launch); tile sizes come from the matrices' types and shapes only (`Tiles`), so
+Float32 accumulation, no atomics (runs may cut k into parts, `Tiles.run_parts`, added in order by a second
+launch); tile sizes come from the matrices' types and shapes only (`Tiles`), so
 a pair's result depends on its own row, and in the matvec on whether its expert's run has company: in a run
 of 2-8 a pair runs the same instructions whatever its place, alone it runs the one-row sums (exact mode runs
 rows alone: always those); in the GEMM it is the same dots over the same tiles whatever its place in the
@@ -105,14 +105,15 @@ def _one_row(w, rows, n, x, xq, xs, xsum, xh, at, k, row_bytes, QTYPE: tl.conste
 
 
 @triton.jit
-def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, row_bytes, QTYPE: tl.constexpr,
+def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, b0, b1, row_bytes, QTYPE: tl.constexpr,
               GROUP: tl.constexpr, HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
               SB: tl.constexpr, ASM: tl.constexpr):
-    """[ROWS, R] float32: weight rows `rows` of the expert at `w` times the x rows of pairs p..p+count-1."""
+    """[ROWS, R] float32: weight rows `rows` of the expert at `w` times the x rows of pairs p..p+count-1 (Q4_K,
+    Q6_K: over blocks [b0, b1) of k; the float sums of other types: all of k)."""
     if QTYPE == _Q4_K:
-        out = _rows_dot_q4k(w, rows, n, xq, xs, xsum, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True)
+        out = _rows_dot_q4k(w, rows, n, xq, xs, xsum, src + p, count, k, b0, b1, row_bytes, R, SB, ROWS, ASM, True)
     elif QTYPE == _Q6_K:
-        out = _rows_dot_q6k(w, rows, n, xq, xs, xh, src + p, count, k, row_bytes, R, SB, ROWS, ASM, True)
+        out = _rows_dot_q6k(w, rows, n, xq, xs, xh, src + p, count, k, b0, b1, row_bytes, R, SB, ROWS, ASM, True)
     else:
         out = _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS)
     return out
@@ -153,9 +154,10 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
                        ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
                        PARTS: tl.constexpr, PDL: tl.constexpr):
-    """Program (weight-row tile, sorted pair p, part): see the module's doc. PARTS > 1 (runs on the tensor cores
-    only): part s of a run's sums, k's steps [s * k / PARTS, (s + 1) * k / PARTS), into `parts` float32
-    [PARTS, 1 + GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`; pairs alone take part 0."""
+    """Program (weight-row tile, sorted pair p, part): see the module's doc. PARTS > 1 (runs on the tensor cores,
+    or of Q4_K and Q6_K on the int16 sums): part s of a run's sums, k's 256-value steps [s * k / PARTS, (s + 1) *
+    k / PARTS), into `parts` float32 [PARTS, 1 + GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`;
+    pairs alone take part 0."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
@@ -181,52 +183,59 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                                        row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                         one = one * tl.sigmoid(one) * up1
                 tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
-        elif MMA > 0:  # a run on the tensor cores: the programs whose weight rows start a tile of MMA rows
-            if (tl.program_id(0) * R) % MMA == 0:
-                tile = tl.program_id(0) * R + tl.arange(0, MMA)
-                t = tl.arange(0, 16) % 8  # tile rows t and t + 8: the run's pair t
-                x_live = t < count
-                x_row = tl.load(src + p + t, mask=x_live, other=0).to(tl.int64)
-                wa = _expert_at(w, wf, slot, expert_bytes)
-                b0 = part * (k // 256 // PARTS)
-                b1 = b0 + k // 256 // PARTS
-                if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
-                    acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
-                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
-                    acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
-                else:
-                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA)
-                    if GATED:
-                        up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row, x_live,
-                                       k, b0, b1, row_bytes2, QTYPE2, MMA)
-                r = tl.arange(0, 8)[:, None]
-                live = (r < count) & (tile[None, :] < n)
-                if PARTS == 1:
-                    if GATED:
-                        acc = acc * tl.sigmoid(acc) * up
-                    out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + tile[None, :]
-                    tl.store(out, acc.to(y.dtype.element_ty), mask=live)
-                else:  # the run's sorted pairs' rows of this part (`_add_run_parts` adds the parts)
-                    at = parts + ((part * (2 if GATED else 1)) * pairs + p + r).to(tl.int64) * n + tile[None, :]
-                    tl.store(at, acc, mask=live)
-                    if GATED:
-                        tl.store(at + pairs * n, up, mask=live)
-        elif part == 0:
-            if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
-                acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
-                                         _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq, xs, xsum, src + p,
-                                         count, k, row_bytes, R, SB, ROWS, ASM)
-                acc = acc * tl.sigmoid(acc) * up
+        else:  # a run of 2-8 pairs: part `part` of k's 256-value steps (all of them in one part)
+            b0 = part * (k // 256 // PARTS)
+            b1 = b0 + k // 256 // PARTS
+            if MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
+                if (tl.program_id(0) * R) % MMA == 0:
+                    tile = tl.program_id(0) * R + tl.arange(0, MMA)
+                    t = tl.arange(0, 16) % 8  # tile rows t and t + 8: the run's pair t
+                    x_live = t < count
+                    x_row = tl.load(src + p + t, mask=x_live, other=0).to(tl.int64)
+                    wa = _expert_at(w, wf, slot, expert_bytes)
+                    if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
+                        acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
+                                           tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
+                        acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
+                    else:
+                        acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA)
+                        up = acc
+                        if GATED:
+                            up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row,
+                                           x_live, k, b0, b1, row_bytes2, QTYPE2, MMA)
+                    _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 8, GATED, PARTS)
             else:
-                acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count,
-                                k, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
-                if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
-                    up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p,
-                                   count, k, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
-                    acc = acc * tl.sigmoid(acc) * up
-            r = tl.arange(0, ROWS)[:, None]
-            out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + rows[None, :]
-            tl.store(out, acc.to(y.dtype.element_ty), mask=(r < count) & (rows[None, :] < n))
+                if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
+                    acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
+                                             _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq, xs, xsum, src + p,
+                                             count, k, b0, b1, row_bytes, R, SB, ROWS, ASM)
+                else:
+                    acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count,
+                                    k, b0, b1, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
+                    up = acc
+                    if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
+                        up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p,
+                                       count, k, b0, b1, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
+                _store_run(acc, up, y, parts, dst, p, count, rows, n, pairs, part, ROWS, GATED, PARTS)
+
+
+@triton.jit
+def _store_run(acc, up, y, parts, dst, p, count, cols, n, pairs, part, ROWS: tl.constexpr, GATED: tl.constexpr,
+               PARTS: tl.constexpr):
+    """A run's sums [ROWS, C] for its pairs p..p+count-1 and weight rows `cols`: into y (silu(gate) * up when
+    GATED), or in parts (PARTS > 1) part `part`'s into `parts` [PARTS, 1 + GATED, pairs, n], gates then ups."""
+    r = tl.arange(0, ROWS)[:, None]
+    live = (r < count) & (cols[None, :] < n)
+    if PARTS == 1:
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * up
+        out = y + tl.load(dst + p + r, mask=r < count, other=0).to(tl.int64) * n + cols[None, :]
+        tl.store(out, acc.to(y.dtype.element_ty), mask=live)
+    else:  # the run's sorted pairs' rows of this part (`_add_run_parts` adds the parts)
+        at = parts + ((part * (2 if GATED else 1)) * pairs + p + r).to(tl.int64) * n + cols[None, :]
+        tl.store(at, acc, mask=live)
+        if GATED:
+            tl.store(at + pairs * n, up, mask=live)
 
 
 @triton.jit(do_not_specialize=["pairs"])
@@ -339,9 +348,11 @@ class Tiles:
     # one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down on 8 experts alone
     # gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run, too few programs
     mma_rows: int = 0
-    # parts of k for those runs, each a program of its own (k // 256 steps split evenly), their sums added in order
-    # after (`_add_run_parts`, which also applies silu(gate) * up): more programs for the few runs of a window
-    mma_parts: int = 1
+    # parts of k for the runs of 2-8 pairs (on the tensor cores, or Q4_K and Q6_K runs on the int16 sums), each a
+    # program of its own (k // 256 steps split evenly, in whole steps of `row_blocks` blocks), their float32 sums
+    # added in order after (`_add_run_parts`, which also applies silu(gate) * up): more programs for the few runs
+    # of a window
+    run_parts: int = 1
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -351,8 +362,8 @@ class Tiles:
         if self.mma_rows and (self.mma_rows < 16 or self.mma_rows & (self.mma_rows - 1)):
             raise ValueError(f"mma_rows must be 0 or a power of two of at least 16 (the tensor cores' tile), "
                              f"got {self.mma_rows}")
-        if self.mma_parts < 1:
-            raise ValueError(f"mma_parts must be at least 1, got {self.mma_parts}")
+        if self.run_parts < 1:
+            raise ValueError(f"run_parts must be at least 1, got {self.run_parts}")
 
     def mma_program(self, rows: int) -> int:
         """Weight rows of a tensor-core program for runs of 2-8 pairs, where programs have `rows` (the kernel's
@@ -611,6 +622,22 @@ def _check(x: torch.Tensor, k: int, device: torch.device, slot_of: torch.Tensor,
     return x.clone() if x.data_ptr() % 16 else x
 
 
+def _run_parts(parts: int, w: Stack, other: Stack, mma: int, blocks_a_step: tuple[int, int]) -> int:
+    """The parts a window's runs cut k into (`Tiles.run_parts`), refused where their path cannot: on the tensor
+    cores k in whole 256-value steps, on the int16 sums (Q4_K, Q6_K) in whole steps of `row_blocks` blocks."""
+    if parts == 1:
+        return 1
+    if mma:
+        steps_per_part(w.qtype, w.k, parts)
+        return parts
+    steps = w.k // 256
+    if not {w.qtype, other.qtype} <= set(ROUNDED) or w.k % 256 or steps % parts or \
+            any((steps // parts) % sb for sb in blocks_a_step):
+        raise ValueError(f"runs of {w.qtype.name} over k={w.k} cannot take {parts} parts: the tensor cores' or the "
+                         f"int16 sums' whole steps ({blocks_a_step} blocks) only")
+    return parts
+
+
 def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of: torch.Tensor,
          src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     x = _check(x, w.k, w.blocks.device, slot_of, routing)
@@ -633,9 +660,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         on_tensor_cores = not solo and takes_tensor_cores(w.qtype, w.k) and takes_tensor_cores(other.qtype, other.k)
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
-        n_parts = tiles.mma_parts if mma else 1
-        if mma:
-            steps_per_part(w.qtype, w.k, n_parts)  # refuses parts that do not cut k into whole steps
+        n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounded = (RoundedRows.of(x) if mma or {w.qtype, other.qtype} & set(ROUNDED) else
                    RoundedRows(x, x, x, x))
