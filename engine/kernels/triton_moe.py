@@ -183,9 +183,12 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                                        row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                         one = one * tl.sigmoid(one) * up1
                 tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
-        else:  # a run of 2-8 pairs: part `part` of k's 256-value steps (all of them in one part)
-            b0 = part * (k // 256 // PARTS)
-            b1 = b0 + k // 256 // PARTS
+        else:  # a run of 2-8 pairs: part `part` of k's 256-value steps
+            b0 = 0  # one part: a loop from 0, as the compiler laid it out before parts (80 registers, not 64)
+            b1 = k // 256
+            if PARTS > 1:
+                b0 = part * (k // 256 // PARTS)
+                b1 = b0 + k // 256 // PARTS
             if MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
                 if (tl.program_id(0) * R) % MMA == 0:
                     tile = tl.program_id(0) * R + tl.arange(0, MMA)
