@@ -1,14 +1,13 @@
 """`python -m engine.kernels.sweep [SECONDS] [--runs]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
-down, then runs on the tensor cores, `Tiles.mma_rows` and `run_parts`, and runs on the int16 sums in parts of k,
-`run_parts`; skewed routing, then every row on the
-same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a program,
-blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
+down, then runs in parts of k, `Tiles.run_parts`, on the tensor cores (`Tiles.mma_rows`) and on the int16 sums;
+skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel
+(`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
 windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
-shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's runs on
-the tensor cores alone, beside the code's tiles, for the Q4_K_M mix and Q8_0."""
+shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's runs in parts
+of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0."""
 
 from __future__ import annotations
 

@@ -628,18 +628,17 @@ def _check(x: torch.Tensor, k: int, device: torch.device, slot_of: torch.Tensor,
 
 
 def _run_parts(parts: int, w: Stack, other: Stack, mma: int, blocks_a_step: tuple[int, int]) -> int:
-    """The parts a window's runs cut k into (`Tiles.run_parts`), refused where their path cannot: on the tensor
-    cores k in whole 256-value steps, on the int16 sums (Q4_K, Q6_K) in whole steps of `row_blocks` blocks."""
+    """The parts a window's runs cut k into (`Tiles.run_parts`), refused where their path cannot: k in whole
+    256-value steps (`steps_per_part`), on the int16 sums (Q4_K, Q6_K only) whole steps of `row_blocks` blocks."""
     if parts == 1:
         return 1
-    if mma:
-        steps_per_part(w.qtype, w.k, parts)
-        return parts
-    steps = w.k // 256
-    if not {w.qtype, other.qtype} <= set(ROUNDED) or w.k % 256 or steps % parts or \
-            any((steps // parts) % sb for sb in blocks_a_step):
-        raise ValueError(f"runs of {w.qtype.name} over k={w.k} cannot take {parts} parts: the tensor cores' or the "
-                         f"int16 sums' whole steps ({blocks_a_step} blocks) only")
+    if not mma and not {w.qtype, other.qtype} <= set(ROUNDED):
+        raise ValueError(f"runs of {w.qtype.name} off the tensor cores take float sums over all of k: they cannot "
+                         f"take {parts} parts")
+    per = steps_per_part(w.qtype, w.k, parts)
+    if not mma and any(per % sb for sb in blocks_a_step):
+        raise ValueError(f"runs of {w.qtype.name} over k={w.k} cannot take {parts} parts of {per} steps: the int16 "
+                         f"sums take {blocks_a_step} blocks a step")
     return parts
 
 
