@@ -273,26 +273,35 @@ def test_cuda_policy_keeps_the_blocks_the_kernels_read(monkeypatch):
         "; GPU kernels unavailable (triton is not importable: test): matrices dequantized")
 
 
-def test_x_rounded_to_int16_per_group():
-    """`triton_xq.RoundedRows`: q * scale within half a step of x, scale = max |x| / 32767 per 32 values,
-    float sums per group, q's sums per 16 values, an all-zero group rounded to zeros; each row on its own."""
+@pytest.mark.parametrize(("dtype", "largest"), [(torch.int16, 32767), (torch.int8, 127)], ids=["int16", "int8"])
+def test_x_rounded_per_group(dtype, largest):
+    """`triton_xq.RoundedRows`: q * scale within half a step of x, scale = max |x| / 32767 (int8: 127) per 32
+    values, float sums per group, q's sums per 16 values, an all-zero group rounded to zeros; each row on its
+    own; int16 values split into the tensor cores' planes."""
     from engine.kernels.triton_xq import RoundedRows
 
     x = random_x(3, torch.bfloat16, seed=6)
     x[1, 32:64] = 0
-    r = RoundedRows.of(x)
+    r = RoundedRows.of(x, dtype)
     groups = x.float().view(3, -1, 32)
     top = groups.abs().amax(-1)
-    assert r.q.dtype == torch.int16 and torch.equal(r.scale, top / 32767)
+    assert r.q.dtype == dtype and torch.equal(r.scale, top / largest)
     back = r.q.float().view(3, -1, 32) * r.scale[..., None]
-    assert ((back - groups).abs() <= r.scale[..., None] / 2 * (1 + 1e-6)).all()
+    # half a step, and float32's rounding of scale and of q * scale (bf16's x falls on half steps of 127)
+    assert ((back - groups).abs() <= r.scale[..., None] / 2 * (1 + 1e-6) + groups.abs() * 2**-22).all()
     assert torch.allclose(r.sums, groups.sum(-1), rtol=1e-6, atol=1e-6)
     assert torch.equal(r.halves, r.q.int().view(3, -1, 16).sum(-1))
     assert not r.q[1, 32:64].any() and r.scale[1, 1] == 0
-    assert torch.equal(RoundedRows.of(x[2:3]).q, r.q[2:3])
+    assert torch.equal(RoundedRows.of(x[2:3], dtype).q, r.q[2:3])
+    assert int(r.q.max()) == largest and int(r.q.min()) <= -largest * 0.97  # the ends are reached
+    if dtype == torch.int8:
+        with pytest.raises(ValueError, match="int16"):
+            r.planes()
+        with pytest.raises(ValueError, match="int16 or int8"):
+            RoundedRows.of(x, torch.int32)
+        return
     hi, lo = r.planes()  # the tensor cores' int8 planes: q = 256 hi + lo + 128
     assert hi.dtype == lo.dtype == torch.int8 and torch.equal(256 * hi.int() + lo.int() + 128, r.q.int())
-    assert int(r.q.max()) == 32767 and int(r.q.min()) <= -32000  # the planes' ends are reached
 
 
 def assert_same_rounding(got, want) -> None:

@@ -128,10 +128,28 @@ def test_prompt_matches_reference(qtype, dtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_decode_pairs_do_not_depend_on_the_window(qtype):
+def test_windows_of_rows_on_int8_match_reference(qtype):
+    """`Tiles.int8_windows`: a window of 2-8 rows (runs of two pairs, pairs alone) sums x and h rounded to int8,
+    within that rounding's error of the float64 products; a window of one row keeps int16 (within its bound)."""
+    stacks = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), int8_windows=True))
+              for i, s in enumerate(case(qtype)[0])]
+    values = case(qtype)[1]
+    x = random_x(len(DECODE_IDS), torch.bfloat16)
+    routing, h, y = run(stacks, x, ids_of(DECODE_IDS), prompt=False)
+    check_moe(values, x, routing, h, y, prompt=False, rounded=True, largest=127)
+    with pytest.raises(AssertionError, match="over the bound"):  # int8's error, well past int16's
+        check_moe(values, x, routing, h, y, prompt=False, rounded=True)
+    routing, h, y = run(stacks, x[:1], ids_of(DECODE_IDS[:1]), prompt=False)
+    check_moe(values, x[:1], routing, h, y, prompt=False, rounded=True)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["int16", "int8"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_decode_pairs_do_not_depend_on_the_window(qtype, int8):
     """Runs of two pairs agree in any window of 2-8 rows, as do pairs alone on their expert (one-row sums;
-    a window of one row has tiles of its own)."""
-    stacks, _ = stacks_of(qtype, 7)
+    a window of one row has tiles of its own); x rounded to int16 or (`Tiles.int8_windows`) int8."""
+    stacks = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), int8_windows=int8))
+              for i, s in enumerate(stacks_of(qtype, 7)[0])]
     x = random_x(3, torch.bfloat16, seed=2)
     ids = ids_of(DECODE_IDS)
     routing, _, y = run(stacks, x, ids, prompt=False)

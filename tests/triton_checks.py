@@ -28,11 +28,11 @@ def gemm_tolerance(dtype: torch.dtype) -> float:
     return ACCUMULATION + 2 * TILE_ULP[dtype] + OUTPUT_ULP[dtype]
 
 
-def rounding_error(x: torch.Tensor) -> torch.Tensor:
+def rounding_error(x: torch.Tensor, largest: int = 32767) -> torch.Tensor:
     """Per value of x [m, k], half a step of its int16 rounding per group of 32 (`triton_xq`, taken by
-    the Q4_K one-row kernels)."""
+    the Q4_K one-row kernels; `largest` 127: its int8 rounding)."""
     groups = x.double().abs().view(x.shape[0], -1, 32)
-    return (groups.amax(-1, keepdim=True) / 32767 / 2).expand_as(groups).reshape(x.shape)
+    return (groups.amax(-1, keepdim=True) / largest / 2).expand_as(groups).reshape(x.shape)
 
 
 def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tolerance: float,
@@ -57,10 +57,10 @@ SUBNORMAL = 2.0**-24  # float16's spacing below 2**-14 (the relative bounds do n
 
 
 def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, tolerance: float,
-                 rounded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 rounded: torch.Tensor | None = None, largest: int = 32767) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's row of `a` times its expert's matrix (`values` [E, n, k]) in float64, and `tolerance`
-    times sum |a w| (plus `rounding_error(a)` times sum |w| for the pairs `rounded` marks); one product
-    per routed expert."""
+    times sum |a w| (plus `rounding_error(a, largest)` times sum |w| for the pairs `rounded` marks); one
+    product per routed expert."""
     exact = torch.empty(a.shape[0], values.shape[1], dtype=torch.float64, device=a.device)
     bound = torch.empty_like(exact)
     for e in experts.unique().tolist():
@@ -70,7 +70,7 @@ def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, t
         bound[at] = tolerance * (rows.abs() @ w.abs().T)
     if rounded is not None and rounded.any():
         at = rounded.nonzero()[:, 0]
-        bound[at] += (1 + tolerance) * torch.stack([rounding_error(a[i:i + 1].double())[0] @ values[experts[i]].double().abs().T
+        bound[at] += (1 + tolerance) * torch.stack([rounding_error(a[i:i + 1].double(), largest)[0] @ values[experts[i]].double().abs().T
                                                     for i in at.tolist()])
     return exact, bound
 
@@ -81,18 +81,18 @@ def assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> 
 
 
 def check_moe(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, y: torch.Tensor,
-              prompt: bool, rounded: bool = False) -> None:
+              prompt: bool, rounded: bool = False, largest: int = 32767) -> None:
     """The fused MoE kernel's h = silu(x W_gate) * (x W_up) and y = h W_down for every routed pair
     (`routing`: an `engine.kernels.triton_moe.Routing`; `values`: the gate, up and down stacks'
     values), within float32 sums (and, for prompt chunks, the GEMM's tiles of x's dtype) of the
     float64 products, each rounded once to x's dtype. `rounded`: which decode pairs take x (and h)
-    rounded to int16 (Q4_K and Q6_K's matvec)."""
-    check_gated(values[:2], x, routing, h, prompt, rounded)
-    check_projected(values[2], h, routing, y, prompt, rounded)
+    rounded to int16 (Q4_K and Q6_K's matvec; `largest` 127: to int8)."""
+    check_gated(values[:2], x, routing, h, prompt, rounded, largest)
+    check_projected(values[2], h, routing, y, prompt, rounded, largest)
 
 
 def check_gated(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.Tensor, prompt: bool,
-                rounded: bool = False) -> None:
+                rounded: bool = False, largest: int = 32767) -> None:
     """`check_moe`'s h alone (`values`: the gate and up stacks' values)."""
     dtype = x.dtype
     assert h.dtype == dtype
@@ -100,8 +100,8 @@ def check_gated(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.T
     assert h.shape == (routing.experts.numel(), values[0].shape[1])
     sums, e, every = _pairs(routing, dtype, prompt, rounded)
     xs = x[routing.src.long()]
-    gate, gate_bound = moe_products(xs, values[0], e, sums, every)
-    up, up_bound = moe_products(xs, values[1], e, sums, every)
+    gate, gate_bound = moe_products(xs, values[0], e, sums, every, largest)
+    up, up_bound = moe_products(xs, values[1], e, sums, every, largest)
     silu = F.silu(gate)
     exact = silu * up
     # silu's slope is within [-0.1, 1.1]; then h's float32 sigmoid and products, and its one rounding
@@ -110,14 +110,14 @@ def check_gated(values: list[torch.Tensor], x: torch.Tensor, routing, h: torch.T
 
 
 def check_projected(values: torch.Tensor, h: torch.Tensor, routing, y: torch.Tensor, prompt: bool,
-                    rounded: bool = False) -> None:
+                    rounded: bool = False, largest: int = 32767) -> None:
     """`check_moe`'s y = h W_down alone, h in the kernels' flat order (`values`: the down stack's values)."""
     dtype = h.dtype
     assert y.dtype == dtype
     h, y = h[routing.order], y[routing.order]
     assert y.shape == (routing.experts.numel(), values.shape[1])
     sums, e, every = _pairs(routing, dtype, prompt, rounded)
-    exact, bound = moe_products(h, values, e, sums + OUTPUT_ULP[dtype], every)
+    exact, bound = moe_products(h, values, e, sums + OUTPUT_ULP[dtype], every, largest)
     assert_within(y, exact, bound + SUBNORMAL)
 
 

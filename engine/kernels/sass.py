@@ -108,11 +108,14 @@ def _moe(qtype: Q, gated: bool) -> tuple[tm.Tiles, dict[str, str | int], dict[st
         GATED=gated, JOINT=gated and tiles.joins(qtype, qtype), PDL=False)
 
 
-def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None, parts: int = 1) -> Usage:
+def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None, parts: int = 1,
+               int8: bool = False) -> Usage:
     """The fused MoE matvec for a projection of `qtype` (gate+up when `gated`), with its tiles for windows of 2-8
-    rows (runs on the tensor cores in programs of `mma_rows` weight rows, k in `parts`, when given), or of one
-    row."""
+    rows (runs on the tensor cores in programs of `mma_rows` weight rows, k in `parts`, when given; x rounded to
+    int8 where `int8`), or of one row."""
     t, args, consts = _moe(qtype, gated)
+    if int8:
+        args = args | dict(xq="*i8")
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
@@ -150,6 +153,9 @@ def main() -> None:
     print(f"sm_90, triton {triton.__version__}, qwen3-30b-a3b's shapes, the code's tiles")
     for name, fn in (("MoE gate+up Q4_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q4_K, True, False)),
                      ("MoE down Q6_K, windows of 2-8 rows", lambda: moe_matvec(Q.Q6_K, False, False)),
+                     ("MoE gate+up Q4_K, windows of 2-8 rows on int8 x",
+                      lambda: moe_matvec(Q.Q4_K, True, False, int8=True)),
+                     ("MoE down Q6_K, windows of 2-8 rows on int8 x", lambda: moe_matvec(Q.Q6_K, False, False, int8=True)),
                      ("MoE gate+up Q4_K, runs on the tensor cores", lambda: moe_matvec(Q.Q4_K, True, False, 16)),
                      ("MoE down Q6_K, runs on the tensor cores", lambda: moe_matvec(Q.Q6_K, False, False, 16)),
                      ("MoE gate+up Q4_K, runs on the tensor cores, k in 4 parts",

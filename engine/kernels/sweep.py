@@ -1,13 +1,14 @@
 """`python -m engine.kernels.sweep [SECONDS] [--runs]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
-down, then runs in parts of k, `Tiles.run_parts`, on the tensor cores (`Tiles.mma_rows`) and on the int16 sums;
+down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor
+cores (`Tiles.mma_rows`) and on the int16 sums;
 skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel
 (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
 windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
-shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's runs in parts
-of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0."""
+shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows
+and runs in parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ Q8_0_DENSE = ((Q.Q8_0, 5120, 2048), (Q.Q8_0, 2048, 4096), (Q.Q8_0, 512, 2048), (
 CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 INT16_PARTS = (2, 4, 8)
+INT8_TILES = ((4, 1, 1), (8, 1, 1), (2, 1, 1), (4, 2, 1), (16, 1, 1), (8, 1, 2))
 WITHOUT = "without tensor cores"
 
 
@@ -135,7 +137,8 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
     `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
     do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3. Then runs on the tensor cores
     (`MMA_RUNS`: `Tiles.mma_rows`, warps, `Tiles.run_parts`) and, for Q4_K and Q6_K, on the int16 sums in parts of
-    k (`INT16_PARTS`, the down's k of 768 in 3); `runs_only`: those beside the code's tiles alone."""
+    k (`INT16_PARTS`, the down's k of 768 in 3), and windows on int8 x (`Tiles.int8_windows`, `INT8_TILES`);
+    `runs_only`: those beside the code's tiles alone."""
     gen = torch.Generator().manual_seed(1)
     gate_type, down_type = types
     shapes = {"gate": (gate_type, FF, HIDDEN), "up": (gate_type, FF, HIDDEN), "down": (down_type, HIDDEN, FF)}
@@ -178,6 +181,14 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
         if not runs_only or config == code[1]:
             d = tiles_of(down_type, FF, False, config)
             down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    # windows on int8 x (`Tiles.int8_windows`): weight rows a program, blocks a step, warps
+    for config in INT8_TILES if rows > 1 and {gate_type, down_type} <= set(tb.ROUNDED) else ():
+        if time.monotonic() > deadline:
+            break
+        g = dataclasses.replace(tiles_of(gate_type, HIDDEN, True, config), int8_windows=True)
+        gated[("int8",) + config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        d = dataclasses.replace(tiles_of(down_type, FF, False, config), int8_windows=True)
+        down[("int8",) + config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     # runs on the tensor cores: weight rows a program, warps, parts of k (the down's k = 768 in 1 or 3)
     for mma, warps, parts in MMA_RUNS if rows > 1 else ():
         if time.monotonic() > deadline:

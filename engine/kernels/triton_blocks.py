@@ -49,7 +49,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
 from engine.kernels.gpu import FLOAT_BLOCKS, FLOAT_DTYPE, MATVEC_ROWS, SUPPORTED
-from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a
+from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a, _dp4a
 
 SMALL_M = 16  # rows of x a GEMM tile holds for a window of 2-8 rows (tl.dot's smallest)
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED + FLOAT_BLOCKS}  # values per scale
@@ -251,7 +251,7 @@ def _q4k_x(g, xq, xs, xsum, blocks):
     """One x row rounded to int16, as a step's chunks (`_q4k_step`'s g) take it: the values under the low and
     high nibbles (4 a word, in the words' halves), their groups' scales, and the groups' sums (where the
     group's first chunk is)."""
-    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
+    x4 = _quads(xq)
     sb = g // 8
     c = tl.arange(0, 8)[None, None, :, None]
     at = sb * 64 + c // 2 * 16 + c % 2 * 4 + tl.arange(0, 2)[None, None, None, :]
@@ -272,12 +272,26 @@ def _halves(ptr, at, live):
 
 
 @triton.jit
+def _quads(xq):
+    """x rounded (`triton_xq`) as a pointer to its values 4 a load: int64 for int16 values, int32 for int8."""
+    if xq.dtype.element_ty == tl.int8:
+        out = xq.to(tl.pointer_type(tl.int32))
+    else:
+        out = xq.to(tl.pointer_type(tl.int64))
+    return out
+
+
+@triton.jit
 def _chunk_dot(x, q, ASM: tl.constexpr):
     """[..., 1] int32: a chunk's weight bytes q (two halves of two words) times its x values x (two halves
-    of two int64 of 4 int16 each), two at a time (dp2a)."""
-    dot = _dp2a((x[0] >> 32).to(tl.int32), q[0], _dp2a(x[0].to(tl.int32), q[0], tl.zeros(q[0].shape, dtype=tl.int32),
-                                                         False, ASM), True, ASM)
-    dot = _dp2a((x[1] >> 32).to(tl.int32), q[1], _dp2a(x[1].to(tl.int32), q[1], dot, False, ASM), True, ASM)
+    of two loads of 4 values, `_quads`): int16 values two at a time (dp2a), int8 four (dp4a)."""
+    if x[0].dtype == tl.int32:
+        dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), ASM), ASM)
+    else:
+        dot = _dp2a((x[0] >> 32).to(tl.int32), q[0], _dp2a(x[0].to(tl.int32), q[0],
+                                                             tl.zeros(q[0].shape, dtype=tl.int32), False, ASM), True,
+                    ASM)
+        dot = _dp2a((x[1] >> 32).to(tl.int32), q[1], _dp2a(x[1].to(tl.int32), q[1], dot, False, ASM), True, ASM)
     return tl.sum(dot, axis=3, keep_dims=True)
 
 
@@ -386,7 +400,7 @@ def _q6k_step(w, row, rows4, n, s0, blocks, R: tl.constexpr, SB: tl.constexpr):
 def _q6k_run(q, dr, r: tl.constexpr, sb, xq, xs, halves, blocks, ASM: tl.constexpr):
     """[R, SB, 4, 1] float32: run r of a step's chunks (`_q6k_step`) times one x row rounded to int16; the
     offset of 32 comes off in integers (32 times the x values' sum, `halves`)."""
-    x4 = xq.to(tl.pointer_type(tl.int64))  # 4 int16 values a load
+    x4 = _quads(xq)
     c = tl.arange(0, 4)[None, None, :, None]
     h, i = c // 2, c % 2
     xlive = sb < blocks

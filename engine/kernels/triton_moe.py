@@ -358,6 +358,10 @@ class Tiles:
     # against 46.5 / 36.6 in one, the Q6_K down 55.5 / 38.0 in 3 against 47.2 / 35.1; on the tensor cores the
     # fastest parts stayed 1.2-3x slower than the int16 or float sums but for Q8_0's down on 8 experts (36.0 / 40.4)
     run_parts: int = 1
+    # windows of 2-8 rows (runs and pairs alone, off the tensor cores) take x rounded to int8 for Q4_K and Q6_K
+    # (`triton_xq`: half the bytes, dp4a's four products an instruction) instead of int16; one-row windows, and so
+    # exact mode, keep int16
+    int8_windows: bool = False
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -666,8 +670,9 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
-        rounded = (RoundedRows.of(x) if mma or {w.qtype, other.qtype} & set(ROUNDED) else
-                   RoundedRows(x, x, x, x))
+        int8 = routing.rows > 1 and not mma and tiles.int8_windows
+        rounded = (RoundedRows.of(x, torch.int8 if int8 else torch.int16) if mma or {w.qtype, other.qtype} & set(ROUNDED)
+                   else RoundedRows(x, x, x, x))
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs, n_parts)](

@@ -1,11 +1,13 @@
-"""x rounded to int16 per 32 values, for the decode kernels that sum weights and x in integers.
+"""x rounded to int16 (or int8) per 32 values, for the decode kernels that sum weights and x in integers.
 
 A row's values in groups of 32 become int16 q = round(x / s) with s = max |x| / 32767 (the CPU's
 default activations, `cpu_activations int16`), and each group keeps its float sum for the K types'
 minimums. The kernels then multiply 4-bit weights by two x values at a time and add in int32 (PTX
 `dp2a`): one instruction where the float path spends six to eight on unpacking, converting and
-multiplying. `dp2a` runs on the GPU only; Triton's interpreter (CI) takes the same sum in plain
-integer operations.
+multiplying. Rounded to int8 instead (s = max |x| / 127, llama.cpp's rounding, `cpu_activations int8`),
+x takes half the bytes and four values an instruction (`dp4a`), for ~250x the rounding error (4e-3 of a
+group's largest |x|): the MoE's windows of 2-8 rows where `Tiles.int8_windows` says so. `dp2a` and `dp4a`
+run on the GPU only; Triton's interpreter (CI) takes the same sums in plain integer operations.
 """
 
 from __future__ import annotations
@@ -40,16 +42,33 @@ def _dp2a(x_pairs, w_bytes, acc, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _dp4a(x_quads, w_bytes, acc, ASM: tl.constexpr):
+    """acc + the four int8 values of `x_quads` times the four bytes of `w_bytes`, unsigned."""
+    if ASM:
+        out = tl.inline_asm_elementwise("dp4a.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [x_quads, w_bytes, acc],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = acc
+        for i in tl.static_range(4):
+            out += ((x_quads << (24 - 8 * i)) >> 24) * ((w_bytes >> (8 * i)) & 255)
+    return out
+
+
+@triton.jit
 def round_groups(v, g, live, q, scale, sums, halves, r, k, G: tl.constexpr):
     """Row r's G groups g ([G, 1]; `live` where g < k // 32) of float32 values v [G, 32], rounded into the
     `RoundedRows` tensors q, scale, sums, halves of rows of k values: `_round_kernel`'s body, which other
-    kernels call on the values they have just stored."""
+    kernels call on the values they have just stored. q int16 or int8 (its largest value from its type)."""
     i = tl.arange(0, 32)[None, :]
+    if q.dtype.element_ty == tl.int8:
+        largest = 127.0
+    else:
+        largest = 32767.0
     top = tl.max(tl.abs(v), axis=1, keep_dims=True)
-    inverse = tl.where(top > 0, 32767.0 / tl.where(top > 0, top, 1.0), 0.0)
+    inverse = tl.where(top > 0, largest / tl.where(top > 0, top, 1.0), 0.0)
     rounded = tl.floor(v * inverse + 0.5).to(tl.int32)
-    tl.store(q + r * k + g * 32 + i, rounded.to(tl.int16), mask=live)
-    tl.store(scale + r * (k // 32) + g, top / 32767.0, mask=live)
+    tl.store(q + r * k + g * 32 + i, rounded.to(q.dtype.element_ty), mask=live)
+    tl.store(scale + r * (k // 32) + g, top / largest, mask=live)
     tl.store(sums + r * (k // 32) + g, tl.sum(v, axis=1, keep_dims=True), mask=live)
     half = tl.sum(tl.reshape(rounded, (G, 2, 16)), axis=2)  # [groups, 2]: each 16 values' q summed
     tl.store(halves + r * (k // 16) + g * 2 + tl.arange(0, 2)[None, :], half, mask=live)
@@ -77,8 +96,8 @@ def _planes_kernel(q, hi, lo, total, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 @dataclass(frozen=True)
 class RoundedRows:
-    """Rows of x as int16 `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group and the int32
-    sums of q per 16 values, `halves` [m, k // 16] (Q6_K's offset of 32 is taken off in integers)."""
+    """Rows of x as int16 (or int8) `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group and the
+    int32 sums of q per 16 values, `halves` [m, k // 16] (Q6_K's offset of 32 is taken off in integers)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -86,31 +105,35 @@ class RoundedRows:
     halves: torch.Tensor
 
     @classmethod
-    def empty(cls, m: int, k: int, device: torch.device) -> RoundedRows:
-        return cls(torch.empty(m, k, dtype=torch.int16, device=device),
+    def empty(cls, m: int, k: int, device: torch.device, dtype: torch.dtype = torch.int16) -> RoundedRows:
+        return cls(torch.empty(m, k, dtype=dtype, device=device),
                    torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
                    torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
                    torch.empty(m, k // 16, dtype=torch.int32, device=device))
 
     @classmethod
-    def of(cls, x: torch.Tensor) -> RoundedRows:
-        """x [m, k] (contiguous, k a multiple of 32) rounded group by group; each row on its own. The
-        rounding a kernel made beside x (`remember`) when there is one, else one launch."""
+    def of(cls, x: torch.Tensor, dtype: torch.dtype = torch.int16) -> RoundedRows:
+        """x [m, k] (contiguous, k a multiple of 32) rounded group by group to `dtype` (int16 or int8); each row
+        on its own. The rounding a kernel made beside x (`remember`) when there is one, else one launch."""
         m, k = x.shape
         if k % GROUP or not x.is_contiguous():
             raise ValueError(f"x must be contiguous with k a multiple of {GROUP}, got {tuple(x.shape)}")
+        if dtype not in (torch.int16, torch.int8):
+            raise ValueError(f"x rounds to int16 or int8, not {dtype}")
         made = _made.get(x.device)
-        if made is not None and _same(made[0], made[1], x):
+        if made is not None and made[2].q.dtype == dtype and _same(made[0], made[1], x):
             return made[2]
-        out = cls.empty(m, k, x.device)
+        out = cls.empty(m, k, x.device, dtype)
         if m:
             _round_kernel[(m, triton.cdiv(k // GROUP, 8))](x, out.q, out.scale, out.sums, out.halves, k,
                                                            BK=8 * GROUP, **pdl.launch(x.device))
         return out
 
     def planes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q as two int8 [m, k] planes for the tensor cores' int8 products: hi = q >> 8 and lo = (q & 255) - 128,
-        so q = 256 hi + lo + 128 exactly."""
+        """q (int16) as two int8 [m, k] planes for the tensor cores' int8 products: hi = q >> 8 and
+        lo = (q & 255) - 128, so q = 256 hi + lo + 128 exactly."""
+        if self.q.dtype != torch.int16:
+            raise ValueError(f"planes split int16 values, not {self.q.dtype}")
         hi, lo = torch.empty_like(self.q, dtype=torch.int8), torch.empty_like(self.q, dtype=torch.int8)
         if self.q.numel():
             block = 1024
