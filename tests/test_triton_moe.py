@@ -9,7 +9,15 @@ import functools
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from triton_checks import assert_same_bits, check_gated, check_moe, check_projected, per_pair, reference
+from triton_checks import (
+    assert_same_bits,
+    check_gated,
+    check_moe,
+    check_projected,
+    decode_rounding,
+    per_pair,
+    reference,
+)
 
 from engine.gguf_file import TensorInfo
 from engine.kernels import gpu
@@ -89,7 +97,7 @@ def test_decode_matches_reference(qtype, dtype):
     stacks, values = case(qtype)
     x = random_x(len(DECODE_IDS), dtype)
     routing, h, y = run(stacks, x, ids_of(DECODE_IDS), prompt=False)
-    check_moe(values, x, routing, h, y, prompt=False, rounded=qtype in tm.ROUNDED)
+    check_moe(values, x, routing, h, y, prompt=False, **decode_rounding(stacks[0], len(DECODE_IDS)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
@@ -111,10 +119,10 @@ def test_decode_with_the_tiles_the_shapes_choose(qtype):
     stacks, values = stacks_of(qtype, int(qtype), tiles=None, shapes=((rows, H), (rows, H), (rows, FF)))
     x = random_x(2, torch.bfloat16)
     routing = tm.Routing.of(ids_of(DECODE_IDS[:2]), E)
-    rounded = qtype in tm.ROUNDED
-    check_gated(values[:2], x, routing, tm.swiglu(stacks[0], stacks[1], x, routing, SLOTS), False, rounded)
+    rounding = decode_rounding(stacks[0], 2)  # Q8_0's tiles: int8
+    check_gated(values[:2], x, routing, tm.swiglu(stacks[0], stacks[1], x, routing, SLOTS), False, **rounding)
     h = (torch.randn(routing.experts.numel(), FF, generator=torch.Generator().manual_seed(4)) / 16).to(DEVICE, x.dtype)
-    check_projected(values[2], h, routing, tm.project(stacks[2], h, routing, SLOTS), False, rounded)
+    check_projected(values[2], h, routing, tm.project(stacks[2], h, routing, SLOTS), False, **rounding)
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), cases(PROMPT_TYPES, Q.Q6_K))
@@ -127,10 +135,11 @@ def test_prompt_matches_reference(qtype, dtype):
     check_moe(values, x, routing, h, y, prompt=True)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
 def test_windows_of_rows_on_int8_match_reference(qtype):
     """`Tiles.int8_windows`: a window of 2-8 rows (runs of two pairs, pairs alone) sums x and h rounded to int8,
-    within that rounding's error of the float64 products; a window of one row keeps int16 (within its bound)."""
+    within that rounding's error of the float64 products; a window of one row keeps int16 (Q8_0: float sums),
+    within int16's bound."""
     stacks = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), int8_windows=True))
               for i, s in enumerate(case(qtype)[0])]
     values = case(qtype)[1]
@@ -143,8 +152,8 @@ def test_windows_of_rows_on_int8_match_reference(qtype):
     check_moe(values, x[:1], routing, h, y, prompt=False, rounded=True)
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["int16", "int8"])
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(("qtype", "int8"), [(Q.Q4_K, False), (Q.Q6_K, False), (Q.Q4_K, True), (Q.Q6_K, True),
+                                             (Q.Q8_0, True)], ids=["Q4_K", "Q6_K", "Q4_K-int8", "Q6_K-int8", "Q8_0-int8"])
 def test_decode_pairs_do_not_depend_on_the_window(qtype, int8):
     """Runs of two pairs agree in any window of 2-8 rows, as do pairs alone on their expert (one-row sums;
     a window of one row has tiles of its own); x rounded to int16 or (`Tiles.int8_windows`) int8."""

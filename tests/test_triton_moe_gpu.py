@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # before the kernels are imported: elsewhere they run interpreted
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from triton_checks import assert_same_bits, check_moe, per_pair  # noqa: E402
+from triton_checks import assert_same_bits, check_moe, decode_rounding, per_pair  # noqa: E402
 
 from engine.check import Driver, compare, sample_prompts  # noqa: E402
 from engine.experts import ResidentExperts  # noqa: E402
@@ -66,7 +66,8 @@ def test_matches_reference(case, m):
     stacks, values = case
     x, ids = window(m, seed=m)
     routing, h, y = run(stacks, x, ids)
-    check_moe(values, x, routing, h, y, prompt=m > tb.MATVEC_ROWS, rounded=stacks[0].qtype in tm.ROUNDED)
+    prompt = m > tb.MATVEC_ROWS
+    check_moe(values, x, routing, h, y, prompt=prompt, **({} if prompt else decode_rounding(stacks[0], m)))
 
 
 def test_decode_pairs_do_not_depend_on_the_window(case):

@@ -34,6 +34,7 @@ CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 INT16_PARTS = (2, 4, 8)
 INT8_TILES = ((4, 1, 1), (8, 1, 1), (2, 1, 1), (4, 2, 1), (16, 1, 1), (8, 1, 2))
+INT8_Q8_0_TILES = ((2, 512, 1), (4, 512, 1), (2, 256, 1), (4, 256, 1), (8, 256, 1), (1, 512, 1))  # rows, values, warps
 WITHOUT = "without tensor cores"
 
 
@@ -181,13 +182,17 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
         if not runs_only or config == code[1]:
             d = tiles_of(down_type, FF, False, config)
             down[config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
-    # windows on int8 x (`Tiles.int8_windows`): weight rows a program, blocks a step, warps
-    for config in INT8_TILES if rows > 1 and {gate_type, down_type} <= set(tb.ROUNDED) else ():
+    # windows on int8 x (`Tiles.int8_windows`): weight rows a program, blocks a step (Q8_0: values a step), warps
+    int8_tiles = INT8_Q8_0_TILES if gate_type == Q.Q8_0 else INT8_TILES
+    for config in int8_tiles if rows > 1 and {gate_type, down_type} <= tm.INT8_TYPES else ():
         if time.monotonic() > deadline:
             break
-        g = dataclasses.replace(tiles_of(gate_type, HIDDEN, True, config), int8_windows=True)
+        g, d = (dataclasses.replace(tiles_of(qtype, k, gated_, config), int8_windows=True)
+                if qtype != Q.Q8_0 else
+                dataclasses.replace(tm.Tiles.for_stack(qtype, k, gated_), matvec_rows=config[0], matvec_k=config[1],
+                                    matvec_warps=config[2], int8_windows=True)
+                for qtype, k, gated_ in ((gate_type, HIDDEN, True), (down_type, FF, False)))
         gated[("int8",) + config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
-        d = dataclasses.replace(tiles_of(down_type, FF, False, config), int8_windows=True)
         down[("int8",) + config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     # runs on the tensor cores: weight rows a program, warps, parts of k (the down's k = 768 in 1 or 3)
     for mma, warps, parts in MMA_RUNS if rows > 1 else ():

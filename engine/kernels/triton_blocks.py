@@ -286,7 +286,7 @@ def _chunk_dot(x, q, ASM: tl.constexpr):
     """[..., 1] int32: a chunk's weight bytes q (two halves of two words) times its x values x (two halves
     of two loads of 4 values, `_quads`): int16 values two at a time (dp2a), int8 four (dp4a)."""
     if x[0].dtype == tl.int32:
-        dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), ASM), ASM)
+        dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), False, ASM), False, ASM)
     else:
         dot = _dp2a((x[0] >> 32).to(tl.int32), q[0], _dp2a(x[0].to(tl.int32), q[0],
                                                              tl.zeros(q[0].shape, dtype=tl.int32), False, ASM), True,
@@ -541,6 +541,66 @@ def _rows_dot2_q4k(w, w2, rows, n, xq, xs, xsum, src, count, k, b0, b1, row_byte
                 part = _q4k_dot(lo2, hi2, sc_lo2, sc_hi2, mn_lo2, mn_hi2, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, ASM)
                 acc2 = _sums_add(acc2, part, j, ROWS, True)
     return acc, acc2
+
+
+@triton.jit
+def _q8_0_step(w, row, rows4, n, s0, blocks, NB: tl.constexpr):
+    """One step of Q8_0's int8 sums: blocks s0..s0+NB-1 of the weight rows at int16 offsets `row`. A thread takes
+    half a block, 16 values (chunk c), as two halves of two words (`_words`: 34-byte blocks are only 2-byte
+    aligned). Returns them [R, NB, 2, 2] each, the blocks' scales d [R, NB, 1, 1] and their indices b."""
+    w16 = w.to(tl.pointer_type(tl.int16))
+    b = s0 + tl.arange(0, NB)[None, :, None, None]
+    c = tl.arange(0, 2)[None, None, :, None]
+    u = tl.arange(0, 2)[None, None, None, :]
+    live = (rows4 < n) & (b < blocks)
+    blk = row + b * 17  # 34 bytes: d, then 32 int8
+    q = _words(w16, blk + 1 + c * 8 + u * 2, live)
+    d = _f16_bits(tl.load(w16 + blk, mask=live, other=0).to(tl.int32) & 0xFFFF)
+    return q, d, b
+
+
+@triton.jit
+def _q8_0_part(q, d, b, xq, xs, blocks, ASM: tl.constexpr):
+    """[R, NB, 2, 1] float32: a step's chunks (`_q8_0_step`) times one x row rounded to int8, four values an
+    instruction (dp4a, both signed); a block is one group of x, so one scale each."""
+    x4 = xq.to(tl.pointer_type(tl.int32))
+    live = b < blocks
+    x = _halves(x4, b * 8 + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 2)[None, None, None, :], live)
+    dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), True, ASM), True, ASM)
+    return d * (tl.sum(dot, axis=3, keep_dims=True).to(tl.float32) * tl.load(xs + b, mask=live, other=0.0))
+
+
+@triton.jit
+def _row_dot_q8_0(w, rows, n, xq, xs, k, row_bytes, R: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """[R] float32: Q8_0 weight rows `rows` times one x row rounded to int8 (`triton_xq`: values xq, group
+    scales xs), NB blocks a step."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 2)
+    blocks = k // 32
+    acc = tl.zeros((R, NB, 2, 1), dtype=tl.float32)
+    for s0 in range(0, blocks, NB):
+        q, d, b = _q8_0_step(w, row, rows4, n, s0, blocks, NB)
+        acc += _q8_0_part(q, d, b, xq, xs, blocks, ASM)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _rows_dot_q8_0(w, rows, n, xq, xs, src, count, k, row_bytes, R: tl.constexpr, NB: tl.constexpr,
+                   ROWS: tl.constexpr, ASM: tl.constexpr):
+    """[ROWS, R] float32: Q8_0 weight rows `rows` times x rows src[0..count-1] rounded to int8 (a fused MoE run's
+    pairs, their sums reduced every step), over all of k, as `_rows_dot_q4k` does for Q4_K."""
+    rows4 = rows[:, None, None, None]
+    row = rows4.to(tl.int64) * (row_bytes // 2)
+    blocks = k // 32
+    acc = _sums(ROWS, R, NB, 2, True)
+    for s0 in range(0, blocks, NB):
+        q, d, b = _q8_0_step(w, row, rows4, n, s0, blocks, NB)
+        for j in tl.static_range(ROWS):
+            if j < count:
+                at = _x_row(src, j, True)
+                acc = _sums_add(acc, _q8_0_part(q, d, b, xq + at * k, xs + at * (k // 32), blocks, ASM), j, ROWS,
+                                True)
+    return acc
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m

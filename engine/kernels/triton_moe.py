@@ -12,7 +12,8 @@ the device, no host sync):
   first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
   the others return at once. So each routed expert's rows are read once for all its pairs (`Tiles.joint`:
   Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone on its
-  expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster).
+  expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster). With
+  `Tiles.int8_windows` (Q8_0 stacks' own tiles) windows of 2-8 rows sum x rounded to int8 (`triton_xq`).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot (`Tiles.joint`: Q4_K gates and ups in one pass, each x tile loaded once for both).
@@ -43,6 +44,7 @@ from engine.kernels.triton_blocks import (
     _FUSED,
     _Q4_K,
     _Q6_K,
+    _Q8_0,
     GROUP,
     MATVEC_ROWS,
     ROUNDED,
@@ -56,9 +58,11 @@ from engine.kernels.triton_blocks import (
     _row_dot2_q4k,
     _row_dot_q4k,
     _row_dot_q6k,
+    _row_dot_q8_0,
     _rows_dot2_q4k,
     _rows_dot_q4k,
     _rows_dot_q6k,
+    _rows_dot_q8_0,
     row_bytes,
     steps_per_part,
     takes_tensor_cores,
@@ -66,6 +70,7 @@ from engine.kernels.triton_blocks import (
 from engine.kernels.triton_xq import ASM, RoundedRows
 
 HAS_MIN = (Q.Q4_K, Q.Q5_K)
+INT8_TYPES = {Q.Q4_K, Q.Q6_K, Q.Q8_0}  # the types whose windows of 2-8 rows can take x rounded to int8
 
 
 @triton.jit
@@ -93,12 +98,15 @@ def _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE: tl.constexpr,
 @triton.jit
 def _one_row(w, rows, n, x, xq, xs, xsum, xh, at, k, row_bytes, QTYPE: tl.constexpr, GROUP: tl.constexpr,
              R: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, ASM: tl.constexpr):
-    """[R] float32: weight rows `rows` of the expert at `w` times x row `at` (Q4_K, Q6_K: its int16 rounding)."""
+    """[R] float32: weight rows `rows` of the expert at `w` times x row `at` (Q4_K, Q6_K: its int16 rounding; int8
+    where xq is int8, Q8_0 too)."""
     if QTYPE == _Q4_K:
         out = _row_dot_q4k(w, rows, n, xq + at * k, xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB,
                            ASM)
     elif QTYPE == _Q6_K:
         out = _row_dot_q6k(w, rows, n, xq + at * k, xs + at * (k // 32), xh + at * (k // 16), k, row_bytes, R, SB, ASM)
+    elif (QTYPE == _Q8_0) & (xq.dtype.element_ty == tl.int8):
+        out = _row_dot_q8_0(w, rows, n, xq + at * k, xs + at * (k // 32), k, row_bytes, R, BK // 32, ASM)
     else:
         out = _row_dot(w, rows, n, x + at * k, k, row_bytes, QTYPE, GROUP, R, BK)
     return out
@@ -109,11 +117,13 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, b0, b1, row_byt
               GROUP: tl.constexpr, HAS_MIN: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
               SB: tl.constexpr, ASM: tl.constexpr):
     """[ROWS, R] float32: weight rows `rows` of the expert at `w` times the x rows of pairs p..p+count-1 (Q4_K,
-    Q6_K: over blocks [b0, b1) of k; the float sums of other types: all of k)."""
+    Q6_K: over blocks [b0, b1) of k; the int8 sums of Q8_0 and the float sums of other types: all of k)."""
     if QTYPE == _Q4_K:
         out = _rows_dot_q4k(w, rows, n, xq, xs, xsum, src + p, count, k, b0, b1, row_bytes, R, SB, ROWS, ASM, True)
     elif QTYPE == _Q6_K:
         out = _rows_dot_q6k(w, rows, n, xq, xs, xh, src + p, count, k, b0, b1, row_bytes, R, SB, ROWS, ASM, True)
+    elif (QTYPE == _Q8_0) & (xq.dtype.element_ty == tl.int8):
+        out = _rows_dot_q8_0(w, rows, n, xq, xs, src + p, count, k, row_bytes, R, BK // 32, ROWS, ASM)
     else:
         out = _matvec_run(w, x, src, p, count, rows, n, k, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS)
     return out
@@ -358,12 +368,14 @@ class Tiles:
     # against 46.5 / 36.6 in one, the Q6_K down 55.5 / 38.0 in 3 against 47.2 / 35.1; on the tensor cores the
     # fastest parts stayed 1.2-3x slower than the int16 or float sums but for Q8_0's down on 8 experts (36.0 / 40.4)
     run_parts: int = 1
-    # windows of 2-8 rows (runs and pairs alone, off the tensor cores) take x rounded to int8 for Q4_K and Q6_K
-    # (`triton_xq`: half the bytes, dp4a's four products an instruction) instead of int16; one-row windows, and so
-    # exact mode, keep int16. Off: on an H100 at 8 rows it gains where rows share experts (gate+up 36.7 -> 31.1 us,
-    # down 35.2 -> 30.9; bench-engine's copies 4,117 -> 4,301 tok/s) and little where they do not (44 experts:
-    # 46.7 -> 44.2, 47.5 -> 45.0; `--distinct` 3,650 -> 3,666, the server's 8 conversations unchanged), for ~250x
-    # int16's rounding error
+    # windows of 2-8 rows (runs and pairs alone, off the tensor cores) take x rounded to int8 (`triton_xq`, ~250x
+    # int16's rounding error, llama.cpp's rounding): Q4_K and Q6_K instead of int16 (half the bytes, dp4a's four
+    # products an instruction), Q8_0 instead of float sums (dp4a, both signed); one-row windows, and so exact mode,
+    # keep theirs. On for Q8_0 (H100, 8 rows: gate+up 123.4 -> 77.4 us on 50 experts, 65.8 -> 49.6 on 8, down
+    # 78.7 -> 47.8 and 40.8 -> 30.7; bench-engine's copies 3,544 -> 4,211 tok/s, `--distinct` 2,381 -> 3,275, the
+    # server's 8 concurrent 1,874 -> 2,375). Off for Q4_K and Q6_K: they gain where rows share experts (gate+up
+    # 36.7 -> 31.1, down 35.2 -> 30.9; copies 4,117 -> 4,301) and little where they do not (44 experts: 46.7 -> 44.2,
+    # 47.5 -> 45.0; `--distinct` 3,650 -> 3,666, the server unchanged)
     int8_windows: bool = False
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
@@ -419,7 +431,7 @@ class Tiles:
             # a 16-byte chunk of a block a thread: 8 chunks a Q4_K block
             blocks = min(warps * 32 // (rows * 8), triton.next_power_of_2(max(1, k // 256)))
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
-                   solo_blocks=4)
+                   solo_blocks=4, int8_windows=qtype == Q.Q8_0)
 
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
@@ -673,9 +685,9 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
-        int8 = routing.rows > 1 and not mma and tiles.int8_windows
-        rounded = (RoundedRows.of(x, torch.int8 if int8 else torch.int16) if mma or {w.qtype, other.qtype} & set(ROUNDED)
-                   else RoundedRows(x, x, x, x))
+        int8 = routing.rows > 1 and not mma and tiles.int8_windows and {w.qtype, other.qtype} <= INT8_TYPES
+        rounded = (RoundedRows.of(x, torch.int8 if int8 else torch.int16)
+                   if mma or int8 or {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x))
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs, n_parts)](

@@ -26,15 +26,17 @@ ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"  # read when the kernels ar
 
 
 @triton.jit
+def _ptx(op: tl.constexpr, a, b, acc):
+    """The PTX instruction `op` ("dp2a.lo.s32.u32" and the like) of int32 a, b and acc, elementwise."""
+    return tl.inline_asm_elementwise(op + " $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _dp2a(x_pairs, w_bytes, acc, HI: tl.constexpr, ASM: tl.constexpr):
     """acc + the two int16 values of `x_pairs` times bytes 0-1 (HI: 2-3) of `w_bytes`, unsigned."""
     if ASM:
-        if HI:
-            out = tl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [x_pairs, w_bytes, acc],
-                                            dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            out = tl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [x_pairs, w_bytes, acc],
-                                            dtype=tl.int32, is_pure=True, pack=1)
+        out = _ptx("dp2a.hi.s32.u32" if HI else "dp2a.lo.s32.u32", x_pairs, w_bytes, acc)
     else:
         sh: tl.constexpr = 16 if HI else 0
         out = acc + ((x_pairs << 16) >> 16) * ((w_bytes >> sh) & 255) + (x_pairs >> 16) * ((w_bytes >> (sh + 8)) & 255)
@@ -42,15 +44,18 @@ def _dp2a(x_pairs, w_bytes, acc, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dp4a(x_quads, w_bytes, acc, ASM: tl.constexpr):
-    """acc + the four int8 values of `x_quads` times the four bytes of `w_bytes`, unsigned."""
+def _dp4a(x_quads, w_bytes, acc, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """acc + the four int8 values of `x_quads` times the four bytes of `w_bytes`, unsigned (SIGNED: int8)."""
     if ASM:
-        out = tl.inline_asm_elementwise("dp4a.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [x_quads, w_bytes, acc],
-                                        dtype=tl.int32, is_pure=True, pack=1)
+        out = _ptx("dp4a.s32.s32" if SIGNED else "dp4a.s32.u32", x_quads, w_bytes, acc)
     else:
         out = acc
         for i in tl.static_range(4):
-            out += ((x_quads << (24 - 8 * i)) >> 24) * ((w_bytes >> (8 * i)) & 255)
+            if SIGNED:
+                w = (w_bytes << (24 - 8 * i)) >> 24
+            else:
+                w = (w_bytes >> (8 * i)) & 255
+            out += ((x_quads << (24 - 8 * i)) >> 24) * w
     return out
 
 
