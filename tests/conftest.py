@@ -25,6 +25,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` (pyproject.toml's addopts): xdist's worker a core, but on a CUDA machine at most 4 a GPU, so
+    that the GPU tests' processes (a CUDA context and test models each) fit a small card."""
+    if not torch.cuda.is_available():
+        return None
+    return min(os.cpu_count() or 1, 4 * torch.cuda.device_count())
+
+
 @pytest.fixture(autouse=True)
 def seeded_torch() -> None:
     """Every test draws the same random numbers whichever tests ran before it (the order differs
