@@ -78,11 +78,11 @@ def moe_products(a: torch.Tensor, values: torch.Tensor, experts: torch.Tensor, t
 def decode_rounding(stack, rows: int) -> dict[str, bool | int]:
     """`check_moe`'s `rounded` and `largest` for a decode window of `rows` rows through `stack` (a
     `triton_moe.Stack`): x in int16 for Q4_K and Q6_K, in int8 in windows of 2-8 rows where its tiles say
-    `int8_windows` (Q8_0's own tiles do)."""
-    from engine.kernels.triton_moe import INT8_TYPES, ROUNDED
+    `int8_windows` (Q8_0's own tiles do): `triton_moe.x_rounding`, off the tensor cores."""
+    from engine.kernels.triton_moe import x_rounding
 
-    int8 = rows > 1 and stack.tiles(True).int8_windows and stack.qtype in INT8_TYPES
-    return dict(rounded=int8 or stack.qtype in ROUNDED, largest=127 if int8 else 32767)
+    rounding = x_rounding(stack, stack, True, rows, 0)
+    return dict(rounded=rounding is not None, largest=127 if rounding == torch.int8 else 32767)
 
 
 def assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:

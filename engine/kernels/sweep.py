@@ -161,6 +161,15 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
             return dataclasses.replace(used, solo_rows=r, solo_blocks=b, solo_warps=w)
         return dataclasses.replace(used, matvec_rows=r, row_blocks=b, matvec_warps=w)
 
+    def int8_tiles_of(qtype: Q, k: int, gated: bool, config: tuple[int, int, int]) -> tm.Tiles:
+        if qtype == Q.Q8_0:  # its int8 sums take `matvec_k` values a step
+            r, values, w = config
+            tiles = dataclasses.replace(tm.Tiles.for_stack(qtype, k, gated), matvec_rows=r, matvec_k=values,
+                                        matvec_warps=w)
+        else:
+            tiles = tiles_of(qtype, k, gated, config)
+        return dataclasses.replace(tiles, int8_windows=True)
+
     def chosen(qtype: Q, k: int, gated: bool) -> tuple[int, int, int]:
         t = tm.Tiles.for_stack(qtype, k, gated)
         return (t.solo_rows, t.solo_blocks, t.solo_warps) if rows == 1 else (t.matvec_rows, t.row_blocks, t.matvec_warps)
@@ -187,11 +196,7 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
     for config in int8_tiles if rows > 1 and {gate_type, down_type} <= tm.INT8_TYPES else ():
         if time.monotonic() > deadline:
             break
-        g, d = (dataclasses.replace(tiles_of(qtype, k, gated_, config), int8_windows=True)
-                if qtype != Q.Q8_0 else
-                dataclasses.replace(tm.Tiles.for_stack(qtype, k, gated_), matvec_rows=config[0], matvec_k=config[1],
-                                    matvec_warps=config[2], int8_windows=True)
-                for qtype, k, gated_ in ((gate_type, HIDDEN, True), (down_type, FF, False)))
+        g, d = (int8_tiles_of(gate_type, HIDDEN, True, config), int8_tiles_of(down_type, FF, False, config))
         gated[("int8",) + config] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         down[("int8",) + config] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     # runs on the tensor cores: weight rows a program, warps, parts of k (the down's k = 768 in 1 or 3)

@@ -282,11 +282,12 @@ def _quads(xq):
 
 
 @triton.jit
-def _chunk_dot(x, q, ASM: tl.constexpr):
-    """[..., 1] int32: a chunk's weight bytes q (two halves of two words) times its x values x (two halves
-    of two loads of 4 values, `_quads`): int16 values two at a time (dp2a), int8 four (dp4a)."""
+def _chunk_dot(x, q, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
+    """[..., 1] int32: a chunk's weight bytes q (two halves of two words; unsigned, SIGNED: int8) times its x
+    values x (two halves of two loads of 4 values, `_quads`): int16 values two at a time (dp2a), int8 four
+    (dp4a)."""
     if x[0].dtype == tl.int32:
-        dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), False, ASM), False, ASM)
+        dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), SIGNED, ASM), SIGNED, ASM)
     else:
         dot = _dp2a((x[0] >> 32).to(tl.int32), q[0], _dp2a(x[0].to(tl.int32), q[0],
                                                              tl.zeros(q[0].shape, dtype=tl.int32), False, ASM), True,
@@ -563,11 +564,10 @@ def _q8_0_step(w, row, rows4, n, s0, blocks, NB: tl.constexpr):
 def _q8_0_part(q, d, b, xq, xs, blocks, ASM: tl.constexpr):
     """[R, NB, 2, 1] float32: a step's chunks (`_q8_0_step`) times one x row rounded to int8, four values an
     instruction (dp4a, both signed); a block is one group of x, so one scale each."""
-    x4 = xq.to(tl.pointer_type(tl.int32))
     live = b < blocks
-    x = _halves(x4, b * 8 + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 2)[None, None, None, :], live)
-    dot = _dp4a(x[1], q[1], _dp4a(x[0], q[0], tl.zeros(q[0].shape, dtype=tl.int32), True, ASM), True, ASM)
-    return d * (tl.sum(dot, axis=3, keep_dims=True).to(tl.float32) * tl.load(xs + b, mask=live, other=0.0))
+    x = _halves(_quads(xq), b * 8 + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 2)[None, None, None, :],
+                live)
+    return d * (_chunk_dot(x, q, ASM, True).to(tl.float32) * tl.load(xs + b, mask=live, other=0.0))
 
 
 @triton.jit

@@ -685,9 +685,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
-        int8 = routing.rows > 1 and not mma and tiles.int8_windows and {w.qtype, other.qtype} <= INT8_TYPES
-        rounded = (RoundedRows.of(x, torch.int8 if int8 else torch.int16)
-                   if mma or int8 or {w.qtype, other.qtype} & set(ROUNDED) else RoundedRows(x, x, x, x))
+        rounding = x_rounding(w, other, gated, routing.rows, mma)
+        rounded = RoundedRows.of(x, rounding) if rounding else RoundedRows(x, x, x, x)
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs, n_parts)](
@@ -713,6 +712,16 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
                                BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED,
                                **pdl.launch(x.device))
     return y
+
+
+def x_rounding(w: Stack, other: Stack, gated: bool, rows: int, mma: int) -> torch.dtype | None:
+    """What a matvec window of `rows` rows through w (and `other`, its ups or itself) rounds x to: int8 where the
+    tiles say `int8_windows` for windows of 2-8 rows off the tensor cores (`mma` 0), int16 for the tensor cores'
+    runs and the `ROUNDED` types, None where the float sums take x as it is."""
+    types = {w.qtype, other.qtype}
+    if rows > 1 and not mma and w.tiles(gated).int8_windows and types <= INT8_TYPES:
+        return torch.int8
+    return torch.int16 if mma or types & set(ROUNDED) else None
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
