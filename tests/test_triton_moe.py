@@ -202,6 +202,30 @@ def test_decode_runs_on_the_tensor_cores(qtype):
         assert_same_bits(per_pair(routing, y)[i], window[row])
 
 
+@pytest.mark.parametrize("qtype", gpu.FLOAT_BLOCKS, ids=lambda t: t.name)
+def test_float_windows_on_the_tensor_cores(qtype):
+    """F16 and BF16 stacks' `Tiles.mma_rows`: every pair of a window of 2-8 rows, in a run or alone, as tf32 tiles on
+    the tensor cores. x in bf16 and the weights are exact in tf32, so within the float sums' bound; a pair's bits
+    whatever its window and its place in its run; a window of one row keeps the float sums, bit for bit. The down
+    over 48 weight rows: programs of 16 where compiled (interpreted: of all rows, `TILES`)."""
+    plain, values = stacks_of(qtype, 11, shapes=((FF, H), (FF, H), (48, FF)))
+    mma = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), mma_rows=16))
+           for i, s in enumerate(plain)]
+    ids = ids_of([[1, 3], [3, 1], [1, 0], [4, 2]])  # expert 1: a run of 3, expert 3: of 2; 0, 2, 4 alone
+    x = random_x(4, torch.bfloat16, seed=3)
+    routing, h, y = run(mma, x, ids, prompt=False)
+    check_moe(values, x, routing, h, y, prompt=False)
+    window = per_pair(routing, y)
+    for sub in ([1, 2], [3, 0], [2]):  # expert 1's run of 2 (row 1 first now), all alone, one row
+        routing, _, y = run(mma, x[sub], ids[sub], prompt=False)
+        if len(sub) > 1:
+            for i, row in enumerate(sub):
+                assert_same_bits(per_pair(routing, y)[i], window[row])
+        else:
+            _, _, y_plain = run(plain, x[sub], ids[sub], prompt=False)
+            assert_same_bits(y, y_plain)
+
+
 @pytest.mark.parametrize(("qtype", "mma"), [(Q.Q4_K, 16), (Q.Q8_0, 16), (Q.Q4_K, 0), (Q.Q6_K, 0)],
                          ids=["Q4_K-tensor-cores", "Q8_0-tensor-cores", "Q4_K-int16", "Q6_K-int16"])
 def test_decode_runs_in_parts_of_k(qtype, mma):

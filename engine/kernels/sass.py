@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from engine.kernels import gpu
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
 
@@ -119,8 +120,10 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
-    return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks,
-                                                            SB2=blocks, ASM=True, MMA=mma, PARTS=parts), warps)
+    floats = qtype in gpu.FLOAT_BLOCKS and mma > 0  # `triton_moe._run`: programs of mma rows, every pair on them
+    return usage(tm._moe_matvec_kernel, args, consts | dict(
+        R=mma if floats else rows, BK=t.mma_k if floats else t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks, SB2=blocks,
+        ASM=True, MMA=mma, ALONE=not floats, PARTS=parts), warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:
@@ -166,6 +169,9 @@ def main() -> None:
                      ("MoE down Q8_0, windows of 2-8 rows on int8 x", lambda: moe_matvec(Q.Q8_0, False, False, int8=True)),
                      ("MoE gate+up Q8_0, runs on the tensor cores", lambda: moe_matvec(Q.Q8_0, True, False, 16)),
                      ("MoE down Q8_0, runs on the tensor cores", lambda: moe_matvec(Q.Q8_0, False, False, 16)),
+                     ("MoE gate+up F16, windows of 2-8 rows (tensor cores)", lambda: moe_matvec(Q.F16, True, False)),
+                     ("MoE down F16, windows of 2-8 rows (tensor cores)", lambda: moe_matvec(Q.F16, False, False)),
+                     ("MoE gate+up F16, windows of 2-8 rows (float sums)", lambda: moe_matvec(Q.F16, True, False, 0)),
                      ("MoE gate+up Q4_K, one row", lambda: moe_matvec(Q.Q4_K, True, True)),
                      ("MoE down Q6_K, one row", lambda: moe_matvec(Q.Q6_K, False, True)),
                      ("MoE GEMM gate+up Q4_K (prompt)", lambda: moe_gemm(Q.Q4_K, True)),

@@ -1,4 +1,4 @@
-"""`python -m engine.kernels.sweep [SECONDS] [--runs]`: the decode tile sweeps behind `triton_blocks` and
+"""`python -m engine.kernels.sweep [SECONDS] [--runs] [--float]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
 down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor
@@ -8,7 +8,8 @@ skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), 
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
 windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
 shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows
-and runs in parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0."""
+and runs in parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of
+8 rows on the tensor cores (`float_window`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 INT16_PARTS = (2, 4, 8)
 INT8_TILES = ((4, 1, 1), (8, 1, 1), (2, 1, 1), (4, 2, 1), (16, 1, 1), (8, 1, 2))
+FLOAT_TILES = ((16, 128, 1), (16, 64, 1), (16, 256, 1), (32, 128, 1), (32, 64, 2), (32, 128, 2), (64, 64, 4),
+               (64, 128, 4), (16, 128, 2))  # weight rows a program, values a step, warps
 INT8_Q8_0_TILES = ((2, 512, 1), (4, 512, 1), (2, 256, 1), (4, 256, 1), (8, 256, 1), (1, 512, 1))  # rows, values, warps
 WITHOUT = "without tensor cores"
 
@@ -129,6 +132,56 @@ def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([torch.multinomial(weights, TOP_K, generator=gen) for _ in range(rows)])
 
 
+def _window_case(rows: int, copies: bool, types: tuple[Q, Q]) -> tuple[Callable[[str, tm.Tiles], tm.Stack], ...]:
+    """Random gate, up and down stacks (gates and ups of `types[0]`, downs of `types[1]`) as `stack(name, tiles)`
+    makes them, x and h of a window of `rows` rows, its routing (`moe_window`'s `copies`) and the slot table."""
+    gen = torch.Generator().manual_seed(1)
+    gate_type, down_type = types
+    shapes = {"gate": (gate_type, FF, HIDDEN), "up": (gate_type, FF, HIDDEN), "down": (down_type, HIDDEN, FF)}
+    blocks = {name: (qtype, tb.random_blocks(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1).cuda(), k)
+              for name, (qtype, n, k) in shapes.items()}
+    slot_of = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
+    ids = (_skewed_ids(1, gen).repeat(rows, 1) if copies else _skewed_ids(rows, gen)).cuda()
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(rows * TOP_K, FF, device="cuda", dtype=torch.bfloat16)
+
+    def stack(name: str, tiles: tm.Tiles) -> tm.Stack:
+        qtype, b, k = blocks[name]
+        return tm.Stack(qtype, b, k, tiles)
+
+    return stack, x, h, tm.Routing.of(ids, EXPERTS), slot_of
+
+
+def float_window(deadline: float, copies: bool = False, qtype: Q = Q.F16) -> None:
+    """F16 or BF16 experts on a window of 8 rows (`moe_window`'s routings): the tensor cores' tf32 tiles
+    (`FLOAT_TILES`: `Tiles.mma_rows`, `Tiles.mma_k`, `Tiles.matvec_warps`) beside the float sums (mma_rows 0, their
+    one-warp programs)."""
+    stack, x, h, routing, slot_of = _window_case(tb.MATVEC_ROWS, copies, (qtype, qtype))
+    gated, down = {}, {}
+    code = {g: tm.Tiles.for_stack(qtype, k, g) for g, k in ((True, HIDDEN), (False, FF))}
+
+    def key(t: tm.Tiles) -> tuple[int | str, ...]:
+        return (t.mma_rows, t.mma_k, t.matvec_warps) if t.mma_rows else (WITHOUT,)
+
+    for config in [None] + list(FLOAT_TILES):
+        if config and time.monotonic() > deadline:
+            break
+        for g, times in ((True, gated), (False, down)):
+            t = code[g]
+            t = dataclasses.replace(t, mma_rows=0, matvec_warps=1) if config is None else dataclasses.replace(
+                t, mma_rows=config[0], mma_k=config[1], matvec_warps=config[2])
+            if key(t) in times:
+                continue
+            if g:
+                times[key(t)] = _us(lambda t=t: tm.swiglu(stack("gate", t), stack("up", t), x, routing, slot_of))
+            else:
+                times[key(t)] = _us(lambda t=t: tm.project(stack("down", t), h, routing, slot_of))
+    experts = routing.experts.unique().numel()
+    legend = "weight rows a program, values a step, warps"
+    _report(f"MoE gate+up ({qtype.name}), 8 rows, {experts} experts", gated, key(code[True]), legend)
+    _report(f"MoE down ({qtype.name}), 8 rows, {experts} experts", down, key(code[False]), legend)
+
+
 def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K),
                runs_only: bool = False) -> None:
     """The fused MoE kernel on a window of `rows` rows, gates and ups of `types[0]`, downs of `types[1]` (the
@@ -140,20 +193,8 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
     (`MMA_RUNS`: `Tiles.mma_rows`, warps, `Tiles.run_parts`) and, for Q4_K and Q6_K, on the int16 sums in parts of
     k (`INT16_PARTS`, the down's k of 768 in 3), and windows on int8 x (`Tiles.int8_windows`, `INT8_TILES`);
     `runs_only`: those beside the code's tiles alone."""
-    gen = torch.Generator().manual_seed(1)
     gate_type, down_type = types
-    shapes = {"gate": (gate_type, FF, HIDDEN), "up": (gate_type, FF, HIDDEN), "down": (down_type, HIDDEN, FF)}
-    blocks = {name: (qtype, tb.random_blocks(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1).cuda(), k)
-              for name, (qtype, n, k) in shapes.items()}
-    slot_of = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
-    ids = (_skewed_ids(1, gen).repeat(rows, 1) if copies else _skewed_ids(rows, gen)).cuda()
-    routing = tm.Routing.of(ids, EXPERTS)
-    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(rows * TOP_K, FF, device="cuda", dtype=torch.bfloat16)
-
-    def stack(name: str, tiles: tm.Tiles) -> tm.Stack:
-        qtype, b, k = blocks[name]
-        return tm.Stack(qtype, b, k, tiles)
+    stack, x, h, routing, slot_of = _window_case(rows, copies, types)
 
     def tiles_of(qtype: Q, k: int, gated: bool, config: tuple[int, int, int]) -> tm.Tiles:
         used, (r, b, w) = tm.Tiles.for_stack(qtype, k, gated), config
@@ -228,10 +269,14 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--runs"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     seconds = float(args[0]) if args else 300.0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {seconds:.0f} s")
     start = time.monotonic()
+    if "--float" in sys.argv:  # F16 experts' windows on the tensor cores, both routings
+        for i, copies in enumerate((False, True), 1):
+            float_window(start + seconds * i / 2, copies)
+        return
     if "--runs" in sys.argv:  # the MoE's runs on the tensor cores only, both mixes, both routings
         cases = [(types, copies) for types in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)) for copies in (False, True)]
         for i, (types, copies) in enumerate(cases, 1):

@@ -14,6 +14,7 @@ the device, no host sync):
   Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone on its
   expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster). With
   `Tiles.int8_windows` (Q8_0 stacks' own tiles) windows of 2-8 rows sum x rounded to int8 (`triton_xq`).
+  F16 and BF16 windows of 2-8 rows put every pair, alone too, on the tensor cores (`_float_mma`, tf32 tiles).
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot (`Tiles.joint`: Q4_K gates and ups in one pass, each x tile loaded once for both).
@@ -41,6 +42,8 @@ from gguf import GGMLQuantizationType as Q
 from engine.kernels import pdl
 from engine.kernels.gpu import FLOAT_BLOCKS, SUPPORTED
 from engine.kernels.triton_blocks import (
+    _BF16,
+    _F16,
     _FUSED,
     _Q4_K,
     _Q6_K,
@@ -139,6 +142,37 @@ def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTY
 
 
 @triton.jit
+def _float_mma(w, w2, rows, n, x, src, p, count, k, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr,
+               BK: tl.constexpr, BOTH: tl.constexpr):
+    """[16, R] float32 (and w2's, BOTH: a matrix of w's shape, from the same x tiles): the x rows of pairs
+    p..p+count-1 (tile rows 0..count-1, zeros below) times weight rows `rows` of the F16 or BF16 expert at `w`, on
+    the tensor cores as tf32 products: a bf16 or f16 x and the weights are exact in tf32, so the products are the
+    float sums' own, summed in float32. Each x row is a row of the tile of its own: its bits do not depend on the
+    others."""
+    if QTYPE == _F16:
+        wv, wv2 = w.to(tl.pointer_type(tl.float16)), w2.to(tl.pointer_type(tl.float16))
+    else:
+        wv, wv2 = w.to(tl.pointer_type(tl.bfloat16)), w2.to(tl.pointer_type(tl.bfloat16))
+    t = tl.arange(0, 16)
+    c = tl.arange(0, BK)
+    x_live = (t < count)[:, None]
+    x_at = x + tl.load(src + p + t, mask=t < count, other=0).to(tl.int64)[:, None] * k + c[None, :]
+    w_at = rows.to(tl.int64)[:, None] * (row_bytes // 2) + c[None, :]
+    live_w = (rows < n)[:, None]
+    acc = tl.zeros((16, R), dtype=tl.float32)
+    acc2 = tl.zeros((16, R), dtype=tl.float32)
+    for e0 in range(0, k, BK):
+        in_k = e0 + c[None, :] < k
+        xt = tl.load(x_at + e0, mask=x_live & in_k, other=0.0).to(tl.float32)
+        wt = tl.load(wv + w_at + e0, mask=live_w & in_k, other=0.0).to(tl.float32)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision="tf32")
+        if BOTH:
+            wt2 = tl.load(wv2 + w_at + e0, mask=live_w & in_k, other=0.0).to(tl.float32)
+            acc2 = tl.dot(xt, tl.trans(wt2), acc2, input_precision="tf32")
+    return acc, acc2
+
+
+@triton.jit
 def _expert_at(w, far, slot, expert_bytes):
     """The expert's blocks: slot `slot` of the stack, or entry -2 - slot of `far` (slot <= -2)."""
     base = w + slot * expert_bytes
@@ -163,11 +197,12 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
                        ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
-                       PARTS: tl.constexpr, PDL: tl.constexpr):
+                       ALONE: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program (weight-row tile, sorted pair p, part): see the module's doc. PARTS > 1 (runs on the tensor cores,
     or of Q4_K and Q6_K on the int16 sums): part s of a run's sums, k's 256-value steps [s * k / PARTS, (s + 1) *
     k / PARTS), into `parts` float32 [PARTS, 1 + GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`;
-    pairs alone take part 0."""
+    pairs alone take part 0. ALONE: pairs alone take the one-row sums (else they are runs of one, as the F16 and
+    BF16 windows on the tensor cores take them)."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     p = tl.program_id(1)
@@ -177,7 +212,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
     if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
         ahead = p + tl.arange(0, ROWS)
         count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
-        if count == 1:  # alone on its expert, as every pair of a one-row window: the one-row sums (part 0's)
+        if (count == 1) & ALONE:  # alone on its expert, as every pair of a one-row window: the one-row sums
             if part == 0:
                 at = tl.load(src + p).to(tl.int64)
                 if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
@@ -199,7 +234,12 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
             if PARTS > 1:
                 b0 = part * (k // 256 // PARTS)
                 b1 = b0 + k // 256 // PARTS
-            if MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
+            if MMA > 0 and (QTYPE == _F16 or QTYPE == _BF16):  # tf32 tiles of 16 x rows (gates and ups together)
+                tile = tl.program_id(0) * R + tl.arange(0, R)
+                acc, up = _float_mma(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
+                                     tile, n, x, src, p, count, k, row_bytes, QTYPE, R, BK, GATED)
+                _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 16, GATED, PARTS)
+            elif MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
                 if (tl.program_id(0) * R) % MMA == 0:
                     tile = tl.program_id(0) * R + tl.arange(0, MMA)
                     t = tl.arange(0, 16) % 8  # tile rows t and t + 8: the run's pair t
@@ -347,7 +387,7 @@ class Tiles:
     gemm_m: int  # pairs per GEMM tile (each expert's pairs are padded to whole tiles)
     gemm_n: int
     gemm_k: int
-    matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too
+    matvec_warps: int = 4  # they set how tl.sum reduces: fixed per shape too (F16/BF16 with `mma_rows`: the tiles')
     gemm_warps: int = 4
     row_blocks: int = 1  # Q4_K blocks per step of a pair alone on its expert: a 16-byte chunk per thread
     # Q4_K gates and ups in one pass over the blocks: a run of 2-8 pairs (H200, 8 rows on the same 8 experts:
@@ -361,6 +401,10 @@ class Tiles:
     # one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down on 8 experts alone
     # gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run, too few programs
     mma_rows: int = 0
+    # F16 and BF16 stacks: where `mma_rows` is set, every pair of a window of 2-8 rows (alone on its expert too) takes
+    # tf32 tiles on the tensor cores, programs of `mma_rows` weight rows and `matvec_warps` warps, `mma_k` values of
+    # k a step; the float sums' one weight row a program read x's 8 rows for every weight row
+    mma_k: int = 128
     # parts of k for the runs of 2-8 pairs (on the tensor cores, or Q4_K and Q6_K runs on the int16 sums), each a
     # program of its own (k // 256 steps split evenly, in whole steps of `row_blocks` blocks), their float32 sums
     # added in order after (`_add_run_parts`, which also applies silu(gate) * up). 1 for every type: on an H100 at
@@ -408,8 +452,11 @@ class Tiles:
         if qtype in FLOAT_BLOCKS:
             # F16 at these shapes: 8 rows, one weight row a one-warp program (gate+up 114.7 -> 80.2 us, down
             # 89.6 -> 83.3); one row, two (13.4 and 9.9 us against 14.9 and 12.5 with one)
-            return cls(1, min(512, triton.next_power_of_2(k)), 64, 64, 64, 1, 4, solo_rows=2, solo_warps=1,
-                       solo_blocks=4)
+            # 2-8 rows on the tensor cores: tf32 tiles of 64 weight rows, 128 values a step, 4 warps (H100, 8 rows on
+            # 46 experts / copies of one row's 8: gate+up 99.6 -> 97.9 / 63.5 -> 23.5 us, down 83.5 -> 51.6 /
+            # 80.1 -> 11.6 against the float sums' one-warp programs of one weight row)
+            return cls(1, min(512, triton.next_power_of_2(k)), 64, 64, 64, 4, 4, mma_rows=64, mma_k=128, solo_rows=2,
+                       solo_warps=1, solo_blocks=4)
         if qtype in (Q.Q8_0, Q.Q6_K) or (qtype == Q.Q4_K and gated):
             # One-warp programs over 2 (gate+up) or 4 (down) weight rows, in windows of 8 rows (skewed routing,
             # 51 experts, H200): Q4_K gate+up 122.6 -> 77.5 us, Q6_K down 107.8 -> 80.0, Q8_0 170.2 -> 121.7
@@ -681,8 +728,12 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
                            (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
-        on_tensor_cores = not solo and takes_tensor_cores(w.qtype, w.k) and takes_tensor_cores(other.qtype, other.k)
+        floats = {w.qtype, other.qtype} <= set(FLOAT_BLOCKS)
+        on_tensor_cores = not solo and routing.rows > 1 and (floats or takes_tensor_cores(w.qtype, w.k) and
+                                        takes_tensor_cores(other.qtype, other.k))
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
+        if floats and mma:  # every pair of the window on the tensor cores: programs of mma weight rows
+            rows = mma
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounding = x_rounding(w, other, gated, routing.rows, mma)
@@ -693,7 +744,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, PARTS=n_parts,
+            R=rows, BK=tiles.mma_k if floats and mma else tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, ALONE=not (floats and mma),
+            PARTS=n_parts,
             num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
@@ -717,11 +769,11 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
 def x_rounding(w: Stack, other: Stack, gated: bool, rows: int, mma: int) -> torch.dtype | None:
     """What a matvec window of `rows` rows through w (and `other`, its ups or itself) rounds x to: int8 where the
     tiles say `int8_windows` for windows of 2-8 rows off the tensor cores (`mma` 0), int16 for the tensor cores'
-    runs and the `ROUNDED` types, None where the float sums take x as it is."""
+    int8 runs and the `ROUNDED` types, None where the float sums or the F16 and BF16 tf32 tiles take x as it is."""
     types = {w.qtype, other.qtype}
     if rows > 1 and not mma and w.tiles(gated).int8_windows and types <= INT8_TYPES:
         return torch.int8
-    return torch.int16 if mma or types & set(ROUNDED) else None
+    return torch.int16 if (mma and not types <= set(FLOAT_BLOCKS)) or types & set(ROUNDED) else None
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
