@@ -271,10 +271,12 @@ def test_decode_runs_in_parts_of_k(qtype, mma):
         window(2, [0, 1])
 
 
-def test_runs_in_parts_are_refused_where_their_path_cannot():
-    """Q8_0 runs off the tensor cores take float sums over all of k: parts refused before anything runs."""
-    stacks, _ = stacks_of(Q.Q8_0, 13, shapes=((32, 768), (32, 768), (48, 768)))
-    gate, up = (tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), mma_rows=0, run_parts=3))
+@pytest.mark.parametrize(("qtype", "mma"), [(Q.Q8_0, 0), (Q.F16, 16)], ids=["Q8_0-float-sums", "F16-tf32"])
+def test_runs_in_parts_are_refused_where_their_path_cannot(qtype, mma):
+    """Q8_0 runs off the tensor cores take float sums over all of k, as F16 windows' tf32 tiles do: parts refused
+    before anything runs."""
+    stacks, _ = stacks_of(qtype, 13, shapes=((32, 768), (32, 768), (48, 768)))
+    gate, up = (tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(True), mma_rows=mma, run_parts=3))
                 for s in stacks[:2])
     x = torch.zeros(2, 768, device=DEVICE)
     with pytest.raises(ValueError, match="cannot take 3 parts"):

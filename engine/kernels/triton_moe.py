@@ -450,8 +450,8 @@ class Tiles:
         # the Q6_K down 17.3 -> 15.4 us against the 8-row tiles; one row a program, 1-8 warps and blocks swept).
         wide = 256 if qtype == Q.Q6_K and not gated else 512
         if qtype in FLOAT_BLOCKS:
-            # F16 at these shapes: 8 rows, one weight row a one-warp program (gate+up 114.7 -> 80.2 us, down
-            # 89.6 -> 83.3); one row, two (13.4 and 9.9 us against 14.9 and 12.5 with one)
+            # F16 at these shapes, the float sums: 8 rows, one weight row a one-warp program (gate+up 114.7 -> 80.2
+            # us, down 89.6 -> 83.3; what `mma_rows` 0 gives); one row, two (13.4 and 9.9 us against 14.9 and 12.5)
             # 2-8 rows on the tensor cores: tf32 tiles of 64 weight rows, 128 values a step, 4 warps (H100, 8 rows on
             # 46 experts / copies of one row's 8: gate+up 99.6 -> 97.9 / 63.5 -> 23.5 us, down 83.5 -> 51.6 /
             # 80.1 -> 11.6 against the float sums' one-warp programs of one weight row)
@@ -698,6 +698,8 @@ def _run_parts(parts: int, w: Stack, other: Stack, mma: int, blocks_a_step: tupl
     256-value steps (`steps_per_part`), on the int16 sums (Q4_K, Q6_K only) whole steps of `row_blocks` blocks."""
     if parts == 1:
         return 1
+    if {w.qtype, other.qtype} & set(FLOAT_BLOCKS):
+        raise ValueError(f"windows of {w.qtype.name} take all of k in one program: they cannot take {parts} parts")
     if not mma and not {w.qtype, other.qtype} <= set(ROUNDED):
         raise ValueError(f"runs of {w.qtype.name} off the tensor cores take float sums over all of k: they cannot "
                          f"take {parts} parts")
@@ -730,9 +732,10 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
         floats = {w.qtype, other.qtype} <= set(FLOAT_BLOCKS)
         on_tensor_cores = not solo and routing.rows > 1 and (floats or takes_tensor_cores(w.qtype, w.k) and
-                                        takes_tensor_cores(other.qtype, other.k))
+                                                             takes_tensor_cores(other.qtype, other.k))
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
-        if floats and mma:  # every pair of the window on the tensor cores: programs of mma weight rows
+        tf32 = floats and mma > 0  # every pair of the window on the tensor cores, in programs of mma weight rows
+        if tf32:
             rows = mma
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
@@ -744,9 +747,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=tiles.mma_k if floats and mma else tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, ALONE=not (floats and mma),
-            PARTS=n_parts,
-            num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            R=rows, BK=tiles.mma_k if tf32 else tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma,
+            ALONE=not tf32, PARTS=n_parts, num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
