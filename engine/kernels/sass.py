@@ -120,10 +120,10 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
-    floats = qtype in gpu.FLOAT_BLOCKS and mma > 0  # `triton_moe._run`: programs of mma rows, every pair on them
-    return usage(tm._moe_matvec_kernel, args, consts | dict(
-        R=mma if floats else rows, BK=t.mma_k if floats else t.matvec_k, ROWS=tb.MATVEC_ROWS, SB=blocks, SB2=blocks,
-        ASM=True, MMA=mma, ALONE=not floats, PARTS=parts), warps)
+    rows, step, alone = tm.matvec_program(t, qtype in gpu.FLOAT_BLOCKS, rows, mma)
+    return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=step, ROWS=tb.MATVEC_ROWS, SB=blocks,
+                                                            SB2=blocks, ASM=True, MMA=mma, ALONE=alone, PARTS=parts),
+                 warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:

@@ -397,9 +397,10 @@ class Tiles:
     joint: bool = True
     # weight rows of a program for a run of 2-8 pairs of Q4_K, Q6_K or Q8_0 on the tensor cores (int8 products, x
     # split into two int8 planes; the rows a program otherwise, `matvec_rows`, where fewer); 0: the int16 or float
-    # sums, which `for_stack` keeps: on an H100 at 8 rows the runs on the tensor cores were slower at every tile but
-    # one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down on 8 experts alone
-    # gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run, too few programs
+    # sums, which `for_stack` keeps for those types: on an H100 at 8 rows the runs on the tensor cores were slower
+    # at every tile but one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down
+    # on 8 experts alone gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run,
+    # too few programs
     mma_rows: int = 0
     # F16 and BF16 stacks: where `mma_rows` is set, every pair of a window of 2-8 rows (alone on its expert too) takes
     # tf32 tiles on the tensor cores, programs of `mma_rows` weight rows and `matvec_warps` warps, `mma_k` values of
@@ -734,9 +735,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         on_tensor_cores = not solo and routing.rows > 1 and (floats or takes_tensor_cores(w.qtype, w.k) and
                                                              takes_tensor_cores(other.qtype, other.k))
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
-        tf32 = floats and mma > 0  # every pair of the window on the tensor cores, in programs of mma weight rows
-        if tf32:
-            rows = mma
+        rows, step, alone = matvec_program(tiles, floats, rows, mma)
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounding = x_rounding(w, other, gated, routing.rows, mma)
@@ -747,8 +746,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=tiles.mma_k if tf32 else tiles.matvec_k, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma,
-            ALONE=not tf32, PARTS=n_parts, num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
@@ -766,6 +764,13 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
                                BK=tiles.gemm_k, num_warps=tiles.gemm_warps, **_FUSED,
                                **pdl.launch(x.device))
     return y
+
+
+def matvec_program(tiles: Tiles, floats: bool, rows: int, mma: int) -> tuple[int, int, bool]:
+    """A decode window's (weight rows a program, values of k a step, whether pairs alone take the one-row sums),
+    for tiles whose programs have `rows` rows and runs `mma` (`Tiles.mma_program`; 0: off the tensor cores): F16 and
+    BF16 windows (`floats`) on the tensor cores put every pair on tf32 tiles, in programs of `mma` rows."""
+    return (mma, tiles.mma_k, False) if floats and mma else (rows, tiles.matvec_k, True)
 
 
 def x_rounding(w: Stack, other: Stack, gated: bool, rows: int, mma: int) -> torch.dtype | None:
