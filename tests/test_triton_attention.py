@@ -94,16 +94,17 @@ def many_chunks() -> tuple:
 
 
 def test_the_merge_rounds_the_rows_it_writes():
-    """A decode window's output rounded for attn_output's int16 product in the merge's launch: what
-    `RoundedRows.of` returns for it, the same as rounding it apart."""
+    """A decode window's output rounded for attn_output's int16 product in the merge's launch, and split into the
+    tensor cores' int8 planes: what `RoundedRows.of` returns for it, the same as rounding it apart."""
     from test_triton_kernels import assert_same_rounding
 
     from engine.kernels.triton_xq import RoundedRows, _made
 
     q, k_cache, v_cache, sessions, positions, window = many_chunks()
-    RoundedRows.want(q.device)  # as a Q4_K or Q6_K matrix on the device says
+    RoundedRows.want(q.device, planes=True)  # as a matrix on the tensor cores says: int8 planes of 2-8 rows too
     out = attend(q, k_cache, v_cache, sessions, positions, 0.2, window)
     assert _made[out.device][0].data_ptr() == out.data_ptr()  # remembered, not rounded again by `of`
+    assert RoundedRows.of(out).hi is not None
     assert_same_rounding(RoundedRows.of(out), RoundedRows.of(out.clone()))
 
 

@@ -306,16 +306,18 @@ def test_x_rounded_per_group(dtype, largest):
 
 def assert_same_rounding(got, want) -> None:
     """Two `RoundedRows` equal: the int16 values, scales and q sums bit for bit, the float sums of a group to
-    float32 rounding (summed in another order on a GPU)."""
+    float32 rounding (summed in another order on a GPU); the int8 planes bit for bit where `got` has them."""
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale) and torch.equal(got.halves, want.halves)
     assert torch.allclose(got.sums, want.sums, rtol=1e-6, atol=1e-6)
+    if got.hi is not None:
+        assert all(torch.equal(a, b) for a, b in zip(got.planes(), want.planes(), strict=True))
 
 
 @pytest.mark.parametrize("d", [2048, 640])
 def test_the_norms_round_the_rows_they_write(d):
     """`rms_norm` and `add_rms_norm` of up to MATVEC_ROWS rows round what they store in the same launch:
-    `RoundedRows.of(y)` is that rounding (no launch), the same as rounding y apart; more rows are not rounded
-    there; a write into y forgets it."""
+    `RoundedRows.of(y)` is that rounding (no launch), the same as rounding y apart, with the int8 planes of 2-8 rows
+    where the tensor cores want them; more rows are not rounded there; a write into y forgets it."""
     from engine.kernels import triton_rows
     from engine.kernels.triton_xq import RoundedRows, _made
 
@@ -330,6 +332,12 @@ def test_the_norms_round_the_rows_they_write(d):
     assert_same_rounding(RoundedRows.of(y2), RoundedRows.of(y2.clone()))
     y2.mul_(2)  # in place: the remembered rounding is of the old values
     assert_same_rounding(RoundedRows.of(y2), RoundedRows.of(y2.clone()))
+    RoundedRows.want(torch.device(DEVICE), planes=True)  # as a matrix on the tensor cores says: planes too
+    for rows in (x, x[:1]):
+        y = triton_rows.rms_norm(rows, weight, 1e-6)
+        made = RoundedRows.of(y)
+        assert (made.hi is not None) == (len(rows) > 1)  # one row takes the int16 kernel, not the planes
+        assert_same_rounding(made, RoundedRows.of(y.clone()))
     many = triton_rows.rms_norm(x.repeat(3, 1), weight, 1e-6)  # 9 rows: the prompt's GEMM takes them, unrounded
     assert _made[many.device][0].data_ptr() != many.data_ptr()
     with torch.inference_mode():  # the engine's mode: its tensors count no versions

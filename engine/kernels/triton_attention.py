@@ -86,8 +86,9 @@ def _chunks_kernel(q, k, v, k_cache, v_cache, part_max, part_total, part_acc, se
 
 
 @triton.jit
-def _merge_kernel(part_max, part_total, part_acc, out, q, scale, sums, halves, positions, window, chunks,
-                  D: tl.constexpr, CHUNK: tl.constexpr, MERGE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+def _merge_kernel(part_max, part_total, part_acc, out, q, scale, sums, halves, hi, lo, positions, window, chunks,
+                  D: tl.constexpr, CHUNK: tl.constexpr, MERGE: tl.constexpr, ROUND: tl.constexpr, PLANES: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl.wait(PDL)
     row = tl.program_id(0)
     head = (row * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
@@ -112,8 +113,8 @@ def _merge_kernel(part_max, part_total, part_acc, out, q, scale, sums, halves, p
     tl.store(out + head * D + d, merged)
     if ROUND:  # the row rounded for attn_output's int16 product, this head's groups of it
         g = tl.program_id(1) * (D // 32) + tl.arange(0, D // 32)[:, None]
-        round_groups(tl.reshape(merged.to(tl.float32), (D // 32, 32)), g, g >= 0, q, scale, sums, halves,
-                     row.to(tl.int64), tl.num_programs(1) * D, D // 32)
+        round_groups(tl.reshape(merged.to(tl.float32), (D // 32, 32)), g, g >= 0, q, scale, sums, halves, hi, lo,
+                     row.to(tl.int64), tl.num_programs(1) * D, D // 32, PLANES)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -147,10 +148,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                                           **pdl.launch(q.device))
     out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
     rounds = n <= MATVEC_ROWS and dim % GROUP == 0 and RoundedRows.wanted(q.device)
-    rounded = RoundedRows.empty(n, heads * dim, q.device) if rounds else None
-    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, *(rounded.tensors() if rounded else (out,) * 4),
+    rounded = RoundedRows.for_window(n, heads * dim, q.device) if rounds else None
+    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, *(rounded.tensors() if rounded else (out,) * 6),
                               positions, window or 0, chunks, D=dim, CHUNK=CHUNK, MERGE=MERGE, ROUND=rounds,
-                              **pdl.launch(q.device))
+                              PLANES=rounded is not None and rounded.hi is not None, **pdl.launch(q.device))
     if rounded is not None:
         rounded.remember(out)
     return out

@@ -929,7 +929,7 @@ class Matrix:
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
         self._mma = mma_tiles(qtype, self.n, k) if aligned and takes_tensor_cores(qtype, k) else None
         if self._rounded or self._mma:
-            RoundedRows.want(blocks.device)
+            RoundedRows.want(blocks.device, planes=self._mma is not None)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
         # head (151,936 x 2,048) the fastest of a sweep on an H200 (rows 1-8 a program, steps 512-2048, warps
         # 1-4; warps 1-8 and stages 2-4): one row 148.0 -> 132.4 us, 8 rows 247.5 -> 223.8 us

@@ -25,33 +25,35 @@ _UNFUSED = dict(enable_fp_fusion=False)
 
 
 @triton.jit
-def _normed(v, w, y, at, mask, i, d, eps, q, scale, sums, halves, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+def _normed(v, w, y, at, mask, i, d, eps, q, scale, sums, halves, hi, lo, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+            PLANES: tl.constexpr):
     """Store the RMSNorm of v [ROWS, BLOCK] (float32) times w at `at`; ROUND (one row a program): that row
-    rounded for the int16 products as well (`triton_xq.round_groups`, from the values as stored)."""
+    rounded for the int16 products as well (`triton_xq.round_groups`, from the values as stored; PLANES: split
+    into int8 planes too)."""
     scale_v = tl.rsqrt(tl.sum(v * v, axis=1)[:, None] / d + eps)
     out = (v * scale_v * tl.load(w + i, mask=i < d, other=0.0).to(tl.float32)).to(y.dtype.element_ty)
     tl.store(y + at, out, mask=mask)
     if ROUND:
         g = tl.arange(0, BLOCK // 32)[:, None]
-        round_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), g, g < d // 32, q, scale, sums, halves,
-                     tl.program_id(0).to(tl.int64), d, BLOCK // 32)
+        round_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), g, g < d // 32, q, scale, sums, halves, hi,
+                     lo, tl.program_id(0).to(tl.int64), d, BLOCK // 32, PLANES)
 
 
 @triton.jit(do_not_specialize=["rows"])  # one compiled kernel for every number of rows
-def _rms_norm_kernel(x, w, y, q, scale, sums, halves, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                     ROUND: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x, w, y, q, scale, sums, halves, hi, lo, rows, d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     ROUND: tl.constexpr, PLANES: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, BLOCK)[None, :]
     mask = (r < rows) & (i < d)
     at = r.to(tl.int64) * d + i
     v = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
-    _normed(v, w, y, at, mask, i, d, eps, q, scale, sums, halves, ROUND, BLOCK)
+    _normed(v, w, y, at, mask, i, d, eps, q, scale, sums, halves, hi, lo, ROUND, BLOCK, PLANES)
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _add_rms_norm_kernel(x, r, w, s, y, q, scale, sums, halves, rows, d, eps, ROWS: tl.constexpr,
-                         BLOCK: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x, r, w, s, y, q, scale, sums, halves, hi, lo, rows, d, eps, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr, ROUND: tl.constexpr, PLANES: tl.constexpr, PDL: tl.constexpr):
     """s = x + r rounded to s's dtype (as torch's add), y = the RMSNorm of s as stored."""
     pdl.wait(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -61,7 +63,7 @@ def _add_rms_norm_kernel(x, r, w, s, y, q, scale, sums, halves, rows, d, eps, RO
     total = tl.load(x + at, mask=mask, other=0.0).to(tl.float32) + tl.load(r + at, mask=mask, other=0.0).to(tl.float32)
     stored = total.to(s.dtype.element_ty)
     tl.store(s + at, stored, mask=mask)
-    _normed(stored.to(tl.float32), w, y, at, mask, i, d, eps, q, scale, sums, halves, ROUND, BLOCK)
+    _normed(stored.to(tl.float32), w, y, at, mask, i, d, eps, q, scale, sums, halves, hi, lo, ROUND, BLOCK, PLANES)
 
 
 @triton.jit
@@ -129,11 +131,11 @@ def _launch_norm(kernel, x: torch.Tensor, inputs: tuple, weight: torch.Tensor, o
     rows, block = x.numel() // d, triton.next_power_of_2(d)
     per_program = max(1, TILE // block)
     rounds = per_program == 1 and rows <= MATVEC_ROWS and d % GROUP == 0 and RoundedRows.wanted(x.device)
-    rounded = RoundedRows.empty(rows, d, x.device) if rounds else None
+    rounded = RoundedRows.for_window(rows, d, x.device) if rounds else None
     kernel[(triton.cdiv(rows, per_program),)](
-        *inputs, weight.contiguous(), *outputs, *(rounded.tensors() if rounded else (x,) * 4), rows, d, eps,
-        ROWS=per_program, BLOCK=block, ROUND=rounds, num_warps=_warps(per_program * block), **_UNFUSED,
-        **pdl.launch(x.device))
+        *inputs, weight.contiguous(), *outputs, *(rounded.tensors() if rounded else (x,) * 6), rows, d, eps,
+        ROWS=per_program, BLOCK=block, ROUND=rounds, PLANES=rounded is not None and rounded.hi is not None,
+        num_warps=_warps(per_program * block), **_UNFUSED, **pdl.launch(x.device))
     if rounded is not None:
         rounded.remember(outputs[-1].view(rows, d))
 

@@ -60,10 +60,11 @@ def _dp4a(x_quads, w_bytes, acc, SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def round_groups(v, g, live, q, scale, sums, halves, r, k, G: tl.constexpr):
+def round_groups(v, g, live, q, scale, sums, halves, hi, lo, r, k, G: tl.constexpr, PLANES: tl.constexpr):
     """Row r's G groups g ([G, 1]; `live` where g < k // 32) of float32 values v [G, 32], rounded into the
-    `RoundedRows` tensors q, scale, sums, halves of rows of k values: `_round_kernel`'s body, which other
-    kernels call on the values they have just stored. q int16 or int8 (its largest value from its type)."""
+    `RoundedRows` tensors q, scale, sums, halves of rows of k values (PLANES: int16 q's int8 planes into hi and
+    lo too, as `RoundedRows.planes` splits them): `_round_kernel`'s body, which other kernels call on the values
+    they have just stored. q int16 or int8 (its largest value from its type)."""
     i = tl.arange(0, 32)[None, :]
     if q.dtype.element_ty == tl.int8:
         largest = 127.0
@@ -77,6 +78,9 @@ def round_groups(v, g, live, q, scale, sums, halves, r, k, G: tl.constexpr):
     tl.store(sums + r * (k // 32) + g, tl.sum(v, axis=1, keep_dims=True), mask=live)
     half = tl.sum(tl.reshape(rounded, (G, 2, 16)), axis=2)  # [groups, 2]: each 16 values' q summed
     tl.store(halves + r * (k // 16) + g * 2 + tl.arange(0, 2)[None, :], half, mask=live)
+    if PLANES:
+        tl.store(hi + r * k + g * 32 + i, (rounded >> 8).to(tl.int8), mask=live)
+        tl.store(lo + r * k + g * 32 + i, ((rounded & 255) - 128).to(tl.int8), mask=live)
 
 
 @triton.jit
@@ -86,7 +90,7 @@ def _round_kernel(x, q, scale, sums, halves, k, BK: tl.constexpr, PDL: tl.conste
     g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None]
     live = g < k // 32
     v = tl.load(x + r * k + g * 32 + tl.arange(0, 32)[None, :], mask=live, other=0.0).to(tl.float32)
-    round_groups(v, g, live, q, scale, sums, halves, r, k, BK // 32)
+    round_groups(v, g, live, q, scale, sums, halves, q, q, r, k, BK // 32, False)
 
 
 @triton.jit
@@ -102,19 +106,33 @@ def _planes_kernel(q, hi, lo, total, BLOCK: tl.constexpr, PDL: tl.constexpr):
 @dataclass(frozen=True)
 class RoundedRows:
     """Rows of x as int16 (or int8) `q` [m, k], with float32 `scale` and `sums` [m, k // 32] per group and the
-    int32 sums of q per 16 values, `halves` [m, k // 16] (Q6_K's offset of 32 is taken off in integers)."""
+    int32 sums of q per 16 values, `halves` [m, k // 16] (Q6_K's offset of 32 is taken off in integers); `hi`
+    and `lo`, int16 q's int8 planes, where the kernel that rounded x split them too (`planes`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     sums: torch.Tensor
     halves: torch.Tensor
+    hi: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, m: int, k: int, device: torch.device, dtype: torch.dtype = torch.int16) -> RoundedRows:
+    def empty(cls, m: int, k: int, device: torch.device, dtype: torch.dtype = torch.int16,
+              planes: bool = False) -> RoundedRows:
+        """Room for m rows (with `planes`, for q's planes too: int16 only)."""
+        def plane() -> torch.Tensor | None:
+            return torch.empty(m, k, dtype=torch.int8, device=device) if planes else None
+
         return cls(torch.empty(m, k, dtype=dtype, device=device),
                    torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
                    torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
-                   torch.empty(m, k // 16, dtype=torch.int32, device=device))
+                   torch.empty(m, k // 16, dtype=torch.int32, device=device), plane(), plane())
+
+    @classmethod
+    def for_window(cls, m: int, k: int, device: torch.device) -> RoundedRows:
+        """Room for a decode window's m rows, as a kernel that writes and rounds them fills it: with planes where
+        windows of 2-8 rows take them on `device` (`wants_planes`)."""
+        return cls.empty(m, k, device, planes=m > 1 and device in _planes_wanted)
 
     @classmethod
     def of(cls, x: torch.Tensor, dtype: torch.dtype = torch.int16) -> RoundedRows:
@@ -136,9 +154,12 @@ class RoundedRows:
 
     def planes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """q (int16) as two int8 [m, k] planes for the tensor cores' int8 products: hi = q >> 8 and
-        lo = (q & 255) - 128, so q = 256 hi + lo + 128 exactly."""
+        lo = (q & 255) - 128, so q = 256 hi + lo + 128 exactly. Those the rounding kernel split (no launch), else
+        one launch."""
         if self.q.dtype != torch.int16:
             raise ValueError(f"planes split int16 values, not {self.q.dtype}")
+        if self.hi is not None and self.lo is not None:
+            return self.hi, self.lo
         hi, lo = torch.empty_like(self.q, dtype=torch.int8), torch.empty_like(self.q, dtype=torch.int8)
         if self.q.numel():
             block = 1024
@@ -146,19 +167,26 @@ class RoundedRows:
                                                                   **pdl.launch(self.q.device))
         return hi, lo
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, scale, sums, halves: the order the kernels take them in."""
-        return self.q, self.scale, self.sums, self.halves
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """q, scale, sums, halves, hi, lo (q for the planes where there are none): the order the kernels that
+        round take them in (`round_groups`; PLANES where `hi` is set)."""
+        return self.q, self.scale, self.sums, self.halves, *((self.hi, self.lo) if self.hi is not None else
+                                                             (self.q, self.q))
 
     @staticmethod
-    def want(device: torch.device) -> None:
+    def want(device: torch.device, planes: bool = False) -> None:
         """Say that a product on `device` takes x rounded (a matrix or an expert stack of a `ROUNDED` type), so
-        that the kernels that write x round it (`wanted`); none on a device: they leave it (Q8_0, F16 files)."""
+        that the kernels that write x round it (`wanted`); none on a device: they leave it (Q8_0, F16 files).
+        `planes`: a product takes 2-8 rows as the int16 values' int8 planes (the tensor cores' dense products),
+        so that those kernels split windows of 2-8 rows too (`for_window`)."""
         _wanted.add(device)
+        if planes:
+            _planes_wanted.add(device)
 
     @staticmethod
     def wanted(device: torch.device) -> bool:
         return device in _wanted
+
 
     def remember(self, x: torch.Tensor) -> None:
         """Say that these are x's rows rounded (a kernel that wrote x rounded it in the same launch), so that
@@ -172,6 +200,7 @@ class RoundedRows:
 
 _made: dict[torch.device, tuple[torch.Tensor, int, RoundedRows]] = {}
 _wanted: set[torch.device] = set()
+_planes_wanted: set[torch.device] = set()
 
 
 def _same(a: torch.Tensor, version: int, b: torch.Tensor) -> bool:
