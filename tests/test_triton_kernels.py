@@ -297,6 +297,8 @@ def test_x_rounded_per_group(dtype, largest):
     if dtype == torch.int8:
         with pytest.raises(ValueError, match="int16"):
             r.planes()
+        with pytest.raises(ValueError, match="int16"):
+            RoundedRows.empty(3, x.shape[1], x.device, dtype, planes=True)
         with pytest.raises(ValueError, match="int16 or int8"):
             RoundedRows.of(x, torch.int32)
         return

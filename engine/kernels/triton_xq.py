@@ -119,7 +119,10 @@ class RoundedRows:
     @classmethod
     def empty(cls, m: int, k: int, device: torch.device, dtype: torch.dtype = torch.int16,
               planes: bool = False) -> RoundedRows:
-        """Room for m rows (with `planes`, for q's planes too: int16 only)."""
+        """Room for m rows (with `planes`, for int16 q's planes too)."""
+        if planes and dtype != torch.int16:
+            raise ValueError(f"planes split int16 values, not {dtype}")
+
         def plane() -> torch.Tensor | None:
             return torch.empty(m, k, dtype=torch.int8, device=device) if planes else None
 
@@ -131,7 +134,7 @@ class RoundedRows:
     @classmethod
     def for_window(cls, m: int, k: int, device: torch.device) -> RoundedRows:
         """Room for a decode window's m rows, as a kernel that writes and rounds them fills it: with planes where
-        windows of 2-8 rows take them on `device` (`wants_planes`)."""
+        windows of 2-8 rows take them on `device` (`want(device, planes=True)`)."""
         return cls.empty(m, k, device, planes=m > 1 and device in _planes_wanted)
 
     @classmethod
@@ -186,7 +189,6 @@ class RoundedRows:
     @staticmethod
     def wanted(device: torch.device) -> bool:
         return device in _wanted
-
 
     def remember(self, x: torch.Tensor) -> None:
         """Say that these are x's rows rounded (a kernel that wrote x rounded it in the same launch), so that
