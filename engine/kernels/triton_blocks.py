@@ -446,8 +446,9 @@ def _x_row(src, j, RUN: tl.constexpr):
 @triton.jit
 def _sums(ROWS: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, EACH_STEP: tl.constexpr):
     """Zeroed sums of ROWS x rows times R weight rows: reduced to [ROWS, R] every step (EACH_STEP: fewer
-    registers, the MoE runs' choice) or kept [ROWS, R, SB, C, 1] where each chunk's sums land until the end
-    (the dense products': fewer instructions)."""
+    registers, the MoE runs' choice; kept to the end, an H100's 8-row Q4_K gate+up took 36.5 -> 42.7 us on 8
+    experts and the Q4_K_M mix decoded 8 rows 4% slower) or kept [ROWS, R, SB, C, 1] where each chunk's sums land
+    until the end (the dense products': fewer instructions)."""
     if EACH_STEP:
         acc = tl.zeros((ROWS, R), dtype=tl.float32)
     else:

@@ -400,7 +400,8 @@ class Tiles:
     # sums, which `for_stack` keeps for those types: on an H100 at 8 rows the runs on the tensor cores were slower
     # at every tile but one (Q4_K gate+up 36.5 -> 64.9 us at best on 8 experts, 46.7 -> 157.6 on 44; Q8_0's down
     # on 8 experts alone gained, 40.9 -> 36.0, and lost on 50, 78.3 -> 99.6): a program takes all of k for its run,
-    # too few programs
+    # too few programs. The F16 windows' tf32 tiles over these types' weights dequantized in registers were slower
+    # still (Q4_K gate+up 36.5 -> 74.9 us at best on 8 experts, 46.0 -> 214.6 on 44)
     mma_rows: int = 0
     # F16 and BF16 stacks: where `mma_rows` is set, every pair of a window of 2-8 rows (alone on its expert too) takes
     # tf32 tiles on the tensor cores, programs of `mma_rows` weight rows and `matvec_warps` warps, `mma_k` values of
