@@ -149,9 +149,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
     rounds = n <= MATVEC_ROWS and dim % GROUP == 0 and RoundedRows.wanted(q.device)
     rounded = RoundedRows.for_window(n, heads * dim, q.device) if rounds else None
-    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, *(rounded.tensors() if rounded else (out,) * 6),
-                              positions, window or 0, chunks, D=dim, CHUNK=CHUNK, MERGE=MERGE, ROUND=rounds,
-                              PLANES=rounded is not None and rounded.hi is not None, **pdl.launch(q.device))
+    rounding, flags = RoundedRows.kernel_args(rounded, out)
+    _merge_kernel[(n, heads)](part_max, part_total, part_acc, out, *rounding, positions, window or 0, chunks, D=dim,
+                              CHUNK=CHUNK, MERGE=MERGE, **flags, **pdl.launch(q.device))
     if rounded is not None:
         rounded.remember(out)
     return out

@@ -732,7 +732,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
                            (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
-        floats = {w.qtype, other.qtype} <= set(FLOAT_BLOCKS)
+        floats = w.qtype == other.qtype and w.qtype in FLOAT_BLOCKS  # `_float_mma` reads both as w's type
         on_tensor_cores = not solo and routing.rows > 1 and (floats or takes_tensor_cores(w.qtype, w.k) and
                                                              takes_tensor_cores(other.qtype, other.k))
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
@@ -747,7 +747,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts,
+            num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,

@@ -132,9 +132,9 @@ def _launch_norm(kernel, x: torch.Tensor, inputs: tuple, weight: torch.Tensor, o
     per_program = max(1, TILE // block)
     rounds = per_program == 1 and rows <= MATVEC_ROWS and d % GROUP == 0 and RoundedRows.wanted(x.device)
     rounded = RoundedRows.for_window(rows, d, x.device) if rounds else None
+    rounding, flags = RoundedRows.kernel_args(rounded, x)
     kernel[(triton.cdiv(rows, per_program),)](
-        *inputs, weight.contiguous(), *outputs, *(rounded.tensors() if rounded else (x,) * 6), rows, d, eps,
-        ROWS=per_program, BLOCK=block, ROUND=rounds, PLANES=rounded is not None and rounded.hi is not None,
+        *inputs, weight.contiguous(), *outputs, *rounding, rows, d, eps, ROWS=per_program, BLOCK=block, **flags,
         num_warps=_warps(per_program * block), **_UNFUSED, **pdl.launch(x.device))
     if rounded is not None:
         rounded.remember(outputs[-1].view(rows, d))

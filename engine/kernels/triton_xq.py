@@ -170,11 +170,16 @@ class RoundedRows:
                                                                   **pdl.launch(self.q.device))
         return hi, lo
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """q, scale, sums, halves, hi, lo (q for the planes where there are none): the order the kernels that
-        round take them in (`round_groups`; PLANES where `hi` is set)."""
-        return self.q, self.scale, self.sums, self.halves, *((self.hi, self.lo) if self.hi is not None else
-                                                             (self.q, self.q))
+    @staticmethod
+    def kernel_args(rounded: RoundedRows | None, stand_in: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict]:
+        """What a kernel that writes rows and rounds them takes (`round_groups`): q, scale, sums, halves, hi, lo
+        (`stand_in` for each where the rows are not rounded, q for the planes where there are none), and its ROUND
+        and PLANES flags."""
+        if rounded is None:
+            return (stand_in,) * 6, dict(ROUND=False, PLANES=False)
+        planes = (rounded.hi, rounded.lo) if rounded.hi is not None else (rounded.q, rounded.q)
+        return (rounded.q, rounded.scale, rounded.sums, rounded.halves, *planes), dict(ROUND=True,
+                                                                                       PLANES=rounded.hi is not None)
 
     @staticmethod
     def want(device: torch.device, planes: bool = False) -> None:
