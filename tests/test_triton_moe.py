@@ -302,6 +302,32 @@ def test_joint_gate_and_up_give_the_same_bits():
                              tm.swiglu(*with_joint(False), x[:rows], routing, SLOTS))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
+def test_programs_walking_pairs_give_the_same_bits(qtype):
+    """`Tiles.pairs_a_program`: a program walking 2, 4 or 8 sorted pairs computes what a program a pair does, for
+    runs and pairs alone (`DECODE_IDS` has both; 6 pairs, so the last program's walk runs past them), the pairs the
+    slot table skips left unwritten; F16 too (compiled, its tf32 tiles: every pair a run)."""
+    stacks, _ = stacks_of(qtype, 11)
+    x = random_x(3, torch.bfloat16, seed=6)
+    routing = tm.Routing.of(ids_of(DECODE_IDS), E)
+    slot_of = SLOTS.clone()
+    slot_of[0] = tm.SKIP
+
+    def window(walk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, down = (tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), pairs_a_program=walk))
+                          for i, s in enumerate(stacks))
+        h = tm.swiglu(gate, up, x, routing, slot_of, torch.full((6, FF), 7.0, device=DEVICE, dtype=x.dtype))
+        return h, tm.project(down, h, routing, slot_of, torch.full((6, H), 7.0, device=DEVICE, dtype=x.dtype))
+
+    one = window(1)
+    assert (per_pair(routing, one[0])[1, 1] == 7).all()  # row 1's second choice: expert 0, skipped
+    for walk in (2, 4, 8):
+        for a, b in zip(window(walk), one, strict=True):
+            assert_same_bits(a, b)
+    with pytest.raises(ValueError, match="pairs_a_program"):
+        dataclasses.replace(stacks[0].tiles(True), pairs_a_program=0)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter runs tl.dot as numpy's matmul, whose sums "
                     "depend on a row's place in the tile (the GPU's tensor cores do not)")
 @pytest.mark.parametrize("qtype", gpu.SUPPORTED, ids=lambda t: t.name)

@@ -2,7 +2,7 @@
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
 down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor
-cores (`Tiles.mma_rows`) and on the int16 sums;
+cores (`Tiles.mma_rows`) and on the int16 sums, programs walking pairs (`Tiles.pairs_a_program`);
 skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel
 (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
@@ -34,6 +34,7 @@ Q8_0_DENSE = ((Q.Q8_0, 5120, 2048), (Q.Q8_0, 2048, 4096), (Q.Q8_0, 512, 2048), (
 CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 INT16_PARTS = (2, 4, 8)
+WALKS = (1, 2, 4, 8)  # sorted pairs a matvec program (`Tiles.pairs_a_program`)
 INT8_TILES = ((4, 1, 1), (8, 1, 1), (2, 1, 1), (4, 2, 1), (16, 1, 1), (8, 1, 2))
 FLOAT_TILES = ((16, 128, 1), (16, 64, 1), (16, 256, 1), (32, 128, 1), (32, 64, 2), (32, 128, 2), (64, 64, 4),
                (64, 128, 4), (16, 128, 2))  # weight rows a program, values a step, warps
@@ -191,8 +192,8 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
     `copies`: every row routes the first row's experts, as `bench-engine`'s 8 rows (copies of one session)
     do: runs of `rows` pairs on 8 experts instead of ~50 experts in runs of 1-3. Then runs on the tensor cores
     (`MMA_RUNS`: `Tiles.mma_rows`, warps, `Tiles.run_parts`) and, for Q4_K and Q6_K, on the int16 sums in parts of
-    k (`INT16_PARTS`, the down's k of 768 in 3), and windows on int8 x (`Tiles.int8_windows`, `INT8_TILES`);
-    `runs_only`: those beside the code's tiles alone."""
+    k (`INT16_PARTS`, the down's k of 768 in 3), windows on int8 x (`Tiles.int8_windows`, `INT8_TILES`) and
+    programs walking pairs (`WALKS`, `Tiles.pairs_a_program`); `runs_only`: those beside the code's tiles alone."""
     gate_type, down_type = types
     stack, x, h, routing, slot_of = _window_case(rows, copies, types)
 
@@ -262,6 +263,14 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
         if ("int16", d.matvec_warps, d.run_parts) not in down:
             down[("int16", d.matvec_warps, d.run_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing,
                                                                                        slot_of))
+    # programs walking sorted pairs (`Tiles.pairs_a_program`): the code's tiles otherwise
+    for walk in WALKS if rows > 1 else ():
+        if time.monotonic() > deadline:
+            break
+        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), pairs_a_program=walk)
+        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), pairs_a_program=walk)
+        gated[("walk", walk)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        down[("walk", walk)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(gate_type, HIDDEN, True) + (("joint",) if joins else ())
     _report(f"MoE gate+up ({gate_type.name}), {rows} rows, {experts} experts", gated, used)

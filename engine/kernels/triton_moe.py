@@ -8,9 +8,9 @@ output row unwritten (another device computes it), `far_slot(i)` (-2 - i) reads 
 `far` tensor (the expert tier's copy of every expert in pinned host memory, read over PCIe). A window's routed pairs are sorted by expert (`Routing`, on
 the device, no host sync):
 
-- decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair); the
-  first pair of each expert's run computes every pair of the run (at most `MATVEC_ROWS`, one per row),
-  the others return at once. So each routed expert's rows are read once for all its pairs (`Tiles.joint`:
+- decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair), or per tile
+  and `Tiles.pairs_a_program` sorted pairs walked in turn; the first pair of each expert's run computes every
+  pair of the run (at most `MATVEC_ROWS`, one per row), the others do nothing. So each routed expert's rows are read once for all its pairs (`Tiles.joint`:
   Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone on its
   expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster). With
   `Tiles.int8_windows` (Q8_0 stacks' own tiles) windows of 2-8 rows sum x rounded to int8 (`triton_xq`).
@@ -197,16 +197,32 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
                        ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
-                       ALONE: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
-    """Program (weight-row tile, sorted pair p, part): see the module's doc. PARTS > 1 (runs on the tensor cores,
-    or of Q4_K and Q6_K on the int16 sums): part s of a run's sums, k's 256-value steps [s * k / PARTS, (s + 1) *
-    k / PARTS), into `parts` float32 [PARTS, 1 + GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`;
-    pairs alone take part 0. ALONE: pairs alone take the one-row sums (else they are runs of one, as the F16 and
-    BF16 windows on the tensor cores take them)."""
+                       ALONE: tl.constexpr, PARTS: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+    """Program (weight-row tile, PAIRS sorted pairs from program_id(1) * PAIRS, part): see the module's doc. PARTS > 1
+    (runs on the tensor cores, or of Q4_K and Q6_K on the int16 sums): part s of a run's sums, k's 256-value steps
+    [s * k / PARTS, (s + 1) * k / PARTS), into `parts` float32 [PARTS, 1 + GATED, pairs, n] (the gates' then the
+    ups'), for `_add_run_parts`; pairs alone take part 0. ALONE: pairs alone take the one-row sums (else they are
+    runs of one, as the F16 and BF16 windows on the tensor cores take them)."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
-    p = tl.program_id(1)
     part = tl.program_id(2)
+    for i in range(PAIRS):
+        p = tl.program_id(1) * PAIRS + i
+        if p < pairs:
+            _pair(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
+                  expert_bytes, row_bytes2, expert_bytes2, rows, p, part, QTYPE, GROUP, HAS_MIN, QTYPE2, GROUP2,
+                  HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM, MMA, ALONE, PARTS)
+
+
+@triton.jit
+def _pair(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
+          expert_bytes, row_bytes2, expert_bytes2, rows, p, part, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+          HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
+          GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+          SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, ALONE: tl.constexpr,
+          PARTS: tl.constexpr):
+    """Sorted pair p's work in a `_moe_matvec_kernel` program: its run's (p first on its expert), its own (alone),
+    or none (a later pair of a run)."""
     e, slot, first = _run_start(experts, slot_of, p)
     slot = slot.to(tl.int64)
     if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
@@ -414,6 +430,11 @@ class Tiles:
     # against 46.5 / 36.6 in one, the Q6_K down 55.5 / 38.0 in 3 against 47.2 / 35.1; on the tensor cores the
     # fastest parts stayed 1.2-3x slower than the int16 or float sums but for Q8_0's down on 8 experts (36.0 / 40.4)
     run_parts: int = 1
+    # sorted pairs a matvec program walks in windows of 2-8 rows (1: a program a pair). A later pair of a run does
+    # nothing: walking, it costs a loop step instead of a program (its launch and its loads of the routing, which
+    # hold a place on an SM); but a program's pairs run one after another, so windows of many short runs lose
+    # the programs working side by side (`for_stack` says where it pays)
+    pairs_a_program: int = 1
     # windows of 2-8 rows (runs and pairs alone, off the tensor cores) take x rounded to int8 (`triton_xq`, ~250x
     # int16's rounding error, llama.cpp's rounding): Q4_K and Q6_K instead of int16 (half the bytes, dp4a's four
     # products an instruction), Q8_0 instead of float sums (dp4a, both signed); one-row windows, and so exact mode,
@@ -434,6 +455,8 @@ class Tiles:
                              f"got {self.mma_rows}")
         if self.run_parts < 1:
             raise ValueError(f"run_parts must be at least 1, got {self.run_parts}")
+        if self.pairs_a_program < 1:
+            raise ValueError(f"pairs_a_program must be at least 1, got {self.pairs_a_program}")
 
     def mma_program(self, rows: int) -> int:
         """Weight rows of a tensor-core program for runs of 2-8 pairs, where programs have `rows` (the kernel's
@@ -468,19 +491,23 @@ class Tiles:
             # more weight rows (H200, 8 rows, skewed over 44 experts / copies of one row's 8 experts, one call):
             # gate+up 4 rows, 60.8 -> 45.5 us / 37.5 -> 37.0 against 2 rows and 4 blocks; down 8 rows,
             # 67.3 -> 46.5 / 35.8 -> 35.2 against 4 rows and 4 blocks (what the others keep).
-            warps = 1
+            warps, walk = 1, 1
             if qtype == Q.Q4_K:
                 rows, blocks = 4, 1
             elif qtype == Q.Q6_K and not gated:
-                rows, blocks = 8, 1
+                # programs walking 8 sorted pairs (H100, 8 rows, skewed over 44 experts / copies of one row's 8
+                # experts): 47.6 -> 46.2 / 35.1 -> 25.1 us. The others lost on skewed windows: Q4_K gate+up 46.7 ->
+                # 52.1-57.0 (copies 36.3 -> 31.6 at 8), a Q4_K down 50.9 -> 53.6-54.9, Q8_0's 77.7 / 48.3 -> 79.0-85.2
+                # / 49.8-50.8 (copies 49.3 / 30.7 -> 40.5 / 24.1 at 8)
+                rows, blocks, walk = 8, 1, 8
             else:
                 rows, blocks = (2 if gated else 4), 4
         else:
-            rows, warps = (4 if gated else 8), 4
+            rows, warps, walk = (4 if gated else 8), 4, 1
             # a 16-byte chunk of a block a thread: 8 chunks a Q4_K block
             blocks = min(warps * 32 // (rows * 8), triton.next_power_of_2(max(1, k // 256)))
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
-                   solo_blocks=4, int8_windows=qtype == Q.Q8_0)
+                   solo_blocks=4, int8_windows=qtype == Q.Q8_0, pairs_a_program=walk)
 
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
@@ -743,12 +770,12 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rounded = RoundedRows.of(x, rounding) if rounding else RoundedRows(x, x, x, x)
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
-        _moe_matvec_kernel[(triton.cdiv(w.n, rows), pairs, n_parts)](
+        walk = 1 if solo else tiles.pairs_a_program
+        _moe_matvec_kernel[(triton.cdiv(w.n, rows), triton.cdiv(pairs, walk), n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
-            **other.type_args("2"), GATED=gated, JOINT=joint,
-            R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2, ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts,
-            num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            **other.type_args("2"), GATED=gated, JOINT=joint, R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2,
+            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, PAIRS=walk, num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
