@@ -29,7 +29,7 @@ from engine.kernels import gpu
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
 
-HIDDEN, FF, HEAD = 2048, 768, 151936  # qwen3-30b-a3b: hidden size, an expert's FFN, the vocabulary
+HIDDEN, FF, HEAD, TOP_K = 2048, 768, 151936, 8  # qwen3-30b-a3b: hidden size, an expert's FFN, the vocabulary
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,10 @@ def _moe(qtype: Q, gated: bool) -> tuple[tm.Tiles, dict[str, str | int], dict[st
 
 
 def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None, parts: int = 1,
-               int8: bool = False, pairs: int | None = None) -> Usage:
+               int8: bool = False) -> Usage:
     """The fused MoE matvec for a projection of `qtype` (gate+up when `gated`), with its tiles for windows of 2-8
-    rows (runs on the tensor cores in programs of `mma_rows` weight rows, k in `parts`, `pairs` sorted pairs a
-    program, when given; x rounded to int8 where `int8`), or of one row."""
+    rows (runs on the tensor cores in programs of `mma_rows` weight rows, k in `parts`, when given; x rounded to
+    int8 where `int8`), or of one row: qwen3-30b-a3b's top 8 of its experts."""
     t, args, consts = _moe(qtype, gated)
     if int8:
         args = args | dict(xq="*i8")
@@ -121,10 +121,10 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
     rows, step, alone = tm.matvec_program(t, qtype in gpu.FLOAT_BLOCKS, rows, mma)
-    walk = 1 if one_row else t.pairs_a_program if pairs is None else pairs
+    walk, most = (1, TOP_K) if one_row else (t.pairs_a_program, tb.MATVEC_ROWS * TOP_K)
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=step, ROWS=tb.MATVEC_ROWS, SB=blocks,
                                                             SB2=blocks, ASM=True, MMA=mma, ALONE=alone, PARTS=parts,
-                                                            PAIRS=walk), warps)
+                                                            WALKS=walk > 1, PAIRS=most), warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:

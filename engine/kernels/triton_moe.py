@@ -197,95 +197,111 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
                        ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
-                       ALONE: tl.constexpr, PARTS: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
-    """Program (weight-row tile, PAIRS sorted pairs from program_id(1) * PAIRS, part): see the module's doc. PARTS > 1
-    (runs on the tensor cores, or of Q4_K and Q6_K on the int16 sums): part s of a run's sums, k's 256-value steps
-    [s * k / PARTS, (s + 1) * k / PARTS), into `parts` float32 [PARTS, 1 + GATED, pairs, n] (the gates' then the
-    ups'), for `_add_run_parts`; pairs alone take part 0. ALONE: pairs alone take the one-row sums (else they are
-    runs of one, as the F16 and BF16 windows on the tensor cores take them)."""
+                       ALONE: tl.constexpr, PARTS: tl.constexpr, WALKS: tl.constexpr, PAIRS: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Program (weight-row tile, g, part): g is a sorted pair, which computes its expert's run where it is the first
+    of it (a run: an expert's sorted pairs, 1 to ROWS of them; the others do nothing); WALKS: the window's runs g,
+    g + G, g + 2G, ... in turn (G programs a tile, the grid's second size), found in the sorted experts (a
+    block of PAIRS >= pairs). PARTS > 1 (runs on the tensor cores, or of Q4_K and Q6_K on the int16 sums): part s
+    of a run's sums, k's 256-value steps [s * k / PARTS, (s + 1) * k / PARTS), into `parts` float32 [PARTS, 1 +
+    GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`; pairs alone take part 0. ALONE: pairs alone
+    take the one-row sums (else they are runs of one, as the F16 and BF16 windows on the tensor cores take them)."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     part = tl.program_id(2)
-    for i in range(PAIRS):
-        p = tl.program_id(1) * PAIRS + i
-        if p < pairs:
-            _pair(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
-                  expert_bytes, row_bytes2, expert_bytes2, rows, p, part, QTYPE, GROUP, HAS_MIN, QTYPE2, GROUP2,
-                  HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM, MMA, ALONE, PARTS)
+    if not WALKS:
+        p = tl.program_id(1)
+        e, slot, first = _run_start(experts, slot_of, p)
+        if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
+            ahead = p + tl.arange(0, ROWS)
+            count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
+            _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes, expert_bytes,
+                        row_bytes2, expert_bytes2, rows, p, count, slot.to(tl.int64), part, QTYPE, GROUP, HAS_MIN,
+                        QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM, MMA, ALONE, PARTS)
+    else:
+        at = tl.arange(0, PAIRS)
+        live = at < pairs
+        expert = tl.load(experts + at, mask=live, other=-1)
+        starts = live & (expert != tl.load(experts + at - 1, mask=live & (at > 0), other=-1))
+        run_of = tl.cumsum(starts.to(tl.int32), 0)  # each sorted pair's run, from 1
+        for r in range(tl.program_id(1) + 1, tl.sum(starts.to(tl.int32)) + 1, tl.num_programs(1)):
+            in_run = live & (run_of == r)
+            p = tl.min(tl.where(in_run, at, PAIRS), 0)  # the run's first sorted pair
+            slot = tl.load(slot_of + tl.load(experts + p)).to(tl.int64)
+            if slot != -1:
+                _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
+                            expert_bytes, row_bytes2, expert_bytes2, rows, p, tl.sum(in_run.to(tl.int32)), slot, part,
+                            QTYPE, GROUP, HAS_MIN, QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM,
+                            MMA, ALONE, PARTS)
 
 
 @triton.jit
-def _pair(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
-          expert_bytes, row_bytes2, expert_bytes2, rows, p, part, QTYPE: tl.constexpr, GROUP: tl.constexpr,
-          HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
-          GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-          SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, ALONE: tl.constexpr,
-          PARTS: tl.constexpr):
-    """Sorted pair p's work in a `_moe_matvec_kernel` program: its run's (p first on its expert), its own (alone),
-    or none (a later pair of a run)."""
-    e, slot, first = _run_start(experts, slot_of, p)
-    slot = slot.to(tl.int64)
-    if first & (slot != -1):  # the first pair of its expert's run; the run's other pairs follow it
-        ahead = p + tl.arange(0, ROWS)
-        count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
-        if (count == 1) & ALONE:  # alone on its expert, as every pair of a one-row window: the one-row sums
-            if part == 0:
-                at = tl.load(src + p).to(tl.int64)
-                if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
-                    one, up1 = _row_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
-                                             _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq + at * k,
-                                             xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB, ASM)
-                    one = one * tl.sigmoid(one) * up1
-                else:
-                    one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k,
-                                   row_bytes, QTYPE, GROUP, R, BK, SB, ASM)
-                    if GATED:
-                        up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
-                                       row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
-                        one = one * tl.sigmoid(one) * up1
-                tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
-        else:  # a run of 2-8 pairs: part `part` of k's 256-value steps
-            b0 = 0  # one part: a loop from 0, as the compiler laid it out before parts (80 registers, not 64)
-            b1 = k // 256
-            if PARTS > 1:
-                b0 = part * (k // 256 // PARTS)
-                b1 = b0 + k // 256 // PARTS
-            if MMA > 0 and (QTYPE == _F16 or QTYPE == _BF16):  # tf32 tiles of 16 x rows (gates and ups together)
-                tile = tl.program_id(0) * R + tl.arange(0, R)
-                acc, up = _float_mma(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
-                                     tile, n, x, src, p, count, k, row_bytes, QTYPE, R, BK, GATED)
-                _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 16, GATED, PARTS)
-            elif MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
-                if (tl.program_id(0) * R) % MMA == 0:
-                    tile = tl.program_id(0) * R + tl.arange(0, MMA)
-                    t = tl.arange(0, 16) % 8  # tile rows t and t + 8: the run's pair t
-                    x_live = t < count
-                    x_row = tl.load(src + p + t, mask=x_live, other=0).to(tl.int64)
-                    wa = _expert_at(w, wf, slot, expert_bytes)
-                    if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
-                        acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
-                                           tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
-                        acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
-                    else:
-                        acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA)
-                        up = acc
-                        if GATED:
-                            up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row,
-                                           x_live, k, b0, b1, row_bytes2, QTYPE2, MMA)
-                    _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 8, GATED, PARTS)
+def _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes, expert_bytes,
+                row_bytes2, expert_bytes2, rows, p, count, slot, part, QTYPE: tl.constexpr, GROUP: tl.constexpr,
+                HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
+                GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, ALONE: tl.constexpr,
+                PARTS: tl.constexpr):
+    """A `_moe_matvec_kernel` program's work on the run of `count` sorted pairs from p, on the expert at `slot`:
+    the one-row sums for a pair alone (ALONE), else the run's."""
+    if (count == 1) & ALONE:  # alone on its expert, as every pair of a one-row window: the one-row sums
+        if part == 0:
+            at = tl.load(src + p).to(tl.int64)
+            if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
+                one, up1 = _row_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
+                                         _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq + at * k,
+                                         xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB, ASM)
+                one = one * tl.sigmoid(one) * up1
             else:
-                if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
-                    acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
-                                             _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq, xs, xsum, src + p,
-                                             count, k, b0, b1, row_bytes, R, SB, ROWS, ASM)
+                one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k,
+                               row_bytes, QTYPE, GROUP, R, BK, SB, ASM)
+                if GATED:
+                    up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
+                                   row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
+                    one = one * tl.sigmoid(one) * up1
+            tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
+    else:  # a run of 2-8 pairs: part `part` of k's 256-value steps
+        b0 = 0  # one part: a loop from 0, as the compiler laid it out before parts (80 registers, not 64)
+        b1 = k // 256
+        if PARTS > 1:
+            b0 = part * (k // 256 // PARTS)
+            b1 = b0 + k // 256 // PARTS
+        if MMA > 0 and (QTYPE == _F16 or QTYPE == _BF16):  # tf32 tiles of 16 x rows (gates and ups together)
+            tile = tl.program_id(0) * R + tl.arange(0, R)
+            acc, up = _float_mma(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
+                                 tile, n, x, src, p, count, k, row_bytes, QTYPE, R, BK, GATED)
+            _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 16, GATED, PARTS)
+        elif MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
+            if (tl.program_id(0) * R) % MMA == 0:
+                tile = tl.program_id(0) * R + tl.arange(0, MMA)
+                t = tl.arange(0, 16) % 8  # tile rows t and t + 8: the run's pair t
+                x_live = t < count
+                x_row = tl.load(src + p + t, mask=x_live, other=0).to(tl.int64)
+                wa = _expert_at(w, wf, slot, expert_bytes)
+                if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
+                    acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
+                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
+                    acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
                 else:
-                    acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count,
-                                    k, b0, b1, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
+                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA)
                     up = acc
-                    if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
-                        up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p,
-                                       count, k, b0, b1, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
-                _store_run(acc, up, y, parts, dst, p, count, rows, n, pairs, part, ROWS, GATED, PARTS)
+                    if GATED:
+                        up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row,
+                                       x_live, k, b0, b1, row_bytes2, QTYPE2, MMA)
+                _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 8, GATED, PARTS)
+        else:
+            if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
+                acc, up = _rows_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
+                                         _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq, xs, xsum, src + p,
+                                         count, k, b0, b1, row_bytes, R, SB, ROWS, ASM)
+            else:
+                acc = _run_rows(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, src, p, count,
+                                k, b0, b1, row_bytes, QTYPE, GROUP, HAS_MIN, R, BK, ROWS, SB, ASM)
+                up = acc
+                if GATED:  # w holds the gates, w2 the ups: y = silu(gate) * up
+                    up = _run_rows(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, src, p,
+                                   count, k, b0, b1, row_bytes2, QTYPE2, GROUP2, HAS_MIN2, R, BK, ROWS, SB2, ASM)
+            _store_run(acc, up, y, parts, dst, p, count, rows, n, pairs, part, ROWS, GATED, PARTS)
 
 
 @triton.jit
@@ -430,10 +446,11 @@ class Tiles:
     # against 46.5 / 36.6 in one, the Q6_K down 55.5 / 38.0 in 3 against 47.2 / 35.1; on the tensor cores the
     # fastest parts stayed 1.2-3x slower than the int16 or float sums but for Q8_0's down on 8 experts (36.0 / 40.4)
     run_parts: int = 1
-    # sorted pairs a matvec program walks in windows of 2-8 rows (1: a program a pair). A later pair of a run does
-    # nothing: walking, it costs a loop step instead of a program (its launch and its loads of the routing, which
-    # hold a place on an SM); but a program's pairs run one after another, so windows of many short runs lose
-    # the programs working side by side (`for_stack` says where it pays)
+    # sorted pairs a window of 2-8 rows has for each matvec program of a weight-row tile (1: a program a pair, which
+    # computes its expert's run where it is the first of it, the later pairs of a run doing nothing: each an idle
+    # program, its launch and loads of the routing holding a place on an SM). Above 1, fewer programs walk the
+    # window's runs in turn, each found in the sorted experts, so fewer are idle; but a program's runs go one
+    # after another, so too few lose on windows of many short runs (`for_stack` says where it pays)
     pairs_a_program: int = 1
     # windows of 2-8 rows (runs and pairs alone, off the tensor cores) take x rounded to int8 (`triton_xq`, ~250x
     # int16's rounding error, llama.cpp's rounding): Q4_K and Q6_K instead of int16 (half the bytes, dp4a's four
@@ -491,17 +508,18 @@ class Tiles:
             # more weight rows (H200, 8 rows, skewed over 44 experts / copies of one row's 8 experts, one call):
             # gate+up 4 rows, 60.8 -> 45.5 us / 37.5 -> 37.0 against 2 rows and 4 blocks; down 8 rows,
             # 67.3 -> 46.5 / 35.8 -> 35.2 against 4 rows and 4 blocks (what the others keep).
-            warps, walk = 1, 1
+            # Programs walking the window's runs, half a program a sorted pair (`pairs_a_program` 2; H100, 8 rows,
+            # skewed over 44-50 experts / copies of one row's 8, us): Q4_K gate+up 46.8 -> 44.1 / 36.7 -> 31.2, the
+            # Q6_K down 47.5 -> 46.0 / 35.0 -> 25.3, Q8_0's down 48.4 -> 48.3 / 30.7 -> 27.5. Fewer programs lost on
+            # skewed windows (4 to 16 pairs a program: 48.3-100.6 us for these), as Q8_0's gate+up did at 2 (78.1
+            # -> 84.8) and a Q4_K down (50.4 -> 63.0)
+            warps = 1
             if qtype == Q.Q4_K:
-                rows, blocks = 4, 1
+                rows, blocks, walk = 4, 1, 2
             elif qtype == Q.Q6_K and not gated:
-                # programs walking 8 sorted pairs (H100, 8 rows, skewed over 44 experts / copies of one row's 8
-                # experts): 47.6 -> 46.2 / 35.1 -> 25.1 us. The others lost on skewed windows: Q4_K gate+up 46.7 ->
-                # 52.1-57.0 (copies 36.3 -> 31.6 at 8), a Q4_K down 50.9 -> 53.6-54.9, Q8_0's 77.7 / 48.3 -> 79.0-85.2
-                # / 49.8-50.8 (copies 49.3 / 30.7 -> 40.5 / 24.1 at 8)
-                rows, blocks, walk = 8, 1, 8
+                rows, blocks, walk = 8, 1, 2
             else:
-                rows, blocks = (2 if gated else 4), 4
+                rows, blocks, walk = (2, 4, 1) if gated else (4, 4, 2)
         else:
             rows, warps, walk = (4 if gated else 8), 4, 1
             # a 16-byte chunk of a block a thread: 8 chunks a Q4_K block
@@ -771,11 +789,14 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
         walk = 1 if solo else tiles.pairs_a_program
+        # every window of a model's top-k compiles one kernel: the sorted experts' block fits the largest window
+        most = triton.next_power_of_2(pairs if solo else MATVEC_ROWS * (pairs // routing.rows))
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), triton.cdiv(pairs, walk), n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint, R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2,
-            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, PAIRS=walk, num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, WALKS=walk > 1, PAIRS=most, num_warps=warps, **_FUSED,
+            **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
