@@ -304,9 +304,9 @@ def test_joint_gate_and_up_give_the_same_bits():
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
 def test_programs_walking_pairs_give_the_same_bits(qtype):
-    """`Tiles.pairs_a_program`: a program walking 2, 4 or 8 sorted pairs computes what a program a pair does, for
-    runs and pairs alone (`DECODE_IDS` has both; 6 pairs, so the last program's walk runs past them), the pairs the
-    slot table skips left unwritten; F16 too (compiled, its tf32 tiles: every pair a run)."""
+    """`Tiles.pairs_a_program`: programs walking the window's runs (2, 4 or 8 sorted pairs a program: of
+    `DECODE_IDS`' 4 runs, 1 or 2 a program, or all in one) compute what a program a pair does, for runs and pairs
+    alone, the pairs the slot table skips left unwritten; F16 too (compiled, its tf32 tiles: every pair a run)."""
     stacks, _ = stacks_of(qtype, 11)
     x = random_x(3, torch.bfloat16, seed=6)
     routing = tm.Routing.of(ids_of(DECODE_IDS), E)

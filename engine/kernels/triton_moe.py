@@ -8,10 +8,11 @@ output row unwritten (another device computes it), `far_slot(i)` (-2 - i) reads 
 `far` tensor (the expert tier's copy of every expert in pinned host memory, read over PCIe). A window's routed pairs are sorted by expert (`Routing`, on
 the device, no host sync):
 
-- decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair), or per tile
-  and `Tiles.pairs_a_program` sorted pairs walked in turn; the first pair of each expert's run computes every
-  pair of the run (at most `MATVEC_ROWS`, one per row), the others do nothing. So each routed expert's rows are read once for all its pairs (`Tiles.joint`:
-  Q4_K gates and ups in one pass, each x chunk loaded once for both, the same sums). A pair alone on its
+- decode windows (up to `MATVEC_ROWS` rows): one program per (tile of weight rows, sorted pair), the first
+  pair of each expert's run computing every pair of the run (at most `MATVEC_ROWS`, one per row), the others
+  nothing; or (`Tiles.pairs_a_program` above 1) fewer programs a tile, which walk the window's runs in turn.
+  So each routed expert's rows are read once for all its pairs (`Tiles.joint`: Q4_K gates and ups in one pass,
+  each x chunk loaded once for both, the same sums). A pair alone on its
   expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster). With
   `Tiles.int8_windows` (Q8_0 stacks' own tiles) windows of 2-8 rows sum x rounded to int8 (`triton_xq`).
   F16 and BF16 windows of 2-8 rows put every pair, alone too, on the tensor cores (`_float_mma`, tf32 tiles).
@@ -509,10 +510,10 @@ class Tiles:
             # gate+up 4 rows, 60.8 -> 45.5 us / 37.5 -> 37.0 against 2 rows and 4 blocks; down 8 rows,
             # 67.3 -> 46.5 / 35.8 -> 35.2 against 4 rows and 4 blocks (what the others keep).
             # Programs walking the window's runs, half a program a sorted pair (`pairs_a_program` 2; H100, 8 rows,
-            # skewed over 44-50 experts / copies of one row's 8, us): Q4_K gate+up 46.8 -> 44.1 / 36.7 -> 31.2, the
-            # Q6_K down 47.5 -> 46.0 / 35.0 -> 25.3, Q8_0's down 48.4 -> 48.3 / 30.7 -> 27.5. Fewer programs lost on
-            # skewed windows (4 to 16 pairs a program: 48.3-100.6 us for these), as Q8_0's gate+up did at 2 (78.1
-            # -> 84.8) and a Q4_K down (50.4 -> 63.0)
+            # skewed over 44-50 experts / copies of one row's 8, us): Q4_K gate+up 46.8 -> 44.1 / 36.7 -> 31.2 (on 51
+            # experts 47.5 -> 48.0), the Q6_K down 47.5 -> 46.0 / 35.0 -> 25.3, Q8_0's down 48.4 -> 48.3 / 30.7 ->
+            # 27.5. Fewer programs lost on skewed windows (4 to 16 pairs a program: 48.3-100.6 us for these), as
+            # Q8_0's gate+up did at 2 (78.1 -> 84.8) and a Q4_K down (50.4 -> 63.0)
             warps = 1
             if qtype == Q.Q4_K:
                 rows, blocks, walk = 4, 1, 2
