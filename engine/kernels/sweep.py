@@ -156,7 +156,7 @@ def _window_case(rows: int, copies: bool, types: tuple[Q, Q]) -> tuple[Callable[
 def float_window(deadline: float, copies: bool = False, qtype: Q = Q.F16) -> None:
     """F16 or BF16 experts on a window of 8 rows (`moe_window`'s routings): the tensor cores' tf32 tiles
     (`FLOAT_TILES`: `Tiles.mma_rows`, `Tiles.mma_k`, `Tiles.matvec_warps`) beside the float sums (mma_rows 0, their
-    one-warp programs)."""
+    one-warp programs), then the code's tiles walking the window's runs (`WALKS`)."""
     stack, x, h, routing, slot_of = _window_case(tb.MATVEC_ROWS, copies, (qtype, qtype))
     gated, down = {}, {}
     code = {g: tm.Tiles.for_stack(qtype, k, g) for g, k in ((True, HIDDEN), (False, FF))}
@@ -177,6 +177,12 @@ def float_window(deadline: float, copies: bool = False, qtype: Q = Q.F16) -> Non
                 times[key(t)] = _us(lambda t=t: tm.swiglu(stack("gate", t), stack("up", t), x, routing, slot_of))
             else:
                 times[key(t)] = _us(lambda t=t: tm.project(stack("down", t), h, routing, slot_of))
+    for walk in WALKS:  # programs walking the window's runs (`Tiles.pairs_a_program`), the code's tiles
+        if time.monotonic() > deadline:
+            break
+        g, d = (dataclasses.replace(code[gate], pairs_a_program=walk) for gate in (True, False))
+        gated[("walk", walk)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        down[("walk", walk)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     legend = "weight rows a program, values a step, warps"
     _report(f"MoE gate+up ({qtype.name}), 8 rows, {experts} experts", gated, key(code[True]), legend)
