@@ -121,10 +121,10 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
     rows, step, alone = tm.matvec_program(t, qtype in gpu.FLOAT_BLOCKS, rows, mma)
-    walk, most = (1, TOP_K) if one_row else (t.pairs_a_program, tb.MATVEC_ROWS * TOP_K)
+    _, walking = tm.walk_program(t, one_row, TOP_K)
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=step, ROWS=tb.MATVEC_ROWS, SB=blocks,
                                                             SB2=blocks, ASM=True, MMA=mma, ALONE=alone, PARTS=parts,
-                                                            WALKS=walk > 1, PAIRS=most), warps)
+                                                            **walking), warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:

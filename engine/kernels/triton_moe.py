@@ -789,15 +789,12 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rounded = RoundedRows.of(x, rounding) if rounding else RoundedRows(x, x, x, x)
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
-        walk = 1 if solo else tiles.pairs_a_program
-        # every window of a model's top-k compiles one kernel: the sorted experts' block fits the largest window
-        most = triton.next_power_of_2(pairs if solo else MATVEC_ROWS * (pairs // routing.rows))
+        walk, walking = walk_program(tiles, solo, pairs // routing.rows)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), triton.cdiv(pairs, walk), n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint, R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2,
-            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, WALKS=walk > 1, PAIRS=most, num_warps=warps, **_FUSED,
-            **pdl.launch(x.device))
+            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, **walking, num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
@@ -822,6 +819,14 @@ def matvec_program(tiles: Tiles, floats: bool, rows: int, mma: int) -> tuple[int
     for tiles whose programs have `rows` rows and runs `mma` (`Tiles.mma_program`; 0: off the tensor cores): F16 and
     BF16 windows (`floats`) on the tensor cores put every pair on tf32 tiles, in programs of `mma` rows."""
     return (mma, tiles.mma_k, False) if floats and mma else (rows, tiles.matvec_k, True)
+
+
+def walk_program(tiles: Tiles, solo: bool, top_k: int) -> tuple[int, dict[str, int | bool]]:
+    """A decode window's sorted pairs a matvec program (`Tiles.pairs_a_program`; 1 for a one-row window, `solo`)
+    and the kernel's WALKS and PAIRS (the sorted experts' block, the largest window's: every window of a model's
+    top-k compiles one kernel), for `_run` and `sass`."""
+    walk = 1 if solo else tiles.pairs_a_program
+    return walk, dict(WALKS=walk > 1, PAIRS=triton.next_power_of_2(top_k if solo else MATVEC_ROWS * top_k))
 
 
 def x_rounding(w: Stack, other: Stack, gated: bool, rows: int, mma: int) -> torch.dtype | None:

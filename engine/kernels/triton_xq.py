@@ -79,8 +79,15 @@ def round_groups(v, g, live, q, scale, sums, halves, hi, lo, r, k, G: tl.constex
     half = tl.sum(tl.reshape(rounded, (G, 2, 16)), axis=2)  # [groups, 2]: each 16 values' q summed
     tl.store(halves + r * (k // 16) + g * 2 + tl.arange(0, 2)[None, :], half, mask=live)
     if PLANES:
-        tl.store(hi + r * k + g * 32 + i, (rounded >> 8).to(tl.int8), mask=live)
-        tl.store(lo + r * k + g * 32 + i, ((rounded & 255) - 128).to(tl.int8), mask=live)
+        _store_planes(hi, lo, r * k + g * 32 + i, rounded, live)
+
+
+@triton.jit
+def _store_planes(hi, lo, at, q, live):
+    """Integer values q (int16's range) as int8 planes at `at`: hi = q >> 8, lo = (q & 255) - 128, so q = 256 hi +
+    lo + 128 exactly."""
+    tl.store(hi + at, (q >> 8).to(tl.int8), mask=live)
+    tl.store(lo + at, ((q & 255) - 128).to(tl.int8), mask=live)
 
 
 @triton.jit
@@ -98,9 +105,7 @@ def _planes_kernel(q, hi, lo, total, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = at < total
-    v = tl.load(q + at, mask=live, other=0)
-    tl.store(hi + at, (v >> 8).to(tl.int8), mask=live)
-    tl.store(lo + at, ((v & 255) - 128).to(tl.int8), mask=live)
+    _store_planes(hi, lo, at, tl.load(q + at, mask=live, other=0), live)
 
 
 @dataclass(frozen=True)
