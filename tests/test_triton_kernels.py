@@ -24,6 +24,9 @@ INTERPRETED = DEVICE == "cpu"
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from engine.kernels import triton_blocks as tb  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 
@@ -145,6 +148,34 @@ def test_q8_0_keeps_the_gemm_where_k_is_not_whole_steps(monkeypatch):
     mat._mma = tb.MmaTiles(16, 1, 2)
     with pytest.raises(ValueError, match="not 1 parts"):
         mat.matvec(torch.zeros(2, 96, device=DEVICE))
+
+
+@triton.jit
+def _weight_values_kernel(ql0, ql1, qh, out, ASM: tl.constexpr):
+    """out [6, 32, 32]: `_q6k_runs` of the bytes ql0, ql1, qh [32, 32], then `_nibbles` of ql0."""
+    at = tl.arange(0, 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    a, b, h = tl.load(ql0 + at), tl.load(ql1 + at), tl.load(qh + at)
+    runs = tb._q6k_runs(a, b, h, ASM)
+    for r in tl.static_range(4):
+        tl.store(out + r * 1024 + at, runs[r])
+    low, high = tb._nibbles(a, ASM)
+    tl.store(out + 4 * 1024 + at, low)
+    tl.store(out + 5 * 1024 + at, high)
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.skipif(
+    INTERPRETED, reason="PTX runs on a GPU only"))], ids=["formula", "ptx"])
+def test_the_tensor_cores_weight_values_from_their_bytes(asm):
+    """The int8 values the tensor-core products take from a Q6_K half-block's bytes (run r = 2u + j: nibble u of
+    ql slice j, bits 2r of qh above it, - 32) and from Q4_K's (the nibbles), for every byte value; on a GPU the
+    PTX that works on four bytes a word gives the same."""
+    ql0, ql1, qh = (torch.randperm(1024, generator=torch.Generator().manual_seed(i)).remainder(256).to(torch.uint8)
+                    .reshape(32, 32) for i in range(3))
+    out = torch.empty(6, 32, 32, dtype=torch.int8, device=DEVICE)
+    _weight_values_kernel[(1,)](ql0.to(DEVICE), ql1.to(DEVICE), qh.to(DEVICE), out, ASM=asm, num_warps=1)
+    a, b, h = ql0.int(), ql1.int(), qh.int()
+    runs = [(((b if r % 2 else a) >> (4 * (r // 2))) & 15 | ((h >> (2 * r)) & 3) << 4) - 32 for r in range(4)]
+    assert torch.equal(out.cpu().int(), torch.stack(runs + [a & 15, a >> 4]))
 
 
 def check_tensor_cores(mat: tb.Matrix, tiles: tb.MmaTiles, dtype: torch.dtype) -> None:

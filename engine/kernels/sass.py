@@ -150,7 +150,7 @@ def dense_mma(qtype: Q, n: int, k: int) -> Usage:
     per = tb.steps_per_part(qtype, k, tiles.parts)
     return usage(tb._mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", xsum="*fp32", out=out, m=8, n=n,
                                       k=k, row_bytes=tb.row_bytes(qtype, k), per=per),
-                 dict(QTYPE=int(qtype), R=tiles.rows, PDL=False), tiles.warps)
+                 dict(QTYPE=int(qtype), R=tiles.rows, ASM=True, PDL=False), tiles.warps)
 
 
 def main() -> None:

@@ -297,8 +297,9 @@ def main() -> None:
         for i, (types, copies) in enumerate(cases, 1):
             moe_window(tb.MATVEC_ROWS, start + seconds * i / len(cases), copies, types, runs_only=True)
         return
-    moe_window(tb.MATVEC_ROWS, start + seconds * 0.25)
-    moe_window(tb.MATVEC_ROWS, start + seconds * 0.4, copies=True)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.2)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.35, copies=True)
+    moe_window(tb.MATVEC_ROWS, start + seconds * 0.4, types=(Q.Q4_K, Q.Q4_K))  # the mix's other down
     dense(tb.MATVEC_ROWS, start + seconds * 0.6)
     dense(1, start + seconds * 0.75)
     q8_head(start + seconds * 0.8)

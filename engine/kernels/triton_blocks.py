@@ -651,12 +651,25 @@ def _int8_sums(w_q, x_hi, x_lo, live):
 
 
 @triton.jit
-def _q4k_mma_step(w, blk, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc):
+def _nibbles(qs, ASM: tl.constexpr):
+    """The low and high nibbles of bytes `qs` as int8; on a GPU in packed words: four bytes an instruction."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(
+            "{ and.b32 $0, $2, 0x0F0F0F0F; shr.b32 $1, $2, 4; and.b32 $1, $1, 0x0F0F0F0F; }", "=r,=r,r", [qs],
+            dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        low, high = (qs & 15).to(tl.int8), (qs >> 4).to(tl.int8)
+    return low, high
+
+
+@triton.jit
+def _q4k_mma_step(w, blk, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc, ASM: tl.constexpr):
     """acc + the sums of bytes 32p.. of the Q4_K blocks at `blk` [R] (sub-blocks 2p and 2p + 1) with x's tiles."""
     c = tl.arange(0, 32)
     qs = tl.load(w + blk[:, None] + 16 + p * 32 + c[None, :], mask=live_n[:, None], other=0)
-    s = _int8_sums((qs & 15).to(tl.int8), x_low[0], x_low[1], low)
-    s += _int8_sums((qs >> 4).to(tl.int8), x_high[0], x_high[1], high)
+    low_q, high_q = _nibbles(qs, ASM)
+    s = _int8_sums(low_q, x_low[0], x_low[1], low)
+    s += _int8_sums(high_q, x_high[0], x_high[1], high)
     scale_low, min_low = _k_scales(w, blk, 2 * p, live_n)
     scale_high, min_high = _k_scales(w, blk, 2 * p + 1, live_n)
     scale = tl.where(half[None, :] == 0, scale_low[:, None], scale_high[:, None])
@@ -666,7 +679,7 @@ def _q4k_mma_step(w, blk, p, live_n, x_low, low, x_high, high, half, xsc, xsm, a
 
 @triton.jit
 def _q4k_mma(w, w2, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, R: tl.constexpr,
-             BOTH: tl.constexpr, PLANES: tl.constexpr):
+             BOTH: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
     """[R, 16] float32 sums of the Q4_K weight rows at bytes `row` [R] of w (and, BOTH, of w2, a matrix of w's
     shape, from the same x tiles) over blocks [b0, b1) with the x rows `x_row` [16] (int64, `x_live`) on the
     tensor cores: tile row t holds x row x_row[t]'s values of each 32 bytes' low sub-block (t < 8) or high one
@@ -688,14 +701,44 @@ def _q4k_mma(w, w2, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1,
             g = groups + b * 8 + 2 * p
             xsc = tl.load(xs + g, mask=x_live, other=0.0)
             xsm = tl.load(xsum + g, mask=x_live, other=0.0)
-            acc = _q4k_mma_step(w, row + b * 144, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc)
+            acc = _q4k_mma_step(w, row + b * 144, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc, ASM)
             if BOTH:
-                acc2 = _q4k_mma_step(w2, row + b * 144, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc2)
+                acc2 = _q4k_mma_step(w2, row + b * 144, p, live_n, x_low, low, x_high, high, half, xsc, xsm, acc2,
+                                     ASM)
     return acc, acc2
 
 
+def _q6k_run_ptx(r: int) -> str:
+    """PTX for run r of a Q6_K half-block on four bytes a word, into $r from ql's slices $4 (even r), $5 (odd r)
+    and qh $6: nibble r // 2 of ql, or qh's bits 2r moved to bits 4-5; then + 0x60 (a byte holds at most 63 + 96,
+    so nothing carries into the next) and bit 7 flipped, which is the 6-bit value - 32 as int8."""
+    ql = "$5" if r % 2 else "$4"
+    nibble = f"shr.b32 t, {ql}, 4; and.b32 t, t, 0x0F0F0F0F; " if r // 2 else f"and.b32 t, {ql}, 0x0F0F0F0F; "
+    bits = f"shl.b32 h, $6, {4 - 2 * r}; " if r < 2 else "mov.b32 h, $6; " if r == 2 else "shr.b32 h, $6, 2; "
+    return nibble + bits + f"and.b32 h, h, 0x30303030; or.b32 t, t, h; add.u32 t, t, 0x60606060; xor.b32 ${r}, t, 0x80808080; "
+
+
+_Q6K_RUNS = tl.constexpr("{ .reg .b32 t, h; " + "".join(_q6k_run_ptx(r) for r in range(4)) + "}")
+
+
 @triton.jit
-def _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.constexpr, PLANES: tl.constexpr):
+def _q6k_runs(ql0, ql1, qh, ASM: tl.constexpr):
+    """A Q6_K half-block's four runs of 32 int8 values (q - 32), each [R, 32]: run r = 2u + j holds nibble u of
+    `ql0` (j 0) or `ql1` (j 1) and bits 2r of `qh` above it. On a GPU in packed words: four bytes an instruction."""
+    if ASM:
+        runs = tl.inline_asm_elementwise(_Q6K_RUNS, "=r,=r,=r,=r,r,r,r", [ql0, ql1, qh],
+                                         dtype=(tl.int8, tl.int8, tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        runs = ()
+        for r in tl.static_range(4):
+            ql = ql1 if r % 2 else ql0
+            runs += ((((ql >> (4 * (r // 2))) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8) - 32,)
+    return runs
+
+
+@triton.jit
+def _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.constexpr, PLANES: tl.constexpr,
+             ASM: tl.constexpr):
     """[R, 16] float32 sums of the Q6_K weight rows at bytes `row` [R] of w over blocks [b0, b1) with the x rows
     `x_row` [16] on the tensor cores (as `_q4k_mma`): each run of 32 values is one int8 product with a tile of
     16 x rows, row t holding x row x_row[t]'s first 16 values of the run (t < 8) or its last 16 (the run's two
@@ -711,18 +754,17 @@ def _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.con
         d = _f16(w, blk + 208, live_n)
         for h in tl.static_range(2):
             qh = tl.load(w + blk[:, None] + 128 + h * 32 + c[None, :], mask=live_n[:, None], other=0)
-            for j in tl.static_range(2):
-                ql = tl.load(w + blk[:, None] + h * 64 + j * 32 + c[None, :], mask=live_n[:, None], other=0)
-                for u in tl.static_range(2):
-                    r = 2 * u + j  # run r of half h: values 128h + 32r.., scales 8h + 2r and 8h + 2r + 1
-                    q = (((ql >> (4 * u)) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8) - 32
-                    x_t = _x_planes(x_hi, x_lo, x_at + b * 256 + h * 128 + r * 32, live, PLANES)
-                    s = _int8_sums(q, x_t[0], x_t[1], live)
-                    first = _signed(w, blk + 192 + h * 8 + r * 2, live_n)
-                    second = _signed(w, blk + 193 + h * 8 + r * 2, live_n)
-                    scale = d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
-                    xsc = tl.load(xs + x_row * (k // 32) + b * 8 + h * 4 + r, mask=x_live, other=0.0)
-                    acc += scale * (s.to(tl.float32) * xsc[None, :])
+            ql0 = tl.load(w + blk[:, None] + h * 64 + c[None, :], mask=live_n[:, None], other=0)
+            ql1 = tl.load(w + blk[:, None] + h * 64 + 32 + c[None, :], mask=live_n[:, None], other=0)
+            runs = _q6k_runs(ql0, ql1, qh, ASM)
+            for r in tl.static_range(4):  # run r of half h: values 128h + 32r.., scales 8h + 2r and 8h + 2r + 1
+                x_t = _x_planes(x_hi, x_lo, x_at + b * 256 + h * 128 + r * 32, live, PLANES)
+                s = _int8_sums(runs[r], x_t[0], x_t[1], live)
+                first = _signed(w, blk + 192 + h * 8 + r * 2, live_n)
+                second = _signed(w, blk + 193 + h * 8 + r * 2, live_n)
+                scale = d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
+                xsc = tl.load(xs + x_row * (k // 32) + b * 8 + h * 4 + r, mask=x_live, other=0.0)
+                acc += scale * (s.to(tl.float32) * xsc[None, :])
     return acc
 
 
@@ -753,12 +795,12 @@ def _q8_0_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R: tl.co
 
 @triton.jit
 def _mma_sums(w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, QTYPE: tl.constexpr, R: tl.constexpr,
-              PLANES: tl.constexpr):
+              PLANES: tl.constexpr, ASM: tl.constexpr):
     """[R, 16] float32: `_q4k_mma`'s sums (Q4_K, one matrix), `_q6k_mma`'s (Q6_K) or `_q8_0_mma`'s (Q8_0)."""
     if QTYPE == _Q4_K:
-        acc, _ = _q4k_mma(w, w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, R, False, PLANES)
+        acc, _ = _q4k_mma(w, w, row, live_n, x_hi, x_lo, xs, xsum, x_row, x_live, k, b0, b1, R, False, PLANES, ASM)
     elif QTYPE == _Q6_K:
-        acc = _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R, PLANES)
+        acc = _q6k_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R, PLANES, ASM)
     else:
         acc = _q8_0_mma(w, row, live_n, x_hi, x_lo, xs, x_row, x_live, k, b0, b1, R, PLANES)
     return acc
@@ -772,7 +814,7 @@ def _halves_of(acc, R: tl.constexpr):
 
 @triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
 def _mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, QTYPE: tl.constexpr, R: tl.constexpr,
-                PDL: tl.constexpr):
+                ASM: tl.constexpr, PDL: tl.constexpr):
     """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16 (as planes), a `TENSOR_CORES` type, on
     the tensor cores: steps [s * per, (s + 1) * per) of 256 values of each weight row, into `out` (y itself for
     one part, else float32 [parts, 8, n]). Row i's bits do not depend on m."""
@@ -783,7 +825,7 @@ def _mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, QTYPE: tl
     row = rows.to(tl.int64) * row_bytes
     x_row = tl.arange(0, 16) % 8
     acc = _mma_sums(w, row, live_n, x_hi, x_lo, xs, xsum, x_row.to(tl.int64), x_row < m, k, part * per,
-                    (part + 1) * per, QTYPE, R, True)
+                    (part + 1) * per, QTYPE, R, True, ASM)
     r8 = tl.arange(0, 8)[:, None]
     tl.store(out + part * 8 * n + r8 * n + rows[None, :], _halves_of(acc, R).to(out.dtype.element_ty),
              mask=(r8 < m) & live_n[None, :])
@@ -988,7 +1030,7 @@ class Matrix:
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
             self.blocks, *rounded.planes(), rounded.scale, rounded.sums, out, m, self.n, self.k, self.blocks.shape[1],
-            per, QTYPE=int(self.qtype), R=tiles.rows, num_warps=tiles.warps,
+            per, QTYPE=int(self.qtype), R=tiles.rows, ASM=ASM, num_warps=tiles.warps,
             num_stages=tiles.stages, **pdl.launch(x.device))
         if parts > 1:
             block = 1024

@@ -134,12 +134,13 @@ def _run_rows(w, rows, n, x, xq, xs, xsum, xh, src, p, count, k, b0, b1, row_byt
 
 
 @triton.jit
-def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr):
+def _mma_rows(w, rows, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE: tl.constexpr, R: tl.constexpr,
+              ASM: tl.constexpr):
     """[8, R] float32: weight rows `rows` of the expert at `w` (a `TENSOR_CORES` type) times the x rows `x_row`
     [16] (rows t and t + 8 alike, `x_live`) over k's 256-value steps [b0, b1) on the tensor cores, x's int8 planes
     split from its int16 values."""
     return _halves_of(_mma_sums(w, rows.to(tl.int64) * row_bytes, rows < n, xq, xq, xs, xsum, x_row, x_live, k, b0,
-                                b1, QTYPE, R, False), R)
+                                b1, QTYPE, R, False, ASM), R)
 
 
 @triton.jit
@@ -281,14 +282,14 @@ def _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, 
                 wa = _expert_at(w, wf, slot, expert_bytes)
                 if JOINT:  # Q4_K gates and ups in one pass, each x tile split once for both
                     acc, up = _q4k_mma(wa, _expert_at(w2, wf2, slot, expert_bytes2), tile.to(tl.int64) * row_bytes,
-                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False)
+                                       tile < n, xq, xq, xs, xsum, x_row, x_live, k, b0, b1, MMA, True, False, ASM)
                     acc, up = _halves_of(acc, MMA), _halves_of(up, MMA)
                 else:
-                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA)
+                    acc = _mma_rows(wa, tile, n, xq, xs, xsum, x_row, x_live, k, b0, b1, row_bytes, QTYPE, MMA, ASM)
                     up = acc
                     if GATED:
                         up = _mma_rows(_expert_at(w2, wf2, slot, expert_bytes2), tile, n, xq, xs, xsum, x_row,
-                                       x_live, k, b0, b1, row_bytes2, QTYPE2, MMA)
+                                       x_live, k, b0, b1, row_bytes2, QTYPE2, MMA, ASM)
                 _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 8, GATED, PARTS)
         else:
             if JOINT:  # Q4_K gates and ups in one pass, each x chunk loaded once for both
@@ -500,11 +501,13 @@ class Tiles:
             # 80.1 -> 11.6 against the float sums' one-warp programs of one weight row)
             return cls(1, min(512, triton.next_power_of_2(k)), 64, 64, 64, 4, 4, mma_rows=64, mma_k=128, solo_rows=2,
                        solo_warps=1, solo_blocks=4)
-        if qtype in (Q.Q8_0, Q.Q6_K) or (qtype == Q.Q4_K and gated):
+        if qtype in (Q.Q8_0, Q.Q6_K, Q.Q4_K):
             # One-warp programs over 2 (gate+up) or 4 (down) weight rows, in windows of 8 rows (skewed routing,
             # 51 experts, H200): Q4_K gate+up 122.6 -> 77.5 us, Q6_K down 107.8 -> 80.0, Q8_0 170.2 -> 121.7
             # and 107.6 -> 77.4. Four-warp programs spread their rows over warps, each warp loading the same
-            # x values (82% of L1 busy, 15% of DRAM); a Q4_K down (k = 768) was faster as it was.
+            # x values (82% of L1 busy, 15% of DRAM). A Q4_K down (k = 768) at 8 rows, a block a step, walking 4
+            # pairs (H100, skewed over 51 experts / copies of one row's 8): 50.1 -> 33.2 / 39.8 -> 18.3 us against
+            # four-warp programs of 8 rows, 2 blocks a step, a program a pair (4 rows walking 2: 30.1 / 23.2).
             # The Q4_K gate+up and the Q6_K down, their run sums reduced every step (`_sums`): a block a step over
             # more weight rows (H200, 8 rows, skewed over 44 experts / copies of one row's 8 experts, one call):
             # gate+up 4 rows, 60.8 -> 45.5 us / 37.5 -> 37.0 against 2 rows and 4 blocks; down 8 rows,
@@ -513,10 +516,10 @@ class Tiles:
             # skewed over 44-50 experts / copies of one row's 8, us): Q4_K gate+up 46.8 -> 44.1 / 36.7 -> 31.2 (on 51
             # experts 47.5 -> 48.0), the Q6_K down 47.5 -> 46.0 / 35.0 -> 25.3, Q8_0's down 48.4 -> 48.3 / 30.7 ->
             # 27.5. Fewer programs lost on skewed windows (4 to 16 pairs a program: 48.3-100.6 us for these), as
-            # Q8_0's gate+up did at 2 (78.1 -> 84.8) and a Q4_K down (50.4 -> 63.0)
+            # Q8_0's gate+up did at 2 (78.1 -> 84.8) and a Q4_K down of four-warp programs (50.4 -> 63.0)
             warps = 1
             if qtype == Q.Q4_K:
-                rows, blocks, walk = 4, 1, 2
+                rows, blocks, walk = (4, 1, 2) if gated else (8, 1, 4)
             elif qtype == Q.Q6_K and not gated:
                 rows, blocks, walk = 8, 1, 2
             else:
