@@ -191,7 +191,10 @@ class RoundedRows:
         """Say that a product on `device` takes x rounded (a matrix or an expert stack of a `ROUNDED` type), so
         that the kernels that write x round it (`wanted`); none on a device: they leave it (Q8_0, F16 files).
         `planes`: a product takes 2-8 rows as the int16 values' int8 planes (the tensor cores' dense products),
-        so that those kernels split windows of 2-8 rows too (`for_window`)."""
+        so that those kernels split windows of 2-8 rows too (`for_window`). "cuda" is the current CUDA device, as
+        its tensors name it ("cuda:0"), which the kernels look up."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         _wanted.add(device)
         if planes:
             _planes_wanted.add(device)
