@@ -9,7 +9,8 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
   thread (in two halves, `_halves`, so that its sums stay in the thread), one reduction at the end, for
   one row and for 2-8 (`_rounded_kernel`, each program reading its weight rows once for all m rows). The
   Q6_K head's 2-8 rows take the tensor cores instead (`_mma_kernel`): the same integer sums as int8
-  products, x split into two int8 planes, as do Q4_K and Q8_0 matrices below head size (`mma_tiles`). The other
+  products, x split into two int8 planes, the weights' int8 values made four bytes a word in PTX (`_q6k_runs`,
+  `_nibbles`), as do Q4_K and Q8_0 matrices below head size (`mma_tiles`). The other
   types' windows of 2-8 rows (and the Q8_0 head's) take the GEMM below with tiles
   of 16 rows of x (`Tiles.small_*`): on an H200 3.3x the float matvec they replaced (Q8_0 5120x2048 at 8
   rows: 62.2 -> 18.9 us).
@@ -715,7 +716,8 @@ def _q6k_run_ptx(r: int) -> str:
     ql = "$5" if r % 2 else "$4"
     nibble = f"shr.b32 t, {ql}, 4; and.b32 t, t, 0x0F0F0F0F; " if r // 2 else f"and.b32 t, {ql}, 0x0F0F0F0F; "
     bits = f"shl.b32 h, $6, {4 - 2 * r}; " if r < 2 else "mov.b32 h, $6; " if r == 2 else "shr.b32 h, $6, 2; "
-    return nibble + bits + f"and.b32 h, h, 0x30303030; or.b32 t, t, h; add.u32 t, t, 0x60606060; xor.b32 ${r}, t, 0x80808080; "
+    minus_32 = f"add.u32 t, t, 0x60606060; xor.b32 ${r}, t, 0x80808080; "
+    return nibble + bits + "and.b32 h, h, 0x30303030; or.b32 t, t, h; " + minus_32
 
 
 _Q6K_RUNS = tl.constexpr("{ .reg .b32 t, h; " + "".join(_q6k_run_ptx(r) for r in range(4)) + "}")
