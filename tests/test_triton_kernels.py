@@ -346,6 +346,18 @@ def assert_same_rounding(got, want) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got.planes(), want.planes(), strict=True))
 
 
+def test_rounding_wanted_on_cuda_is_wanted_on_the_current_device(monkeypatch):
+    """`want(torch.device("cuda"))` holds for the device the kernels look up, a tensor's ("cuda:1" here)."""
+    from engine.kernels import triton_xq
+
+    monkeypatch.setattr(triton_xq, "_wanted", set())
+    monkeypatch.setattr(triton_xq, "_planes_wanted", set())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    triton_xq.RoundedRows.want(torch.device("cuda"), planes=True)
+    assert triton_xq.RoundedRows.wanted(torch.device("cuda", 1))
+    assert triton_xq._planes_wanted == {torch.device("cuda", 1)}
+
+
 @pytest.mark.parametrize("d", [2048, 640])
 def test_the_norms_round_the_rows_they_write(d):
     """`rms_norm` and `add_rms_norm` of up to MATVEC_ROWS rows round what they store in the same launch:
