@@ -50,7 +50,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
 from engine.kernels.gpu import FLOAT_BLOCKS, FLOAT_DTYPE, MATVEC_ROWS, SUPPORTED
-from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a, _dp4a
+from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a, _dp4a, _planes_of
 
 SMALL_M = 16  # rows of x a GEMM tile holds for a window of 2-8 rows (tl.dot's smallest)
 GROUP = {qtype: 16 if qtype == Q.Q6_K else 32 for qtype in SUPPORTED + FLOAT_BLOCKS}  # values per scale
@@ -636,9 +636,8 @@ def _x_planes(x_hi, x_lo, at, live, PLANES: tl.constexpr):
         hi = tl.load(x_hi + at, mask=live, other=0)
         lo = tl.load(x_lo + at, mask=live, other=0)
     else:
-        q = tl.load(x_hi + at, mask=live, other=0).to(tl.int32)
-        hi = (q >> 8).to(tl.int8)
-        lo = tl.where(live, (q & 255) - 128, 0).to(tl.int8)
+        hi, lo = _planes_of(tl.load(x_hi + at, mask=live, other=0).to(tl.int32))
+        lo = tl.where(live, lo, 0)
     return hi, lo
 
 

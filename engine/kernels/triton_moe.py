@@ -525,9 +525,7 @@ class Tiles:
             else:
                 rows, blocks, walk = (2, 4, 1) if gated else (4, 4, 2)
         else:
-            rows, warps, walk = (4 if gated else 8), 4, 1
-            # a 16-byte chunk of a block a thread: 8 chunks a Q4_K block
-            blocks = min(warps * 32 // (rows * 8), triton.next_power_of_2(max(1, k // 256)))
+            rows, warps, blocks, walk = (4 if gated else 8), 4, 1, 1  # float sums: `row_blocks` unread
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
                    solo_blocks=4, int8_windows=qtype == Q.Q8_0, pairs_a_program=walk)
 

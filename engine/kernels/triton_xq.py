@@ -83,11 +83,18 @@ def round_groups(v, g, live, q, scale, sums, halves, hi, lo, r, k, G: tl.constex
 
 
 @triton.jit
+def _planes_of(q):
+    """Integer values q (int16's range) as two int8 planes hi = q >> 8, lo = (q & 255) - 128, so q = 256 hi + lo +
+    128 exactly (the tensor cores' int8 products take x so)."""
+    return (q >> 8).to(tl.int8), ((q & 255) - 128).to(tl.int8)
+
+
+@triton.jit
 def _store_planes(hi, lo, at, q, live):
-    """Integer values q (int16's range) as int8 planes at `at`: hi = q >> 8, lo = (q & 255) - 128, so q = 256 hi +
-    lo + 128 exactly."""
-    tl.store(hi + at, (q >> 8).to(tl.int8), mask=live)
-    tl.store(lo + at, ((q & 255) - 128).to(tl.int8), mask=live)
+    """q's planes (`_planes_of`) stored at `at`."""
+    q_hi, q_lo = _planes_of(q)
+    tl.store(hi + at, q_hi, mask=live)
+    tl.store(lo + at, q_lo, mask=live)
 
 
 @triton.jit
