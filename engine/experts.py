@@ -63,7 +63,7 @@ class ExpertStats:
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router then top-k (Qwen3-MoE order). Returns weights [N, k] (float32) and ids [N, k]. On CUDA
-    (k a power of two) one Triton launch (`triton_moe.route`) where torch takes about six; on the CPU one C call."""
+    (k a power of two) two Triton launches (`triton_moe.route`) where torch takes about six; on the CPU one C call."""
     if x.is_cuda and gpu_kernels.available() and router.dtype == torch.float32 and not top_k & (top_k - 1):
         from engine.kernels.triton_moe import (
             route as fused,  # imports Triton, so only when a CUDA tensor comes

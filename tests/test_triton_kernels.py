@@ -27,7 +27,6 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from engine.kernels import arrivals  # noqa: E402
 from engine.kernels import triton_blocks as tb  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 
@@ -122,7 +121,7 @@ def test_rows_on_the_tensor_cores_with_k_in_parts(qtype, parts):
     blocks = tb.random_blocks(qtype, 40, k, torch.Generator().manual_seed(parts)).to(DEVICE)
     mat = tb.Matrix(qtype, blocks, k)
     check_tensor_cores(mat, tb.MmaTiles(16, 1, 2, parts), torch.float32)
-    assert not arrivals.counts(mat.blocks.device).any()
+    assert mat._done.shape == (3,) and not mat._done.any()
     mat._mma = tb.MmaTiles(16, 1, 2, 2)
     with pytest.raises(ValueError, match="not 2 parts"):
         mat.matvec(torch.zeros(2, k, device=DEVICE))

@@ -23,8 +23,8 @@ w = q * scale - min, computed in float32 as gguf-py does (`_group` knows where e
 
 Deterministic by construction: no atomic sums; each output is reduced over k in one order, set by the tile
 sizes (`Tiles`, `MmaTiles`), which are chosen from the matrix's shape only, never from m (where the
-tensor-core kernel cuts k into parts, the program that finishes a tile's last part adds them in order:
-`arrivals`, an atomic count that says which program is last, never what the sum is).
+tensor-core kernel cuts k into parts, the program that finishes a tile's last part adds them in order: an
+atomic count says which program is last, never what the sum is).
 Batch invariance, within each path: every call of a matrix runs one compiled kernel (m is not
 specialized; x is copied when its rows do not start 16-byte aligned). In the int16 matvec of 2-8 rows,
 row i of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); on the
@@ -49,8 +49,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from engine.kernels import arrivals, pdl
-from engine.kernels.arrivals import last_to_arrive
+from engine.kernels import pdl
 from engine.kernels.gpu import FLOAT_BLOCKS, FLOAT_DTYPE, MATVEC_ROWS, SUPPORTED
 from engine.kernels.triton_xq import ASM, RoundedRows, _dp2a, _dp4a, _planes_of
 
@@ -821,7 +820,7 @@ def _mma_kernel(w, x_hi, x_lo, xs, xsum, y, parts, done, m, n, k, row_bytes, per
     """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16 (as planes), a `TENSOR_CORES` type, on
     the tensor cores: steps [s * per, (s + 1) * per) of 256 values of each weight row. One part writes y; of
     PARTS parts each goes to float32 `parts` [PARTS, 8, n] and the program that finishes its rows' last part adds
-    them into y (`_add_when_last`, counting in `done`: `arrivals.counts`). Row i's bits do not depend on m."""
+    them into y (`_add_when_last`, counting in `done`). Row i's bits do not depend on m."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     part = tl.program_id(1)
@@ -842,12 +841,16 @@ def _mma_kernel(w, x_hi, x_lo, xs, xsum, y, parts, done, m, n, k, row_bytes, per
 @triton.jit
 def _add_when_last(parts, y, count, at, live, stride, PARTS: tl.constexpr):
     """y[at] = parts[0][at] + parts[1][at] + ... in that order (parts `stride` apart), by the last of the PARTS
-    programs that call it with one `count` (`arrivals`)."""
-    if last_to_arrive(count, PARTS):
+    programs that call it with one `count` (an int32 at 0, left at 0): the order is fixed, whichever comes last,
+    so the bits are those of adding the parts in a kernel after, without its launch."""
+    tl.debug_barrier()  # every thread's part stored before the count says so (the count releases them)
+    if tl.atomic_add(count, 1, sem="acq_rel") == PARTS - 1:
+        # .cg: from L2, where the other programs' parts are; this SM's L1 may hold the last call's
         total = tl.load(parts + at, mask=live, other=0.0, cache_modifier=".cg")
         for s in tl.static_range(1, PARTS):
             total += tl.load(parts + s * stride + at, mask=live, other=0.0, cache_modifier=".cg")
         tl.store(y + at, total.to(y.dtype.element_ty), mask=live)
+        tl.store(count, 0)
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -977,7 +980,12 @@ class Matrix:
         aligned = blocks.data_ptr() % 4 == 0
         self._rounded = qtype in ROUNDED and aligned
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
-        self._mma = mma_tiles(qtype, self.n, k) if aligned and takes_tensor_cores(qtype, k) else None
+        tensor_cores = aligned and takes_tensor_cores(qtype, k)
+        self._mma = mma_tiles(qtype, self.n, k) if tensor_cores else None
+        # the tensor cores' programs of a tile of rows count its parts of k done here (`_add_when_last`); a
+        # program takes at least 16 weight rows (tl.dot's smallest)
+        self._done = torch.zeros(triton.cdiv(self.n, 16), dtype=torch.int32, device=blocks.device) \
+            if tensor_cores else None
         if self._rounded or self._mma:
             RoundedRows.want(blocks.device, planes=self._mma is not None)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
@@ -1035,10 +1043,9 @@ class Matrix:
         per = steps_per_part(self.qtype, self.k, parts)
         rounded, m = RoundedRows.of(x), x.shape[0]
         sums = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
-        arrivals.check_groups(triton.cdiv(self.n, tiles.rows))
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
-            self.blocks, *rounded.planes(), rounded.scale, rounded.sums, y, sums, arrivals.counts(x.device), m,
-            self.n, self.k, self.blocks.shape[1], per, QTYPE=int(self.qtype), R=tiles.rows, PARTS=parts, ASM=ASM,
+            self.blocks, *rounded.planes(), rounded.scale, rounded.sums, y, sums, self._done, m, self.n, self.k,
+            self.blocks.shape[1], per, QTYPE=int(self.qtype), R=tiles.rows, PARTS=parts, ASM=ASM,
             num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch(x.device))
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:

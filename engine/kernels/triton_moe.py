@@ -40,8 +40,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
-from engine.kernels import arrivals, pdl
-from engine.kernels.arrivals import last_to_arrive
+from engine.kernels import pdl
 from engine.kernels.gpu import FLOAT_BLOCKS, SUPPORTED
 from engine.kernels.triton_blocks import (
     _BF16,
@@ -999,10 +998,8 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor 
 
 
 @triton.jit
-def _router_kernel(x, router, logits, weights, ids, counts, e, h, K: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
-                   E: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    """logits[r, experts of this program] = x[r] . router[expert], float32, one order over h; the last of row r's
-    programs to finish (`arrivals`) then picks the row's top-k (`_top_k`)."""
+def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+    """logits[r, experts of this program] = x[r] . router[expert], float32, one order over h."""
     pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BE + tl.arange(0, BE)[:, None]
@@ -1013,41 +1010,40 @@ def _router_kernel(x, router, logits, weights, ids, counts, e, h, K: tl.constexp
         acc += tl.load(router + experts * h + cols, mask=(experts < e) & (cols < h), other=0.0) * xv
     tl.store(logits + r * e + tl.arange(0, BE) + tl.program_id(1) * BE, tl.sum(acc, axis=1),
              mask=tl.program_id(1) * BE + tl.arange(0, BE) < e)
-    if last_to_arrive(counts + r, tl.num_programs(1)):
-        _top_k(logits, weights, ids, r, e, K, E, NORMALIZE)
 
 
 @triton.jit
-def _top_k(logits, weights, ids, r, e, K: tl.constexpr, E: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Row r's softmax over its logits, then its k largest probabilities (ties: the lower expert first),
+def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    """A row's softmax over its logits, then its k largest probabilities (ties: the lower expert first),
     normalized to sum 1 when NORMALIZE."""
-    at = tl.arange(0, E)
-    v = tl.load(logits + r * e + at, mask=at < e, other=float("-inf"), cache_modifier=".cg")
+    pdl.wait(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    at = tl.arange(0, BE)
+    v = tl.load(logits + r * e + at, mask=at < e, other=float("-inf"))
     p = tl.exp(v - tl.max(v, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(at < e, p, -1.0)
     total = 0.0
     for i in tl.static_range(K):
         best = tl.max(p, axis=0)
-        pick = tl.min(tl.where(p == best, at, E), axis=0)
+        pick = tl.min(tl.where(p == best, at, BE), axis=0)
         tl.store(ids + r * K + i, pick.to(tl.int64))
         tl.store(weights + r * K + i, best)
         total += best
         p = tl.where(at == pick, -1.0, p)
     if NORMALIZE:
-        tl.debug_barrier()  # the weights stored above, read back by other threads
         got = tl.load(weights + r * K + tl.arange(0, K))
         tl.store(weights + r * K + tl.arange(0, K), got / total)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engine.experts.route` in one launch: x [N, H] (any float dtype) against the float32 router [E, H];
-    weights float32 [N, k] and ids int64 [N, k], each row on its own."""
+    """`engine.experts.route` in two launches: x [N, H] (any float dtype) against the float32 router
+    [E, H]; weights float32 [N, k] and ids int64 [N, k], each row on its own."""
     n, h = x.shape
     e = router.shape[0]
     if router.shape[1] != h or top_k > e or top_k & (top_k - 1):
         raise ValueError(f"router [E, {h}] with top_k a power of two <= E, got {tuple(router.shape)}, {top_k}")
-    arrivals.check_groups(n)
     x, router = x.contiguous(), router.contiguous()
     logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
@@ -1056,10 +1052,10 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
         # an expert a program and its whole row in one step: each program issues all its loads at once (two
         # experts a program in steps of 256 took 5.0 us a one-row call)
         be = 1
-        _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, weights, ids, arrivals.counts(x.device), e, h,
-                                                 K=top_k, BE=be, BH=min(4096, triton.next_power_of_2(h)),
-                                                 E=triton.next_power_of_2(e), NORMALIZE=normalize, num_warps=4,
-                                                 enable_fp_fusion=False, **pdl.launch(x.device))
+        _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(4096, triton.next_power_of_2(h)),
+                                                 num_warps=4, enable_fp_fusion=False, **pdl.launch(x.device))
+        _top_k_kernel[(n,)](logits, weights, ids, e, K=top_k, BE=triton.next_power_of_2(e), NORMALIZE=normalize,
+                            num_warps=1, **pdl.launch(x.device))
     return weights, ids
 
 
