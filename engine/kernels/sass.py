@@ -146,11 +146,11 @@ def dense(qtype: Q, n: int, k: int, m: int) -> Usage:
 def dense_mma(qtype: Q, n: int, k: int) -> Usage:
     """`Matrix.matvec`'s 2-8 rows on the tensor cores, with the tiles `mma_tiles` names for n x k."""
     tiles = tb.mma_tiles(qtype, n, k)
+    out = "*fp32" if tiles.parts > 1 else "*bf16"  # parts go to a float32 buffer, `_add_parts` adds them
     per = tb.steps_per_part(qtype, k, tiles.parts)
-    return usage(tb._mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", xsum="*fp32", y="*bf16",
-                                      parts="*fp32", done="*i32", m=8, n=n, k=k, row_bytes=tb.row_bytes(qtype, k),
-                                      per=per),
-                 dict(QTYPE=int(qtype), R=tiles.rows, PARTS=tiles.parts, ASM=True, PDL=False), tiles.warps)
+    return usage(tb._mma_kernel, dict(w="*u8", x_hi="*i8", x_lo="*i8", xs="*fp32", xsum="*fp32", out=out, m=8, n=n,
+                                      k=k, row_bytes=tb.row_bytes(qtype, k), per=per),
+                 dict(QTYPE=int(qtype), R=tiles.rows, ASM=True, PDL=False), tiles.warps)
 
 
 def main() -> None:

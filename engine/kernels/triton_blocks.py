@@ -21,10 +21,9 @@ uint8 `[rows, row_bytes]` (the layout `BlockLinear` keeps), read and dequantized
 Every kernel sees a weight row as groups of 16 or 32 values sharing a scale (and, in Q4_K/Q5_K, a min):
 w = q * scale - min, computed in float32 as gguf-py does (`_group` knows where each type keeps them).
 
-Deterministic by construction: no atomic sums; each output is reduced over k in one order, set by the tile
+Deterministic by construction: no atomics; each output is reduced over k in one order, set by the tile
 sizes (`Tiles`, `MmaTiles`), which are chosen from the matrix's shape only, never from m (where the
-tensor-core kernel cuts k into parts, the program that finishes a tile's last part adds them in order: an
-atomic count says which program is last, never what the sum is).
+tensor-core kernel cuts k into parts, `_add_parts` adds them in order).
 Batch invariance, within each path: every call of a matrix runs one compiled kernel (m is not
 specialized; x is copied when its rows do not start 16-byte aligned). In the int16 matvec of 2-8 rows,
 row i of y runs the same instructions whatever m is (rows past m are skipped by a uniform branch); on the
@@ -815,12 +814,11 @@ def _halves_of(acc, R: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
-def _mma_kernel(w, x_hi, x_lo, xs, xsum, y, parts, done, m, n, k, row_bytes, per, QTYPE: tl.constexpr, R: tl.constexpr,
-                PARTS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+def _mma_kernel(w, x_hi, x_lo, xs, xsum, out, m, n, k, row_bytes, per, QTYPE: tl.constexpr, R: tl.constexpr,
+                ASM: tl.constexpr, PDL: tl.constexpr):
     """Part s = program_id(1) of y [m <= 8, n] for x rounded to int16 (as planes), a `TENSOR_CORES` type, on
-    the tensor cores: steps [s * per, (s + 1) * per) of 256 values of each weight row. One part writes y; of
-    PARTS parts each goes to float32 `parts` [PARTS, 8, n] and the program that finishes its rows' last part adds
-    them into y (`_add_when_last`, counting in `done`). Row i's bits do not depend on m."""
+    the tensor cores: steps [s * per, (s + 1) * per) of 256 values of each weight row, into `out` (y itself for
+    one part, else float32 [parts, 8, n]). Row i's bits do not depend on m."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     part = tl.program_id(1)
@@ -829,28 +827,21 @@ def _mma_kernel(w, x_hi, x_lo, xs, xsum, y, parts, done, m, n, k, row_bytes, per
     x_row = tl.arange(0, 16) % 8
     acc = _mma_sums(w, row, live_n, x_hi, x_lo, xs, xsum, x_row.to(tl.int64), x_row < m, k, part * per,
                     (part + 1) * per, QTYPE, R, True, ASM)
-    at = tl.arange(0, 8)[:, None] * n + rows[None, :]
-    live = (tl.arange(0, 8)[:, None] < m) & live_n[None, :]
-    if PARTS == 1:
-        tl.store(y + at, _halves_of(acc, R).to(y.dtype.element_ty), mask=live)
-    else:
-        tl.store(parts + part * 8 * n + at, _halves_of(acc, R), mask=live)
-        _add_when_last(parts, y, done + tl.program_id(0), at, live, 8 * n, PARTS)
+    r8 = tl.arange(0, 8)[:, None]
+    tl.store(out + part * 8 * n + r8 * n + rows[None, :], _halves_of(acc, R).to(out.dtype.element_ty),
+             mask=(r8 < m) & live_n[None, :])
 
 
-@triton.jit
-def _add_when_last(parts, y, count, at, live, stride, PARTS: tl.constexpr):
-    """y[at] = parts[0][at] + parts[1][at] + ... in that order (parts `stride` apart), by the last of the PARTS
-    programs that call it with one `count` (an int32 at 0, left at 0): the order is fixed, whichever comes last,
-    so the bits are those of adding the parts in a kernel after, without its launch."""
-    tl.debug_barrier()  # every thread's part stored before the count says so (the count releases them)
-    if tl.atomic_add(count, 1, sem="acq_rel") == PARTS - 1:
-        # .cg: from L2, where the other programs' parts are; this SM's L1 may hold the last call's
-        total = tl.load(parts + at, mask=live, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, PARTS):
-            total += tl.load(parts + s * stride + at, mask=live, other=0.0, cache_modifier=".cg")
-        tl.store(y + at, total.to(y.dtype.element_ty), mask=live)
-        tl.store(count, 0)
+@triton.jit(do_not_specialize=["m"])
+def _add_parts(parts, y, m, n, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y [m, n] = parts[0] + parts[1] + ... in that order (parts float32 [PARTS, 8, n]), elementwise."""
+    pdl.wait(PDL)
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = at < m * n
+    total = tl.load(parts + at, mask=live, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        total += tl.load(parts + s * 8 * n + at, mask=live, other=0.0)
+    tl.store(y + at, total.to(y.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -929,7 +920,7 @@ def int16_tiles(qtype: Q, n: int, k: int, tiles: Tiles) -> tuple[tuple[int, int,
 @dataclass(frozen=True)
 class MmaTiles:
     """The tensor-core kernels' launch for 2-8 rows of a matrix: weight rows a program, warps, stages, and the
-    parts k is cut into (each a program of its own; `_add_when_last` adds them in order, so the sums' order is
+    parts k is cut into (each a program of its own; `_add_parts` adds them in order, so the sums' order is
     fixed by the matrix's shape, never by m)."""
 
     rows: int
@@ -980,12 +971,7 @@ class Matrix:
         aligned = blocks.data_ptr() % 4 == 0
         self._rounded = qtype in ROUNDED and aligned
         self._one_row, self._rows = int16_tiles(qtype, self.n, k, self.tiles)
-        tensor_cores = aligned and takes_tensor_cores(qtype, k)
-        self._mma = mma_tiles(qtype, self.n, k) if tensor_cores else None
-        # the tensor cores' programs of a tile of rows count its parts of k done here (`_add_when_last`); a
-        # program takes at least 16 weight rows (tl.dot's smallest)
-        self._done = torch.zeros(triton.cdiv(self.n, 16), dtype=torch.int32, device=blocks.device) \
-            if tensor_cores else None
+        self._mma = mma_tiles(qtype, self.n, k) if aligned and takes_tensor_cores(qtype, k) else None
         if self._rounded or self._mma:
             RoundedRows.want(blocks.device, planes=self._mma is not None)
         # the float-sum types' one row (values a step, warps) and their 2-8 rows' GEMM (warps, stages); the Q8_0
@@ -1042,11 +1028,15 @@ class Matrix:
         parts = tiles.parts
         per = steps_per_part(self.qtype, self.k, parts)
         rounded, m = RoundedRows.of(x), x.shape[0]
-        sums = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
+        out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _mma_kernel[(triton.cdiv(self.n, tiles.rows), parts)](
-            self.blocks, *rounded.planes(), rounded.scale, rounded.sums, y, sums, self._done, m, self.n, self.k,
-            self.blocks.shape[1], per, QTYPE=int(self.qtype), R=tiles.rows, PARTS=parts, ASM=ASM,
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch(x.device))
+            self.blocks, *rounded.planes(), rounded.scale, rounded.sums, out, m, self.n, self.k, self.blocks.shape[1],
+            per, QTYPE=int(self.qtype), R=tiles.rows, ASM=ASM, num_warps=tiles.warps,
+            num_stages=tiles.stages, **pdl.launch(x.device))
+        if parts > 1:
+            block = 1024
+            _add_parts[(triton.cdiv(m * self.n, block),)](out, y, m, self.n, PARTS=parts, BLOCK=block,
+                                                          **pdl.launch(x.device))
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ W.T -> [m, n] in x's dtype: tiles of W dequantized to x's dtype, float32 sums."""
