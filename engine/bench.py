@@ -35,6 +35,7 @@ from engine.runner import AHEAD, Row, Runner
 from engine.tier.flags import add_tier_flags, finish_tier, plan_tier, setup_tier
 
 GB = 1e9
+PROFILED_WINDOWS = 3  # decode windows `--profile` runs eagerly (each launching its kernels), per row count
 
 
 def sync(device: torch.device) -> None:
@@ -258,17 +259,41 @@ def spread(values: list[float]) -> str:
     return f"{median(values):.1f} tok/s (median of {len(values)} rounds, {min(values):.1f}-{max(values):.1f})"
 
 
-def profile(work: Callable[[], object], device: torch.device) -> str:
-    """Where `work`'s time goes: the top operators by device (or CPU) time."""
+def profile(work: Callable[[], object], device: torch.device, windows: int = 1, per: str = "a window") -> str:
+    """Where `work`'s time goes, per window (`work` runs `windows` of them): on CUDA each kernel's device time (the
+    kernels only, so no time counts twice: an operator's time is its kernels'), on the CPU each operator's own."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities) as prof:
         work()
         sync(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=15)
+    times = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total, e.count)
+             for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
+    return profile_table(times, windows, "kernels" if cuda else "CPU operators", per)
+
+
+def profile_table(times: list[tuple[str, float, int]], windows: int, what: str, per: str = "a window",
+                  least: float = 0.005) -> str:
+    """`profile`'s table from (name, microseconds, calls) over `windows` windows: per window (`per`), the largest
+    first, each down to `least` of the total, the rest summed in one line."""
+    total = sum(us for _, us, _ in times)
+    if not total:
+        return f"no {what} timed"
+    lines = [f"{total / windows:.1f} us of {what} {per}", f"{'us ' + per:>14}  {'share':>6}  {'calls':>6}  name"]
+    shown = 0.0
+    for name, us, calls in sorted(times, key=lambda t: -t[1]):
+        if us < least * total:
+            break
+        shown += us
+        lines.append(f"{us / windows:14.1f}  {us / total:6.1%}  {calls / windows:6.1f}  {name}")
+    if total - shown > 0:
+        rest = len(times) - len(lines) + 2
+        lines.append(f"{(total - shown) / windows:14.1f}  {(total - shown) / total:6.1%}  {'':6}  ({rest} others)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,14 +459,14 @@ def main(argv: list[str] | None = None) -> int:
             print("\n(CPU plans off for the profile: its windows' C calls by name)")
 
         def windows(rows: list[Row]) -> Callable[[], None]:
-            return lambda: [runner.decode(rows) for _ in range(3)]
+            return lambda: [runner.decode(rows) for _ in range(PROFILED_WINDOWS)]
 
-        print("\none row (3 windows):\n" + profile(windows([r.solo_row]), device))
+        print("\none row, per window:\n" + profile(windows([r.solo_row]), device, PROFILED_WINDOWS))
         if r.batch_rows:
-            print(f"\n{args.slots} rows (3 windows):\n" + profile(windows(r.batch_rows), device))
+            print(f"\n{args.slots} rows, per window:\n" + profile(windows(r.batch_rows), device, PROFILED_WINDOWS))
         tokens = runner.solo.tokens[:prompt]  # the bench's prompt, read again
         runner.solo.tokens = []
-        read = profile(lambda: runner.read(runner.solo, tokens), device)
+        read = profile(lambda: runner.read(runner.solo, tokens), device, per="the read")
         print(f"\nprompt ({len(tokens)} tokens):\n" + read)
     finish_tier(args, model, r.served)  # --expert-profile-save
     return 1 if peer_failed else 0

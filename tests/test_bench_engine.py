@@ -106,13 +106,25 @@ def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -
             "--context", "64", "--profile"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
-    for title in ("one row (3 windows):", "2 rows (3 windows):", "prompt (24 tokens):"):
+    for title in ("one row, per window:", "2 rows, per window:", "prompt (24 tokens):"):
         assert f"\n{title}\n" in out, out
     prompt = out.split("prompt (24 tokens):")[1]
     assert "aten::_scaled_dot_product" in prompt and "cpu attend_row" not in prompt
     # the C kernels' calls by name (`cpu.profiled`): the tiny model's Q8_0 products, norms and attention
-    one_row = out.split("one row (3 windows):")[1].split("rows (3 windows):")[0]
+    one_row = out.split("one row, per window:")[1].split("rows, per window:")[0]
     assert re.search(r"cpu Q8_0( packed)? \d+x\d+", one_row) and "cpu rms_norm" in one_row and "cpu attend_row" in one_row
+
+
+def test_the_profiles_table_is_per_window_largest_first_with_the_rest_summed() -> None:
+    """`profile_table`: each name's time and calls per window, its share of the total, the largest first down to
+    0.5% of the total, the rest in one line that counts them."""
+    times = [("small", 2.0, 6), ("moe", 600.0, 24), ("tiny", 1.0, 3), ("head", 300.0, 3), ("norm", 97.0, 30)]
+    lines = bench.profile_table(times, 3, "kernels").splitlines()
+    assert lines[0] == "333.3 us of kernels a window"
+    assert [line.split()[-1] for line in lines[2:5]] == ["moe", "head", "norm"]
+    assert lines[2].split()[:3] == ["200.0", "60.0%", "8.0"]
+    assert lines[5].split() == ["1.0", "0.3%", "(2", "others)"]
+    assert bench.profile_table([], 3, "kernels") == "no kernels timed"
 
 
 @pytest.mark.parametrize("distinct", [False, True], ids=["copies", "distinct"])
