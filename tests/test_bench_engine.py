@@ -100,7 +100,7 @@ def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, mo
 
 
 def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:
-    """`--profile`: the top operators of one-row and batch windows and of the prompt read again from the start
+    """`--profile`: where a one-row and a batch window go, per window, and the prompt read again from the start
     (the read of the whole prompt runs as one chunk: its attention torch's fused prompt kernel, not a decode row's)."""
     args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "24", "--decode", "4", "--slots", "2",
             "--context", "64", "--profile"]
