@@ -284,15 +284,12 @@ def profile_table(times: list[tuple[str, float, int]], windows: int, what: str, 
     if not total:
         return f"no {what} timed"
     lines = [f"{total / windows:.1f} us of {what} {per}", f"{'us ' + per:>14}  {'share':>6}  {'calls':>6}  name"]
-    shown = 0.0
-    for name, us, calls in sorted(times, key=lambda t: -t[1]):
-        if us < least * total:
-            break
-        shown += us
+    listed = [(name, us, calls) for name, us, calls in sorted(times, key=lambda t: -t[1]) if us >= least * total]
+    for name, us, calls in listed:
         lines.append(f"{us / windows:14.1f}  {us / total:6.1%}  {calls / windows:6.1f}  {name}")
-    if total - shown > 0:
-        rest = len(times) - len(lines) + 2
-        lines.append(f"{(total - shown) / windows:14.1f}  {(total - shown) / total:6.1%}  {'':6}  ({rest} others)")
+    rest = total - sum(us for _, us, _ in listed)
+    if rest > 0:
+        lines.append(f"{rest / windows:14.1f}  {rest / total:6.1%}  {'':6}  ({len(times) - len(listed)} others)")
     return "\n".join(lines)
 
 
