@@ -15,6 +15,7 @@ other rows of the call were routed or scheduled.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -126,7 +127,7 @@ class ResidentExperts(Experts):
         # every stack dense: on CUDA a layer can mix stacks kept in blocks with dense ones (types the
         # kernels do not read), and those run one product per routed expert
         self.grouped = (self.on_gpu and all(s.dense is not None and s.dense.dtype == torch.bfloat16
-                                            for s in (gate, up, down)) and hasattr(torch, "_grouped_mm"))
+                                            for s in (gate, up, down)) and grouped_mm_runs(device))
         self.c_stacks = None if self.on_gpu else c_stacks(gate, up, down)
         self._stats = ExpertStats()
 
@@ -156,15 +157,10 @@ class ResidentExperts(Experts):
             self._stats.cpu_us += round(seconds * 1e6)
 
     def _grouped(self, xs: torch.Tensor, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """One grouped GEMM per projection (torch._grouped_mm): every routed expert read once, no
-        host sync, no weight copies."""
-        experts = self.gate.dense.shape[0]
-        # not bincount: on CUDA it reads the max back to size its output, a host sync per layer
-        counts = torch.zeros(experts, dtype=torch.int64, device=xs.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        g = torch._grouped_mm(xs, self.gate.dense.transpose(1, 2), offs=offsets)
-        u = torch._grouped_mm(xs, self.up.dense.transpose(1, 2), offs=offsets)
-        return torch._grouped_mm(F.silu(g) * u, self.down.dense.transpose(1, 2), offs=offsets)
+        """One grouped GEMM per projection: every routed expert read once, no host sync, no weight copies."""
+        offsets = expert_offsets(flat, self.gate.dense.shape[0])
+        h = F.silu(grouped_mm(xs, self.gate.dense, offsets)) * grouped_mm(xs, self.up.dense, offsets)
+        return grouped_mm(h, self.down.dense, offsets)
 
     def _per_expert(self, xs: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert; one product per routed expert over its rows."""
@@ -176,6 +172,34 @@ class ResidentExperts(Experts):
                                               self.down.experts[expert], xs[start : start + count])
             start += count
         return y
+
+
+def expert_offsets(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """int32 [experts]: where each expert's pairs end once sorted by expert (`by_expert`), for `grouped_mm`."""
+    # not bincount: on CUDA it reads the max back to size its output, a host sync per layer
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """xs [pairs, k] sorted by expert times each expert's w [experts, n, k] transposed: [pairs, n], one
+    grouped GEMM (torch._grouped_mm)."""
+    return torch._grouped_mm(xs, w.transpose(1, 2), offs=offsets)
+
+
+@functools.cache
+def grouped_mm_runs(device: torch.device) -> bool:
+    """Whether torch's grouped GEMM runs on `device` (CUDA builds take it on Hopper and newer GPUs): one tiny
+    product tried."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
+        grouped_mm(x, torch.zeros(2, 16, 16, dtype=torch.bfloat16, device=device),
+                   torch.tensor([8, 16], dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError, AssertionError):  # AssertionError: a build without CUDA
+        return False
+    return True
 
 
 def swiglu(gate: Linear, up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,20 @@ from gguf import GGMLQuantizationType as Q
 from engine.kernels import triton_blocks
 from engine.weights import Linear
 
+# Rows of x from which the matrix is dequantized to x's dtype first and multiplied by torch (cuBLAS), where
+# its dequantized copy takes at most DEQUANTIZED_BYTES (not a head's): the dequantize-in-tile GEMM dequantizes
+# each tile of weights again for every tile of rows. H100, bf16, tile GEMM -> dequantized + torch.mm: Q4_K
+# 5,120 x 2,048 at 64 / 512 / 2,160 rows 40.4 -> 16.8 / 134.1 -> 28.5 / 523.2 -> 80.7 us, Q6_K 42.1 -> 20.9 /
+# 141.9 -> 32.5 / 567.2 -> 85.7 us
+DEQUANTIZED_ROWS = 64
+DEQUANTIZED_BYTES = 256 * 2**20
+
 
 class GpuBlockLinear(Linear):
     """The file's blocks `[out_features, row_bytes]` on `device`: the matvec for up to
     `triton_blocks.MATVEC_ROWS` rows (decode windows), the dequantize-in-tile GEMM above (prompt
-    chunks); products in x's dtype, accumulated in float32."""
+    chunks), from `DEQUANTIZED_ROWS` rows the matrix dequantized and torch's product (where its copy is
+    small enough); products in x's dtype, accumulated in float32."""
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, device: torch.device):
         self.matrix = triton_blocks.Matrix(qtype, blocks.to(device), in_features)
@@ -23,7 +32,12 @@ class GpuBlockLinear(Linear):
         self.nbytes = blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matrix.matmul(x.reshape(-1, self.in_features).contiguous())
+        rows = x.reshape(-1, self.in_features)
+        if (rows.shape[0] >= DEQUANTIZED_ROWS
+                and self.out_features * self.in_features * rows.element_size() <= DEQUANTIZED_BYTES):
+            y = torch.mm(rows, self.matrix.dequantize(dtype=rows.dtype).t())
+        else:
+            y = self.matrix.matmul(rows.contiguous())
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:

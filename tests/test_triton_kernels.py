@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from engine import linear_gpu  # noqa: E402
 from engine.kernels import triton_blocks as tb  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 
@@ -255,17 +256,21 @@ def test_matmul_dispatch_and_bad_input():
         tb.Matrix(Q.Q5_0, blocks, 64)
 
 
-def test_gpu_block_linear():
+def test_gpu_block_linear(monkeypatch):
     k = 64
     blocks = tb.random_blocks(Q.Q8_0, N, k)
     lin = GpuBlockLinear(Q.Q8_0, blocks, k, torch.device(DEVICE))
     assert (lin.out_features, lin.in_features, lin.nbytes) == (N, k, blocks.numel())
     dense = lin.matrix.dequantize()
-    for rows in (3, tb.MATVEC_ROWS + 2):
+    for rows in (3, tb.MATVEC_ROWS + 2, linear_gpu.DEQUANTIZED_ROWS // 2):
         x = torch.randn(2, rows, k, device=DEVICE)
         y = lin(x)
         assert y.shape == (2, rows, N)
         assert_close(y.reshape(-1, N), x.reshape(-1, k), dense, gemm_tolerance(torch.float32))
+    x = torch.randn(linear_gpu.DEQUANTIZED_ROWS, k, device=DEVICE)  # the matrix dequantized, torch's product
+    assert_same_bits(lin(x), torch.mm(x, dense.t()))
+    monkeypatch.setattr(linear_gpu, "DEQUANTIZED_BYTES", N * k * 4 - 1)  # its copy too large: the tile GEMM
+    assert_same_bits(lin(x), lin.matrix.gemm(x))
     ids = torch.tensor([[4, 1]], device=DEVICE)
     assert_same_bits(lin.lookup(ids), dense[[4, 1]])
 

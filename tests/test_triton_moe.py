@@ -28,7 +28,9 @@ INTERPRETED = DEVICE == "cpu"
 
 pytest.importorskip("triton")
 
-from engine.experts import ResidentExperts, resident_experts  # noqa: E402
+from engine import experts as experts_module  # noqa: E402
+from engine import experts_blocks  # noqa: E402
+from engine.experts import ResidentExperts, grouped_mm, grouped_mm_runs, resident_experts  # noqa: E402
 from engine.experts_blocks import BlockExperts  # noqa: E402
 from engine.kernels import triton_moe as tm  # noqa: E402
 from engine.kernels.triton_blocks import ROUNDED, random_blocks  # noqa: E402
@@ -422,9 +424,33 @@ def test_block_experts_match_resident_experts():
                       BlockExperts if DEVICE == "cuda" else ResidentExperts)
 
 
-def test_a_layer_of_blocks_and_dense_stacks_runs_per_expert():
+def test_prompt_chunks_from_dequantized_rows_take_the_grouped_gemms(monkeypatch):
+    """A chunk of `DEQUANTIZED_ROWS` rows or more: each stack dequantized to bf16, three grouped GEMMs, the
+    fused kernel's results within bf16's rounding; every pair counted as the fused kernel counts it."""
+    if not grouped_mm_runs(torch.device(DEVICE)):
+        pytest.skip("torch's grouped GEMM does not run here")
+    (gate, _), (up, _) = (block_stack(Q.Q4_K, seed, FF, H) for seed in (1, 2))
+    down, _ = block_stack(Q.Q6_K, 3, H, FF)
+    experts = BlockExperts(gate, up, down, torch.device(DEVICE), TILES)
+    x = random_x(len(PROMPT_IDS), torch.float32, seed=5)
+    weights = torch.rand(len(PROMPT_IDS), 2, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ids = ids_of(PROMPT_IDS)
+    fused = experts(x, weights, ids)
+    calls = []
+    monkeypatch.setattr(experts_blocks, "grouped_mm", lambda *args: calls.append(1) or grouped_mm(*args))
+    monkeypatch.setattr(experts_blocks, "DEQUANTIZED_ROWS", len(PROMPT_IDS))
+    experts.dequantizes = True  # on the CPU too, where the engine keeps the fused kernel (the interpreter's)
+    got = experts(x, weights, ids)
+    assert len(calls) == 3 and got.dtype == x.dtype
+    # bf16 weights, x, gate, up and h against the fused kernel's float32 x and sums here: ~1% apart
+    assert ((got - fused).norm() / fused.norm()).item() < 2e-2
+    assert experts.stats().lookups == 2 * ids.numel()
+
+
+def test_a_layer_of_blocks_and_dense_stacks_runs_per_expert(monkeypatch):
     """On CUDA a layer may keep some stacks in blocks and dequantize others (a type the kernels do not
     read): it runs one product per routed expert, never the grouped GEMMs over a missing dense stack."""
+    monkeypatch.setattr(experts_module, "grouped_mm_runs", lambda device: True)  # the policy, on any machine
     (gate, gate_dense), (up, up_dense) = (block_stack(Q.Q8_0, seed, FF, H) for seed in (1, 2))
     down, down_dense = block_stack(Q.Q8_0, 3, H, FF)
     bf16 = [LinearStack.of_dense(s.dense.bfloat16()) for s in (gate_dense, up_dense)]

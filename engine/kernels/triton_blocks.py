@@ -1053,15 +1053,19 @@ class Matrix:
 
     def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` of W (all rows: None) as [len(ids), k] of `dtype`."""
-        blocks = self.blocks if ids is None else self.blocks[ids]
-        y = torch.empty(blocks.shape[0], self.k, dtype=dtype, device=blocks.device)
-        if blocks.shape[0]:
-            rows, bk = 4, min(1024, triton.next_power_of_2(self.k))
-            grid = (triton.cdiv(blocks.shape[0], rows), triton.cdiv(self.k, bk))
-            # no fused multiply-add: q * scale - min rounds twice, as gguf-py's float32 numpy does
-            _dequantize_kernel[grid](blocks, y, blocks.shape[0], self.k, blocks.shape[1], **self._type_args,
-                                     R=rows, BK=bk, enable_fp_fusion=False, **pdl.launch(y.device))
-        return y
+        return dequantize_blocks(self.qtype, self.blocks if ids is None else self.blocks[ids], self.k, dtype)
+
+
+def dequantize_blocks(qtype: Q, blocks: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weight rows given as their blocks, uint8 [rows, row_bytes(qtype, k)], as [rows, k] of `dtype`."""
+    y = torch.empty(blocks.shape[0], k, dtype=dtype, device=blocks.device)
+    if blocks.shape[0]:
+        rows, bk = 4, min(1024, triton.next_power_of_2(k))
+        grid = (triton.cdiv(blocks.shape[0], rows), triton.cdiv(k, bk))
+        # no fused multiply-add: q * scale - min rounds twice, as gguf-py's float32 numpy does
+        _dequantize_kernel[grid](blocks, y, blocks.shape[0], k, blocks.shape[1], QTYPE=int(qtype), GROUP=GROUP[qtype],
+                                 R=rows, BK=bk, enable_fp_fusion=False, **pdl.launch(y.device))
+    return y
 
 
 _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}

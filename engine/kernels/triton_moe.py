@@ -67,6 +67,7 @@ from engine.kernels.triton_blocks import (
     _rows_dot_q4k,
     _rows_dot_q6k,
     _rows_dot_q8_0,
+    dequantize_blocks,
     row_bytes,
     steps_per_part,
     takes_tensor_cores,
@@ -578,6 +579,11 @@ class Stack:
 
     def type_args(self, suffix: str = "") -> dict[str, int | bool]:
         return type_args(self.qtype, suffix)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Every slot's weights as [slots, n, k] of `dtype` (not the `far` entries)."""
+        return dequantize_blocks(self.qtype, self.blocks.view(-1, self.row_bytes), self.k, dtype).view(
+            self.slots, self.n, self.k)
 
 
 def type_args(qtype: Q, suffix: str = "") -> dict[str, int | bool]:
