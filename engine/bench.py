@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -271,9 +272,20 @@ def profile(work: Callable[[], object], device: torch.device, windows: int = 1, 
     with torch_profile(activities=activities) as prof:
         work()
         sync(device)
-    times = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total, e.count)
-             for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
-    return profile_table(times, windows, "kernels" if cuda else "CPU operators", per)
+    times: dict[str, tuple[float, int]] = {}
+    for e in prof.key_averages():
+        if (e.device_type == DeviceType.CUDA) == cuda:
+            name = kernel_name(e.key) if cuda else e.key
+            us, calls = times.get(name, (0.0, 0))
+            times[name] = (us + (e.self_device_time_total if cuda else e.self_cpu_time_total), calls + e.count)
+    return profile_table([(name, us, calls) for name, (us, calls) in times.items()], windows,
+                         "kernels" if cuda else "CPU operators", per)
+
+
+def kernel_name(key: str) -> str:
+    """A CUDA kernel's name as the profiler's table shows it: without `void`, template arguments and parameters
+    (torch's and cuBLAS's run to hundreds of characters)."""
+    return re.split(r"[<(]", key.removeprefix("void "), maxsplit=1)[0].strip() or key
 
 
 def profile_table(times: list[tuple[str, float, int]], windows: int, what: str, per: str = "a window",

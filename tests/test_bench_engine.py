@@ -115,6 +115,15 @@ def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -
     assert re.search(r"cpu Q8_0( packed)? \d+x\d+", one_row) and "cpu rms_norm" in one_row and "cpu attend_row" in one_row
 
 
+def test_kernel_names_lose_their_templates_and_parameters() -> None:
+    assert bench.kernel_name("_moe_matvec_kernel") == "_moe_matvec_kernel"
+    assert bench.kernel_name("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >(at::native::"
+                             "ReduceOp<float>)") == "at::native::reduce_kernel"
+    assert bench.kernel_name("void pytorch_flash::flash_fwd_kernel<Traits<128>, false>(Flash_fwd_params)") == \
+        "pytorch_flash::flash_fwd_kernel"
+    assert bench.kernel_name("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_TNT") == "nvjet_sm90_tst_128x64_64x8_1x2_h_bz_TNT"
+
+
 def test_the_profiles_table_is_per_window_largest_first_with_the_rest_summed() -> None:
     """`profile_table`: each name's time and calls per window, its share of the total, the largest first down to
     0.5% of the total, the rest in one line that counts them."""
