@@ -269,6 +269,7 @@ def test_gpu_block_linear(monkeypatch):
         assert_close(y.reshape(-1, N), x.reshape(-1, k), dense, gemm_tolerance(torch.float32))
     x = torch.randn(linear_gpu.DEQUANTIZED_ROWS, k, device=DEVICE)  # the matrix dequantized, torch's product
     assert_same_bits(lin(x), torch.mm(x, dense.t()))
+    assert_same_bits(lin(x), lin(x))  # run after run
     monkeypatch.setattr(linear_gpu, "DEQUANTIZED_BYTES", N * k * 4 - 1)  # its copy too large: the tile GEMM
     assert_same_bits(lin(x), lin.matrix.gemm(x))
     ids = torch.tensor([[4, 1]], device=DEVICE)
