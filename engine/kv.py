@@ -92,11 +92,13 @@ class KVCache:
         return copies[0::2], copies[1::2]
 
     def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:
-        """Write the first `n` positions of a `save`d copy (a ring: all it saved) back into session `session`."""
+        """Write the first `n` positions of a `save`d copy (a ring: all it saved) back into session `session`;
+        from pinned memory the copies are queued on each device's stream and the host does not wait for them
+        (torch keeps the pinned blocks from reuse until they are done)."""
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             m = min(self.extent(i, n), ks[i].shape[1])
-            k[session, :, :m].copy_(ks[i][:, :m])
-            v[session, :, :m].copy_(vs[i][:, :m])
+            k[session, :, :m].copy_(ks[i][:, :m], non_blocking=ks[i].is_pinned())
+            v[session, :, :m].copy_(vs[i][:, :m], non_blocking=vs[i].is_pinned())
 
 
 def _row(head_dim: int, dtype: torch.dtype) -> int:

@@ -27,6 +27,36 @@ from engine.memory import MIB, free_bytes
 MIN_FREE_BYTES = 1024 * MIB
 
 
+class CopyTimer:
+    """How long copies queued on the CUDA devices `devices` take, read once they are done, so the host never waits
+    for them (the caller's stream orders what comes after); with no CUDA device, the host's time of the copies."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.t0 = time.perf_counter()
+        self.host_ms: float | None = None
+        self.events = []
+        for device in devices:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(device))
+            self.events.append((start, end, device))
+
+    def stop(self) -> CopyTimer:
+        """After the copies are queued."""
+        for _, end, device in self.events:
+            end.record(torch.cuda.current_stream(device))
+        if not self.events:
+            self.host_ms = (time.perf_counter() - self.t0) * 1000
+        return self
+
+    def ms(self) -> float | None:
+        """The copies' milliseconds (the slowest device's), None while they run."""
+        if not self.events:
+            return self.host_ms
+        if not all(end.query() for _, end, _ in self.events):
+            return None
+        return max(start.elapsed_time(end) for start, end, _ in self.events)
+
+
 @dataclass(eq=False)
 class Parked:
     """One parked conversation: `tokens` with their KV (`KVCache.save`), `turn` = where its last
@@ -70,6 +100,8 @@ class ParkingStore:
         self.parks = self.evictions = self.skipped = 0
         self.lookups = self.restores = 0
         self.restore_ms_last = self.restore_ms_total = 0.0
+        self.timed = 0  # restores whose copies' time is in the figures
+        self.timing: list[CopyTimer] = []  # restores whose copies may still run, oldest first
 
     @property
     def enabled(self) -> bool:
@@ -130,21 +162,27 @@ class ParkingStore:
         self.entries.remove(entry)
 
     def restore(self, entry: Parked, kv: KVCache, session: int, n: int) -> None:
-        """Write the first `n` positions of a `take`n entry into session `session`."""
-        t0 = time.perf_counter()
+        """Write the first `n` positions of a `take`n entry into session `session`: the copies queued, the host not
+        waiting for them (the read after them is queued behind them); their time comes into the figures once
+        they are done (`settle`)."""
+        timer = CopyTimer(sorted({t.device for t in kv.k if t.device.type == "cuda"}, key=str))
         kv.load(session, entry.k, entry.v, n)
-        for device in {t.device for t in kv.k if t.device.type == "cuda"}:  # a layer split: every stage's
-            torch.cuda.synchronize(device)  # the time reported is the copy's, not its launch
-        ms = (time.perf_counter() - t0) * 1000
+        self.timing.append(timer.stop())
         self.restores += 1
-        self.restore_ms_last = ms
-        self.restore_ms_total += ms
-        log(f"parking: restored {n} of {len(entry.tokens)} tokens in {ms:.1f} ms; "
-            f"parked={len(self.entries)} bytes={self.bytes}")
+        log(f"parking: restored {n} of {len(entry.tokens)} tokens; parked={len(self.entries)} bytes={self.bytes}")
+
+    def settle(self) -> None:
+        """Count the time of the restores whose copies are done, in order."""
+        while self.timing and (ms := self.timing[0].ms()) is not None:
+            self.timing.pop(0)
+            self.timed += 1
+            self.restore_ms_last = ms
+            self.restore_ms_total += ms
 
     def stats(self) -> dict:
         """The `parking` object of STATS (docs/protocol.md)."""
+        self.settle()
         return {"parked": len(self.entries), "bytes": self.bytes, "parks": self.parks,
                 "evictions": self.evictions, "skipped": self.skipped, "lookups": self.lookups,
                 "restores": self.restores, "restore_ms": round(self.restore_ms_last, 2),
-                "restore_ms_mean": round(self.restore_ms_total / self.restores, 2) if self.restores else 0.0}
+                "restore_ms_mean": round(self.restore_ms_total / self.timed, 2) if self.timed else 0.0}

@@ -69,6 +69,8 @@ def test_follow_up_equals_live_after_parking(driver, talk):
     # the follow-up read only its new tokens: it reused what the live follow-up reused
     assert resumed(parked) == resumed(live) == len(a1) + len(answer) - 1
     assert driver.parking.restores == 1 and driver.parking.parks == 1
+    driver.parking.stats()  # its copies' time counted once they are done: on the CPU, once queued
+    assert driver.parking.timed == 1 and driver.parking.restore_ms_total == driver.parking.restore_ms_last > 0
     # restored whole (the follow-up continues it): it left the store and lives in slot 1 now
     assert driver.parking.entries == []
     driver.reset()
@@ -194,3 +196,6 @@ def test_follow_up_equals_live_after_parking_on_cuda(tiny_model):
     parked = steps(cuda, bgen(0, a1, 12), bgen(0, x, 8), bgen(1, a2, 16))[-1]
     assert tokens_of(parked) == tokens_of(live) and resumed(parked) == resumed(live)
     assert cuda.parking.restores == 1 and cuda.parking.pin
+    torch.cuda.synchronize()  # the copies done: their time (CUDA events) comes into the figures
+    cuda.parking.stats()
+    assert cuda.parking.timed == 1 and cuda.parking.restore_ms_last > 0
