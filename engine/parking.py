@@ -34,7 +34,7 @@ class CopyTimer:
     def __init__(self, devices: list[torch.device]):
         self.t0 = time.perf_counter()
         self.host_ms: float | None = None
-        self.events = []
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.device]] = []
         for device in devices:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(device))
