@@ -6,7 +6,7 @@ import pytest
 import restarts
 import torch
 
-from engine.check import Driver
+from engine.check import Driver, compare, sample_prompts
 from engine.scenarios import cases
 from engine.tier import FIXED, AdaptPolicy, RoutingProfile, install_tier
 from strata_desk.testmodel import write_test_model
@@ -37,6 +37,22 @@ def driver(model):
 def test_batch_equals_solo_run_after_run(driver, case, keys):
     with torch.inference_mode():
         failures = [f"run {run}: {f}" for run in range(RUNS) for f in CASES[case](driver, keys).failures]
+    assert failures == []
+
+
+@pytest.fixture(scope="module")
+def whole_prompts(model):
+    """Prompts read whole (`check`'s driver reads chunks of 16): long enough for the dequantized prompt paths."""
+    return Driver.load(str(model), slots=4, device="cuda", exact=True, context=2048, prefill=2048)
+
+
+@pytest.mark.parametrize("lo, hi", [(70, 200), (1100, 1300)], ids=["dense-dequantized", "experts-dequantized"])
+def test_batch_equals_solo_with_prompts_read_whole(whole_prompts, lo, hi):
+    """Prompts of 64 rows and more take their dense products dequantized first (`linear_gpu.DEQUANTIZED_ROWS`),
+    of 1,024 and more their experts too (`experts_blocks.DEQUANTIZED_ROWS`): batch = solo, run after run."""
+    prompts = sample_prompts(whole_prompts.model.hyper.vocab, 4, seed=lo, lo=lo, hi=hi)
+    with torch.inference_mode():
+        failures = [f"run {run}: {f}" for run in range(2) for f in compare(whole_prompts, prompts, 24)]
     assert failures == []
 
 
