@@ -1,8 +1,8 @@
 """`BlockExperts`: a layer's SwiGLU experts kept in the file's blocks on a CUDA device and run by the fused
 MoE kernel (`engine.kernels.triton_moe`): two launches a window (gate and up with their SwiGLU, then
 down), every routed expert's blocks read once per window, expert ids looked up through `slot_of`.
-Prompt chunks of `DEQUANTIZED_ROWS` rows or more take every expert dequantized to bf16 first, one stack at
-a time, and torch's grouped GEMMs, where those run. This module imports Triton;
+Prompt chunks of `DEQUANTIZED_ROWS` rows or more in bf16 take every expert dequantized to bf16 first, one stack
+at a time, and torch's grouped GEMMs, where those run. This module imports Triton;
 `engine.experts.resident_experts` imports it only when a store kept the stacks' blocks."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class BlockExperts(Experts):
             self._stats.vram += n * k
         else:  # Triton's interpreter (tests)
             self._stats.cpu += n * k
-        if self.dequantizes and n >= DEQUANTIZED_ROWS:
+        if self.dequantizes and n >= DEQUANTIZED_ROWS and x.dtype == torch.bfloat16:  # the grouped GEMMs' type
             return self._dequantized(x, weights, ids, residual)
         y, routing = triton_moe.swiglu_experts(self.gate, self.up, self.down, x, ids, self.slot_of)
         return combine(y, weights, residual=residual)
@@ -76,7 +76,7 @@ class BlockExperts(Experts):
         stack's bf16 copy alive at a time)."""
         flat, order = by_expert(ids)
         offsets = expert_offsets(flat, self.n_experts)
-        xs = x[order // ids.shape[1]].to(torch.bfloat16)
+        xs = x[order // ids.shape[1]]
         h = F.silu(grouped_mm(xs, self.gate.dequantize(), offsets)) * grouped_mm(xs, self.up.dequantize(), offsets)
-        y = grouped_mm(h, self.down.dequantize(), offsets).to(x.dtype)
+        y = grouped_mm(h, self.down.dequantize(), offsets)
         return combine(y, weights, order, residual=residual)
