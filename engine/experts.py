@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,10 +158,9 @@ class ResidentExperts(Experts):
             self._stats.cpu_us += round(seconds * 1e6)
 
     def _grouped(self, xs: torch.Tensor, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """One grouped GEMM per projection: every routed expert read once, no host sync, no weight copies."""
-        offsets = expert_offsets(flat, self.gate.dense.shape[0])
-        h = F.silu(grouped_mm(xs, self.gate.dense, offsets)) * grouped_mm(xs, self.up.dense, offsets)
-        return grouped_mm(h, self.down.dense, offsets)
+        """Every routed expert read once, no host sync, no weight copies."""
+        return grouped_swiglu(xs, flat, self.gate.dense.shape[0], lambda: self.gate.dense, lambda: self.up.dense,
+                              lambda: self.down.dense)
 
     def _per_expert(self, xs: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert; one product per routed expert over its rows."""
@@ -172,6 +172,16 @@ class ResidentExperts(Experts):
                                               self.down.experts[expert], xs[start : start + count])
             start += count
         return y
+
+
+def grouped_swiglu(xs: torch.Tensor, flat: torch.Tensor, experts: int, gate: Callable[[], torch.Tensor],
+                   up: Callable[[], torch.Tensor], down: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Each pair's SwiGLU through its expert, xs [pairs, H] sorted by expert (`flat`: the pairs' experts, as
+    `by_expert` gives them): one grouped GEMM per projection. `gate`, `up` and `down` give their stack
+    [experts, n, k] when its product comes (a dequantized copy is made then: one alive at a time)."""
+    offsets = expert_offsets(flat, experts)
+    h = F.silu(grouped_mm(xs, gate(), offsets)) * grouped_mm(xs, up(), offsets)
+    return grouped_mm(h, down(), offsets)
 
 
 def expert_offsets(flat: torch.Tensor, experts: int) -> torch.Tensor:

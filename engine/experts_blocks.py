@@ -8,17 +8,8 @@ at a time, and torch's grouped GEMMs, where those run. This module imports Trito
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from engine.experts import (
-    Experts,
-    ExpertStats,
-    by_expert,
-    combine,
-    expert_offsets,
-    grouped_mm,
-    grouped_mm_runs,
-)
+from engine.experts import Experts, ExpertStats, by_expert, combine, grouped_mm_runs, grouped_swiglu
 from engine.kernels import triton_moe
 from engine.weights import LinearStack
 
@@ -75,8 +66,6 @@ class BlockExperts(Experts):
         """The chunk's pairs sorted by expert through grouped GEMMs over each stack dequantized in turn (one
         stack's bf16 copy alive at a time)."""
         flat, order = by_expert(ids)
-        offsets = expert_offsets(flat, self.n_experts)
-        xs = x[order // ids.shape[1]]
-        h = F.silu(grouped_mm(xs, self.gate.dequantize(), offsets)) * grouped_mm(xs, self.up.dequantize(), offsets)
-        y = grouped_mm(h, self.down.dequantize(), offsets)
+        y = grouped_swiglu(x[order // ids.shape[1]], flat, self.n_experts, self.gate.dequantize, self.up.dequantize,
+                           self.down.dequantize)
         return combine(y, weights, order, residual=residual)

@@ -437,7 +437,7 @@ def test_prompt_chunks_from_dequantized_rows_take_the_grouped_gemms(monkeypatch)
     ids = ids_of(PROMPT_IDS)
     fused = experts(x, weights, ids)
     calls = []
-    monkeypatch.setattr(experts_blocks, "grouped_mm", lambda *args: calls.append(1) or grouped_mm(*args))
+    monkeypatch.setattr(experts_module, "grouped_mm", lambda *args: calls.append(1) or grouped_mm(*args))
     monkeypatch.setattr(experts_blocks, "DEQUANTIZED_ROWS", len(PROMPT_IDS))
     experts.dequantizes = True  # on the CPU too, where the engine keeps the fused kernel (the interpreter's)
     assert_same_bits(experts(x, weights, ids), fused)  # float32 x: the fused kernel (the grouped GEMMs take bf16)
