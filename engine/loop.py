@@ -222,6 +222,18 @@ class EngineLoop:
             self.pending.popleft()
             self.start_read(job)
 
+    def admit(self) -> None:
+        """`start_reads`, then again with the commands that came while those reads started, until none
+        does: a server sends the BGENs of a burst one line at a time, and the first may wake the loop
+        alone; the others come during its reuse (host work: parks, copies) and join its forward instead
+        of waiting for the next one."""
+        while True:
+            started = len(self.reading)
+            self.start_reads()
+            if len(self.reading) == started or self.commands.empty():
+                return
+            self.poll()
+
     def start_read(self, job: Job) -> None:
         busy = set(self.decoding) | {j.session.index for j in self.reading}
         self.reading.append(job)
@@ -413,7 +425,7 @@ class EngineLoop:
     def run(self) -> None:
         while not (self.quit and not self.busy() and self.commands.empty()):
             self.poll()
-            self.start_reads()
+            self.admit()
             if self.reading:
                 spent = self.read_chunk()
                 if self.decoding and spent:

@@ -67,6 +67,26 @@ def test_admissions_sent_together_share_forwards_and_follow_the_rule(driver, mon
     assert [session for parts in seen for session in parts] == sorted(session for parts in seen for session in parts)
 
 
+def test_admissions_that_come_while_the_first_starts_join_its_forward(path, monkeypatch):
+    """The first BGEN of a burst wakes the loop alone; the others arrive during its reuse (the host work before
+    its read) and are read in the same forward, not the next one."""
+    driver = Driver.load(str(path), slots=4, exact=False, prefill=128)
+    seen = forwards(driver, monkeypatch)
+    runner, loop = driver.server.runner, driver.server
+    reuse = runner.reuse
+
+    def arriving(*args, **kw):
+        if len(seen) == 0 and loop.commands.empty():
+            for i, ids in enumerate(PROMPTS[1:], start=1):
+                loop.commands.put(bgen(i, ids, 6))
+        return reuse(*args, **kw)
+
+    monkeypatch.setattr(runner, "reuse", arriving)
+    got = collect(driver.run([bgen(0, PROMPTS[0], 6)])).slots
+    assert [got[i] for i in range(4)] == [Rule().reply(ids, 6)[0] for ids in PROMPTS]
+    assert seen[0] == [0, 1, 2, 3]  # every admission's slot in the first forward
+
+
 def test_each_admissions_control_lines_stay_together_in_command_order(driver):
     driver.reset()
     lines = driver.run([bgen(i, ids, 12) for i, ids in enumerate(PROMPTS)])
