@@ -344,6 +344,19 @@ class Scheduler:
     def _solo_ok(self, job: Job) -> bool:
         return job.reserved_slot is None and (job.remaining > 1 or not job.generated)
 
+    def _join_burst(self, job: Job) -> Slot | None:
+        """A slot for a request chosen for the solo path whose GEN has not gone out yet, when others came
+        meanwhile (the requests of a burst reach the scheduler one by one, each before this task runs):
+        it is admitted first and they are read with it, instead of after its read alone and a STOP.
+        Only where admissions are read together (outside exact mode)."""
+        if not (self.pipelined and self.waiting and self.control_job is job):
+            return None
+        slot = self.pick_slot(job)
+        if slot is not None:
+            slot.job, slot.reserved_for = job, None
+            job.slot = slot.index
+        return slot
+
     def _maybe_preempt(self, engine: EngineProcess, cj: Job, seg: Segment) -> None:
         if seg.stop_sent or cj.cancelled:
             return
@@ -483,11 +496,14 @@ class Scheduler:
             if isinstance(item, EngineDied):
                 control.put_nowait(item)
                 break
+        joined = slot is None and (slot := self._join_burst(job)) is not None
         seg, line = self._begin(job, slot)
         ids = job.context
         done: Done | None = None
         try:
             engine.send(line)
+            if joined:
+                self._schedule()  # the others' admissions go out behind it, to be read with it
             if job.cancelled:  # gone while it waited for its turn
                 seg.stop_sent = True
                 if slot is None:

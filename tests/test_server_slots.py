@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from server.engine_client import EngineLaunch
@@ -72,3 +73,37 @@ def test_a_segment_ends_as_asked_only_when_the_engine_cancelled_it_and_work_is_l
     assert slot.mode == "slot" and slot.end(job, "cancel") is SegmentEnd.BACK_TO_SOLO
     job.cancelled = "disconnect"
     assert slot.end(job, "cancel") is SegmentEnd.FINISHED  # the client left: the job ends
+
+
+class SentLines:
+    """The engine as the scheduler sees it, recording the lines sent; it never answers."""
+
+    alive = True
+
+    def __init__(self, slots: int):
+        self.lines: list[str] = []
+        self.control: asyncio.Queue = asyncio.Queue()
+        self.slot_queues = [asyncio.Queue() for _ in range(slots)]
+
+    def send(self, line: str) -> None:
+        self.lines.append(line)
+
+
+async def sent_for(burst: int, pipelined: bool) -> list[str]:
+    """The first word of each line sent when `burst` requests reach the scheduler before any of their tasks run."""
+    sch = scheduler(4)
+    sch.pipelined = pipelined
+    engine = sch.sup.engine = SentLines(4)
+    for i in range(burst):
+        sch.submit(Job([10 + i, 1, 2], 5))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    for task in sch._tasks:
+        task.cancel()
+    return [line.split()[0] for line in engine.lines]
+
+
+def test_a_burst_is_admitted_together_instead_of_its_first_going_solo():
+    assert asyncio.run(sent_for(1, pipelined=True)) == ["GEN"]  # alone: the solo path
+    assert asyncio.run(sent_for(3, pipelined=True)) == ["BGEN"] * 3  # the others came before its GEN went out
+    assert asyncio.run(sent_for(3, pipelined=False)) == ["GEN"]  # exact mode: reads one at a time anyway
