@@ -5,7 +5,8 @@ BYIELD are seen between chunks and steps. A GEN's prompt is read alone; admissio
 after another are read together outside exact mode: each forward takes up to `prefill` prompt tokens,
 the earliest admission's first (`_parts`), and each admission's control lines wait until those of the
 admissions sent before it are written (`say`, `order`). After each forward the decoding rows get
-`decode_share` times its time, so a long prompt slows the others instead of stopping them.
+`decode_share` times its time, so a long prompt slows the others instead of stopping them; reads whose commands
+came during the forward start first (`admit_arrivals`).
 docs/protocol.md is the contract (where a decode step is called a window, as in STATS `windows`).
 """
 
@@ -234,6 +235,15 @@ class EngineLoop:
                 return
             self.poll()
 
+    def admit_arrivals(self) -> bool:
+        """Start the reads whose commands came during the last forward, before the decoding rows get their share of
+        it; returns whether any started. Their first tokens come a share sooner; the decoding rows wait once for
+        each such arrival, and arrivals are bounded by the free slots."""
+        self.poll()
+        reading = len(self.reading)
+        self.admit()
+        return len(self.reading) > reading
+
     def start_read(self, job: Job) -> None:
         busy = set(self.decoding) | {j.session.index for j in self.reading}
         self.reading.append(job)
@@ -428,7 +438,7 @@ class EngineLoop:
             self.admit()
             if self.reading:
                 spent = self.read_chunk()
-                if self.decoding and spent:
+                if self.decoding and spent and not self.admit_arrivals():
                     self.decode_steps_for(spent * self.decode_share)
             elif self.decoding:
                 self.decode_step()

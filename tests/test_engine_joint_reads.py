@@ -87,6 +87,35 @@ def test_admissions_that_come_while_the_first_starts_join_its_forward(path, monk
     assert seen[0] == [0, 1, 2, 3]  # every admission's slot in the first forward
 
 
+def test_admissions_that_come_during_a_forward_are_read_before_the_decoding_rows_share(path, monkeypatch):
+    """Slot 0 decodes while slot 1's prompt is read; slot 2's BGEN comes during that forward. Slot 2's read comes
+    right after it, before slot 0's share of windows; after slot 2's forward (no arrival), slot 0 gets its share."""
+    driver = Driver.load(str(path), slots=4, exact=False, prefill=64)
+    loop, runner = driver.server, driver.server.runner
+    events: list[str] = []
+    read_parts, decode_step = runner.read_parts, loop.decode_step
+
+    def read(parts):
+        sessions = [session.index for session, _ in parts]
+        if sessions == [1] and "R[1]" not in events:
+            loop.commands.put(bgen(2, PROMPTS[2], 6))  # arrives while this forward runs
+        events.append(f"R{sessions}")
+        return read_parts(parts)
+
+    def window():
+        events.append("W")
+        decode_step()
+
+    monkeypatch.setattr(runner, "read_parts", read)
+    monkeypatch.setattr(loop, "decode_step", window)
+    hook = (lambda ln: ln == "BADM 0 1", [bgen(1, PROMPTS[0], 6)])
+    got = collect(driver.run([bgen(0, PROMPTS[2], 40)], [hook])).slots
+    assert [got[i] for i in range(3)] == [Rule().reply(ids, n)[0] for ids, n in
+                                           ((PROMPTS[2], 40), (PROMPTS[0], 6), (PROMPTS[2], 6))]
+    first = events.index("R[1]")
+    assert events[first + 1:first + 3] == ["R[2]", "W"], events  # no window between the reads, then the share
+
+
 def test_each_admissions_control_lines_stay_together_in_command_order(driver):
     driver.reset()
     lines = driver.run([bgen(i, ids, 12) for i, ids in enumerate(PROMPTS)])
