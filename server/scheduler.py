@@ -7,6 +7,9 @@ Rules (the seed's "batch slots" page):
 - With N >= 2 slots a request alone runs on the solo path (`GEN`). When another arrives, the solo
   request gets `STOP` (at its next token) and, if not finished, continues in a slot (`BGEN` with
   prompt + generated; the engine's prompt cache makes that free); the newcomer is admitted next.
+  Outside exact mode, a request chosen for the solo path whose GEN has not gone out when others have
+  come (a burst reaches the scheduler one request at a time) is admitted into a slot instead, first,
+  and the others behind it, so they are read together (`_join_burst`).
 - A request left alone in a slot goes back to the solo path (`BSTOP`, then `GEN` with everything), at
   most twice per request; STRATA_PARALLEL_SOLO=0 turns that off.
 - More requests than slots wait, FIFO. The control lines (everything of a GEN, an admission's up to its
