@@ -354,11 +354,7 @@ class Scheduler:
         Only where admissions are read together (outside exact mode)."""
         if not (self.pipelined and self.waiting and self.control_job is job):
             return None
-        slot = self.pick_slot(job)
-        if slot is not None:
-            slot.job, slot.reserved_for = job, None
-            job.slot = slot.index
-        return slot
+        return self.pick_slot(job)  # `_begin` takes it
 
     def _maybe_preempt(self, engine: EngineProcess, cj: Job, seg: Segment) -> None:
         if seg.stop_sent or cj.cancelled:
