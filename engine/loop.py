@@ -223,16 +223,17 @@ class EngineLoop:
             self.pending.popleft()
             self.start_read(job)
 
-    def admit(self) -> None:
+    def admit(self) -> bool:
         """`start_reads`, then again with the commands that came while those reads started, until none
         does: a server sends the BGENs of a burst one line at a time, and the first may wake the loop
         alone; the others come during its reuse (host work: parks, copies) and join its forward instead
-        of waiting for the next one."""
+        of waiting for the next one. Returns whether any read started."""
+        reading = len(self.reading)
         while True:
             started = len(self.reading)
             self.start_reads()
             if len(self.reading) == started or self.commands.empty():
-                return
+                return len(self.reading) > reading
             self.poll()
 
     def admit_arrivals(self) -> bool:
@@ -240,9 +241,7 @@ class EngineLoop:
         it; returns whether any started. Their first tokens come a share sooner; the decoding rows wait once for
         each such arrival, and arrivals are bounded by the free slots."""
         self.poll()
-        reading = len(self.reading)
-        self.admit()
-        return len(self.reading) > reading
+        return self.admit()
 
     def start_read(self, job: Job) -> None:
         busy = set(self.decoding) | {j.session.index for j in self.reading}
