@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import __version__, warmup
+from engine import __version__, dense_copies, warmup
 from engine import protocol as P
 from engine.gguf_file import GGUFError, GGUFFile
 from engine.host_allocator import keep_freed_blocks
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the slots in G pipeline groups, G dividing the slots; auto: one group per stage")
     p.add_argument("--batch-mtp", action="store_true")
     add_tier_flags(p)
+    dense_copies.add_flag(p)
     p.add_argument("--layer-split", default="",
                    help="the first layer of each later stage ('24', '12,24,36'), or auto (every visible GPU); "
                         "stage k on cuda:k, or every stage on the CPU with --device cpu")
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
         runner.chunk, why = choose_prefill(runner, args.prefill)
         if args.prefill.auto:
             log(why)
+        if (copies := dense_copies.install(model, args.dense_copies, args.exact)) is not None:
+            log(copies)
+            info["dense_copies_mib"] = round(sum(model.copy_bytes.values()) / MIB)
         if warmup.needed(runner):
             log("warming up the GPU kernels: the first start after an install compiles them (a minute or two)")
             log(f"GPU kernels warmed in {warmup.warm_up(runner):.1f} s (compiled on a first start, from Triton's "

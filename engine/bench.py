@@ -21,6 +21,7 @@ from statistics import median
 
 import torch
 
+from engine import dense_copies
 from engine.batch import Span
 from engine.experts import ExpertStats
 from engine.gguf_file import GGUFFile
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="decode windows before the timed ones (an expert tier "
                    "adapts during them)")
     add_tier_flags(p)
+    dense_copies.add_flag(p)
     p.add_argument("--layer-split", default="", help="as the engine's: '24', '12,24,36' or auto; also prints the "
                    "hand-off's cost between stages")
     p.add_argument("--llama-bench", metavar="PATH", help="also run llama.cpp's llama-bench on the same file and "
@@ -376,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     prompt = min(args.prompt, args.context // 2)
     chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
+    copies = dense_copies.install(model, args.dense_copies, exact=False)
     for _ in range(args.rounds):
         rounds.append(run(model, device, prompt, args.decode, args.slots, chunk, args.warmup,
                           graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False,
@@ -405,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill      {spread([f.prefill_tok_s for f in rounds])} ({prompt} tokens, {chunks}{peak})")
     if args.prefill.auto:
         print(f"chunk        {why}")
+    if copies is not None:
+        print(f"copies       {copies}")
     print(f"decode       {spread([f.decode_tok_s for f in rounds])} (one row)")
     print(f"bytes/token  {per_token / GB:.3f} GB of weights read per decoded token")
     print(f"bandwidth    {bw / GB:.1f} GB/s measured (device copy)")

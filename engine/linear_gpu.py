@@ -23,17 +23,26 @@ class GpuBlockLinear(Linear):
     """The file's blocks `[out_features, row_bytes]` on `device`: the matvec for up to
     `triton_blocks.MATVEC_ROWS` rows (decode windows), the dequantize-in-tile GEMM above (prompt
     chunks), from `DEQUANTIZED_ROWS` rows the matrix dequantized and torch's product (where its copy is
-    small enough); products in x's dtype, accumulated in float32."""
+    small enough); products in x's dtype, accumulated in float32. With a dense copy kept
+    (`engine.dense_copies`), every product of two rows or more is torch's on the copy."""
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, device: torch.device):
         self.matrix = triton_blocks.Matrix(qtype, blocks.to(device), in_features)
         self.out_features = blocks.shape[0]
         self.in_features = in_features
         self.nbytes = blocks.numel()
+        self.copy: torch.Tensor | None = None
+
+    def keep_copy(self, dtype: torch.dtype) -> int:
+        """Keep the matrix dequantized to `dtype` beside its blocks; the copy's bytes."""
+        self.copy = self.matrix.dequantize(dtype=dtype)
+        return self.copy.numel() * self.copy.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if (rows.shape[0] >= DEQUANTIZED_ROWS
+        if self.copy is not None and rows.shape[0] > 1 and rows.dtype == self.copy.dtype:
+            y = torch.mm(rows, self.copy.t())
+        elif (rows.shape[0] >= DEQUANTIZED_ROWS
                 and self.out_features * self.in_features * rows.element_size() <= DEQUANTIZED_BYTES):
             y = torch.mm(rows, self.matrix.dequantize(dtype=rows.dtype).t())
         else:

@@ -24,7 +24,7 @@ def device_key(device: torch.device) -> str:
 
 def memory_split(model, n_slots: int) -> list[dict]:
     """One entry per device the model uses (a layer split: each stage's), with the weights and KV it holds;
-    the GPU expert tier's slots count as experts on their layers' device."""
+    the GPU expert tier's slots count as experts on their layers' device, dense copies as weights."""
     gpu_tier = model.tier is not None and model.tier.mode == "gpu"
     weights, experts = model.w.split(), model.w.split(lambda n: "_exps" in n)
     out = []
@@ -35,7 +35,7 @@ def memory_split(model, n_slots: int) -> list[dict]:
         out.append({
             "device": device_key(device),
             "total_mib": total // MIB,
-            "weights_mib": (weights.get(str(device), 0) + cache) // MIB,
+            "weights_mib": (weights.get(str(device), 0) + cache + model.copy_bytes.get(device_key(device), 0)) // MIB,
             "experts_mib": (experts.get(str(device), 0) + cache) // MIB,
             "slots_mib": per_session * n_slots // MIB,
             "kv_mib": per_session // MIB,

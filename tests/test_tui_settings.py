@@ -38,7 +38,11 @@ def test_option_notes() -> None:
     assert option_notes({**data, "expert_cache": 24, "adapt_every": 999_999}, gpu) == {}
     cpu = preview.cpu_moe_simulated().engine
     notes = option_notes({**data, "expert_cache": 24}, cpu)
-    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "mmap_experts", "cuda_graphs", "cpu_plans"}
+    assert set(notes) == {"expert_cache", "pcie_frac", "prefill_borrow", "mmap_experts", "cuda_graphs", "cpu_plans",
+                          "dense_copies"}
+    assert notes["dense_copies"] == NO_EFFECT + "dense copies speed up GPU products; the CPU reads the blocks"
+    assert option_notes({**data, "expert_cache": "auto", "exact": True}, gpu) == {
+        "dense_copies": NO_EFFECT + "exact mode keeps no copies (torch's products depend on the rows)"}
     assert "expert tier" in notes["cpu_plans"]
     assert notes["pcie_frac"] == SIMULATED_PCIE and "no VRAM to lend" in notes["prefill_borrow"]
     assert notes["cuda_graphs"] == NO_GRAPHS

@@ -49,7 +49,7 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
     options without an expert cache or on a dense model, pcie_frac, prefill_borrow and mmap_experts on the simulated tier (no GPU),
     a round's options while adapt_every is 0, one parking limit while the other is 0, the CPU's
     activations when nothing runs on the CPU (a GPU with every expert in VRAM), CUDA graphs on the CPU
-    or with a layer split, CPU plans on a GPU or with an expert tier; and what the expert cache and a layer split are on a machine without a GPU."""
+    or with a layer split, CPU plans on a GPU or with an expert tier, dense copies on the CPU or in exact mode; and what the expert cache and a layer split are on a machine without a GPU."""
     notes: dict[str, str] = {}
     info = engine.info if engine is not None else {}
     device = str(info.get("device", data.get("device", "")))
@@ -80,6 +80,10 @@ def option_notes(data: Mapping[str, object], engine: EngineView | None) -> dict[
         notes["cuda_graphs"] = NO_EFFECT + "CUDA graphs replay GPU work; the CPU runs every window as it comes"
     elif data.get("layer_split") not in (None, ""):
         notes["cuda_graphs"] = NO_EFFECT + "a layer split runs its stages' windows without graphs"
+    if on_cpu:
+        notes["dense_copies"] = NO_EFFECT + "dense copies speed up GPU products; the CPU reads the blocks"
+    elif data.get("exact"):
+        notes["dense_copies"] = NO_EFFECT + "exact mode keeps no copies (torch's products depend on the rows)"
     if device.startswith("cuda"):
         notes["cpu_plans"] = NO_EFFECT + "CPU plans replay CPU decode windows; this engine decodes on the GPU"
     elif on_cpu and data.get("expert_cache") is not None:

@@ -53,6 +53,7 @@ class Model:
             self.output = self.w.linear("token_embd", last, key="output.weight")
         self.blk = [self.w.block(i, self.placement.device_of(i)) for i in range(hyper.layers)]
         self.w.loaded()
+        self.copy_bytes: dict[str, int] = {}  # the dense copies' bytes per device (`engine.dense_copies`)
         self.kv = KVCache(hyper.windows, sessions, hyper.kv_heads, context, hyper.head_dim, max_chunk, kv_dtype,
                           device, devices=[self.placement.device_of(i) for i in range(hyper.layers)])
 
