@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -99,9 +100,11 @@ def test_the_prompt_is_read_in_chunks_of_prefill(tiny_model_q8: Path, capsys, mo
     assert seen[:len(rows)] == rows
 
 
-def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys) -> None:
+def test_profile_prints_windows_and_a_prompt_read(tiny_model_q8: Path, capsys, monkeypatch) -> None:
     """`--profile`: where a one-row and a batch window go, per window, and the prompt read again from the start
-    (the read of the whole prompt runs as one chunk: its attention torch's fused prompt kernel, not a decode row's)."""
+    (the read of the whole prompt runs as one chunk: its attention torch's fused prompt kernel, not a decode row's).
+    Every name is listed: on a loaded machine one stalled call can push the others under the table's 0.5%."""
+    monkeypatch.setattr(bench, "profile_table", functools.partial(bench.profile_table, least=0.0))
     args = ["--model", str(tiny_model_q8), "--device", "cpu", "--prompt", "24", "--decode", "4", "--slots", "2",
             "--context", "64", "--profile"]
     assert bench.main(args) == 0
