@@ -80,7 +80,8 @@ def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
 def add_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-copies", choices=("on", "off"), default="off",
                    help="GPU: the layers' dense matrices dequantized once into the VRAM left free, for windows of 2-8 "
-                        "rows and prompt chunks (faster batches; none in exact mode)")
+                        "rows and prompt chunks (cuBLAS's products instead of the blocks' kernels; not yet timed on a "
+                        "GPU; none in exact mode)")
 
 
 def install(model: Model, asked: str, exact: bool) -> str | None:
