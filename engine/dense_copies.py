@@ -87,7 +87,7 @@ def add_flag(p: argparse.ArgumentParser) -> None:
 def install(model: Model, asked: str, exact: bool) -> str | None:
     """`--dense-copies` on a model loaded and sized (slots, expert cache, prompt chunk): the log line; None where
     off or where no GPU runs the model."""
-    if asked != "on" or not any(d.type == "cuda" for d in model.placement.devices()):
+    if asked != "on" or not model.placement.on_gpu():
         return None
     if exact:
         return "dense copies: none in exact mode (torch's products choose their kernels by the number of rows)"

@@ -90,6 +90,10 @@ class Placement:
         """The stages' devices, each once, in stage order."""
         return list(dict.fromkeys(s.device for s in self.stages))
 
+    def on_gpu(self) -> bool:
+        """Whether a stage runs on a CUDA device."""
+        return any(d.type == "cuda" for d in self.devices())
+
     def tensor_stage(self, name: str) -> Stage:
         """Where a GGUF tensor goes: `blk.N.*` with layer N, the final norm and head on the last stage,
         the rest (embedding) on the first."""

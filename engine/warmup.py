@@ -25,7 +25,7 @@ FIRST_TOKEN = 1  # any token id of the vocabulary
 
 def needed(runner: Runner) -> bool:
     """Whether the model runs compiled GPU kernels (on the CPU the C kernels are built at import)."""
-    return any(d.type == "cuda" for d in runner.model.placement.devices())
+    return runner.model.placement.on_gpu()
 
 
 def warm_up(runner: Runner) -> float:
