@@ -6,7 +6,8 @@ cores (`Tiles.mma_rows`) and on the int16 sums, programs walking pairs (`Tiles.p
 skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel
 (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
-windows. Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
+windows. `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
+(`engine.dense_copies`). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
 shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows
 and runs in parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of
 8 rows on the tensor cores (`float_window`)."""
@@ -124,6 +125,25 @@ def dense_mma(deadline: float, shapes: tuple[tuple[Q, int, int], ...] = DENSE[1:
             times[dataclasses.astuple(config) if config else (WITHOUT,)] = _us(lambda mat=mat, x=x: mat.matvec(x))
         _report(f"{qtype.name} {n}x{k}, {tb.MATVEC_ROWS} rows", times, dataclasses.astuple(used) if used else
                 (WITHOUT,), "rows a program, warps, stages, parts of k")
+
+
+def dense_copies(deadline: float, shapes: tuple[tuple[Q, int, int], ...] = DENSE[1:] + DENSE[:1] + Q8_0_DENSE[3:]) -> None:
+    """Each dense shape's products of 1, 2, 4 and 8 rows: the blocks' kernels (`Matrix.matvec`, as a window without
+    a copy runs them) against torch's on the matrix dequantized to bf16 (as `GpuBlockLinear` with a dense copy)."""
+    gen = torch.Generator().manual_seed(4)
+    for qtype, n, k in shapes:
+        if time.monotonic() > deadline:
+            break
+        mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k)
+        copy = mat.dequantize(dtype=torch.bfloat16)
+        print(f"{qtype.name} {n}x{k}: blocks {mat.blocks.numel() / 2**20:.1f} MiB, bf16 copy "
+              f"{copy.numel() * 2 / 2**20:.1f} MiB  (us: blocks / copy)")
+        for m in (1, 2, 4, tb.MATVEC_ROWS):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            on_blocks = _us(lambda mat=mat, x=x: mat.matvec(x))
+            on_copy = _us(lambda copy=copy, x=x: torch.mm(x, copy.t()))
+            print(f"  {m} rows  {on_blocks:8.1f} / {on_copy:8.1f}  ({on_blocks / on_copy:.2f}x)")
+        del mat, copy
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -291,6 +311,9 @@ def main() -> None:
     if "--float" in sys.argv:  # F16 experts' windows on the tensor cores, both routings
         for i, copies in enumerate((False, True), 1):
             float_window(start + seconds * i / 2, copies)
+        return
+    if "--copies" in sys.argv:
+        dense_copies(start + seconds)
         return
     if "--runs" in sys.argv:  # the MoE's runs on the tensor cores only, both mixes, both routings
         cases = [(types, copies) for types in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)) for copies in (False, True)]
