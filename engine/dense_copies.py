@@ -1,13 +1,15 @@
-"""Dense copies: VRAM left free turned into faster batches (`--dense-copies`, off until timed on a GPU).
+"""Dense copies: VRAM left free turned into faster batches (`--dense-copies`, on by default).
 
 A decode window of 2-8 rows multiplies each layer's dense matrices (attention's q|k|v and output) with the
 tensor-core kernels over the file's blocks (`triton_blocks._mma_kernel`). At these shapes they are bound by
-latency, not bandwidth: on an H100, Q4_K 5,120 x 2,048 at 8 rows takes 17.6 us for its 5.9 MB (~12% of the
-bandwidth). The same matrix dequantized to bf16 is a plain product for cuBLAS: at 64 rows 16.8 us, 9.0 of them
-dequantizing it (`linear_gpu.DEQUANTIZED_ROWS`), for a copy 3.6x the blocks' bytes. So where VRAM is left after the weights, the slots, the expert cache and the prompt chunk's peak,
-each layer's matrices of at most `MAX_COPY_BYTES` keep such a copy (`GpuBlockLinear.keep_copy`), in layer order
-while they fit, and every product of 2 rows or more takes it; one row keeps the blocks (the int16 kernel reads
-fewer bytes). Larger matrices (a head: 594 MiB as bf16) keep only their blocks.
+latency, not bandwidth: on an H100, Q4_K 5,120 x 2,048 at 8 rows takes 16.6 us for its 5.6 MiB. The same matrix
+dequantized to bf16 is a plain product for cuBLAS: 5.6 us (`python -m engine.kernels.sweep --copies`), for a copy
+3.6x the blocks' bytes. So where VRAM is left after the weights, the slots, the expert cache and the prompt chunk's
+peak, each layer's matrices of at most `MAX_COPY_BYTES` keep such a copy (`GpuBlockLinear.keep_copy`), in layer
+order while they fit, then the head where its type gains enough (`HEAD_COPY_TYPES`); every product of 2 rows or
+more takes it, and one row keeps the blocks (the int16 kernel reads fewer bytes: 6.4 against 6.7 us, the Q6_K head
+133.5 against 205.6). Larger layer matrices (a dense model's FFN) keep only their blocks: unmeasured, and the more
+a product is bound by bandwidth the less a copy of 2-4x the bytes can gain.
 
 Exact mode keeps no copies: torch's products choose their kernels by the number of rows, so a row's bits would
 depend on what it is read with.
@@ -20,13 +22,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from engine.loading import RESERVE
 from engine.memory import MIB, device_key, free_bytes
 from engine.models.base import Model
 from engine.weights import Linear, Projections
 
-MAX_COPY_BYTES = 64 * MIB  # qwen3-30b-a3b's q|k|v copy: 20 MiB, its attn_output's: 16 MiB; a head's: 594 MiB
+MAX_COPY_BYTES = 64 * MIB  # a layer's matrices: qwen3-30b-a3b's q|k|v copy 20 MiB, its attn_output's 16 MiB
+# heads that get a copy too, after the layers' (which save more time per byte). H100, 8 rows, 151,936 x 2,048: Q6_K
+# 288.9 -> 208.3 us for 594 MiB; Q8_0 only 220.4 -> 208.2, so it keeps its blocks
+HEAD_COPY_TYPES = (Q.Q6_K,)
 
 
 @dataclass
@@ -53,19 +59,31 @@ def layer_matrices(model: Model) -> Iterator[Linear]:
             yield from (m for m in matrices if isinstance(m, GpuBlockLinear))
 
 
+def wanted(model: Model) -> Iterator[Linear]:
+    """The matrices that get a copy where it fits, in order: the layers' whose copy (in the model's dtype) takes at
+    most `MAX_COPY_BYTES`, layer by layer, then the head where its type is one of `HEAD_COPY_TYPES`."""
+    from engine.linear_gpu import GpuBlockLinear
+
+    size = model.dtype.itemsize
+    yield from (m for m in layer_matrices(model) if m.out_features * m.in_features * size <= MAX_COPY_BYTES)
+    head = model.output
+    if isinstance(head, GpuBlockLinear) and head.matrix.qtype in HEAD_COPY_TYPES:
+        yield head
+
+
 def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
-    """Give the layers' matrices of at most `MAX_COPY_BYTES` a copy in the model's dtype, in layer order, each where
-    it still fits in the VRAM free on its device (measured before the first copy there) beyond `reserve`."""
+    """Give the `wanted` matrices a copy in the model's dtype, in order, each where it still fits in the VRAM free on
+    its device (measured before the first copy there) beyond `reserve`."""
     kept = DenseCopies()
     left: dict[str, int] = {}
     size = model.dtype.itemsize
-    for matrix in layer_matrices(model):
+    for matrix in wanted(model):
         need = matrix.out_features * matrix.in_features * size
         device = matrix.matrix.blocks.device
         key = device_key(device)
         if key not in left:
             left[key] = free_bytes(device)[0] - reserve
-        if need > MAX_COPY_BYTES or need > left[key]:
+        if need > left[key]:
             continue
         try:
             matrix.keep_copy(model.dtype)
@@ -78,10 +96,10 @@ def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
 
 
 def add_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dense-copies", choices=("on", "off"), default="off",
-                   help="GPU: the layers' dense matrices dequantized once into the VRAM left free, for windows of 2-8 "
-                        "rows and prompt chunks (cuBLAS's products instead of the blocks' kernels; not yet timed on a "
-                        "GPU; none in exact mode)")
+    p.add_argument("--dense-copies", choices=("on", "off"), default="on",
+                   help="GPU: the layers' dense matrices and a Q6_K head dequantized once into the VRAM left free, for "
+                        "windows of 2-8 rows and prompt chunks (cuBLAS's products instead of the blocks' kernels; none "
+                        "in exact mode)")
 
 
 def install(model: Model, asked: str, exact: bool) -> str | None:

@@ -105,8 +105,8 @@ class RunConfig(BaseModel):
     )
     cuda_graphs: bool = Field(True, description="replay decode windows from CUDA graphs (GPU, no layer split)")
     cpu_plans: bool = Field(True, description="replay decode windows from CPU plans (CPU, no expert cache)")
-    dense_copies: bool = Field(False, description="GPU: the layers' dense matrices dequantized once into the VRAM "
-                               "left free, for windows of 2-8 rows and prompt chunks (none in exact mode)")
+    dense_copies: bool = Field(True, description="GPU: the layers' dense matrices and a Q6_K head dequantized once "
+                               "into the VRAM left free, for windows of 2-8 rows and prompt chunks (none in exact mode)")
     queue_limit: int = Field(64, ge=1, le=4096, description="requests waiting beyond which 503")
     max_body_bytes: int = Field(4 << 20, ge=1024)
     engine_silence_s: float = Field(300.0, ge=0, description="watchdog during a request (0 = off)")
@@ -176,8 +176,8 @@ class RunConfig(BaseModel):
             out += ["--cuda-graphs", "off"]
         if not self.cpu_plans:
             out += ["--cpu-plans", "off"]
-        if self.dense_copies:
-            out += ["--dense-copies", "on"]
+        if not self.dense_copies:
+            out += ["--dense-copies", "off"]
         out += ["--adapt-every", str(self.adapt_every), "--adapt-swaps", str(self.adapt_swaps)]
         out += ["--adapt-decay", f"{self.adapt_decay:g}", "--adapt-min-gain", f"{self.adapt_min_gain:g}",
                 "--adapt-min-count", f"{self.adapt_min_count:g}"]

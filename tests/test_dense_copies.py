@@ -39,14 +39,15 @@ def test_a_copy_takes_the_products_of_two_rows_or_more():
     assert_same_bits(lin(other), lin.matrix.matmul(other))
 
 
-def model_of(layers: list[dict], dtype: torch.dtype = torch.float32, device: str = "cuda") -> SimpleNamespace:
+def model_of(layers: list[dict], dtype: torch.dtype = torch.float32, device: str = "cuda",
+             output: GpuBlockLinear | None = None) -> SimpleNamespace:
     blocks = []
     for parts in layers:
         block = Block()
         for name, part in parts.items():
             setattr(block, name, part)
         blocks.append(block)
-    return SimpleNamespace(blk=blocks, dtype=dtype, copy_bytes={},
+    return SimpleNamespace(blk=blocks, output=output, dtype=dtype, copy_bytes={},
                            placement=SimpleNamespace(on_gpu=lambda: device == "cuda"))
 
 
@@ -86,6 +87,23 @@ def test_a_matrix_past_the_cap_keeps_only_its_blocks(monkeypatch):
     assert big.copy is None and small.copy is not None
 
 
+def test_a_q6_k_head_gets_a_copy_after_the_layers_where_it_fits(monkeypatch):
+    """The head comes last, past the cap for the layers' matrices; a Q8_0 head keeps only its blocks."""
+    monkeypatch.setattr(dense_copies, "MAX_COPY_BYTES", 16 * K * 4)
+    each = K * 4
+    layer, head = linear(16), linear(64, Q.Q6_K, seed=1)
+    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + 63 * each)  # the layer's copy, not the head's
+    assert dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head)).matrices == 1
+    assert layer.copy is not None and head.copy is None
+    layer, head = linear(16), linear(64, Q.Q6_K, seed=1)
+    with_free(monkeypatch, dense_copies.RESERVE + 80 * each)
+    assert dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head)).matrices == 2
+    assert layer.copy is not None and head.copy is not None
+    q8_head = linear(64, Q.Q8_0, seed=2)
+    assert dense_copies.keep_dense_copies(model_of([], output=q8_head)).matrices == 0
+    assert q8_head.copy is None
+
+
 def test_install_keeps_none_in_exact_mode_or_off_or_on_the_cpu(monkeypatch):
     with_free(monkeypatch, 1 << 40)
     lin = linear(8)
@@ -112,5 +130,5 @@ def test_the_config_turns_them_on_through_the_engine_flag():
     def asked(**config) -> str:
         return build_parser().parse_args(RunConfig(model="m.gguf", **config).engine_args()).dense_copies
 
-    assert asked() == "off"
-    assert asked(dense_copies=True) == "on"
+    assert asked() == "on"
+    assert asked(dense_copies=False) == "off"
