@@ -59,13 +59,17 @@ def layer_matrices(model: Model) -> Iterator[Linear]:
             yield from (m for m in matrices if isinstance(m, GpuBlockLinear))
 
 
+def copy_bytes(matrix: Linear, model: Model) -> int:
+    """The bytes of `matrix`'s copy in the model's dtype."""
+    return matrix.out_features * matrix.in_features * model.dtype.itemsize
+
+
 def wanted(model: Model) -> Iterator[Linear]:
     """The matrices that get a copy where it fits, in order: the layers' whose copy (in the model's dtype) takes at
     most `MAX_COPY_BYTES`, layer by layer, then the head where its type is one of `HEAD_COPY_TYPES`."""
     from engine.linear_gpu import GpuBlockLinear
 
-    size = model.dtype.itemsize
-    yield from (m for m in layer_matrices(model) if m.out_features * m.in_features * size <= MAX_COPY_BYTES)
+    yield from (m for m in layer_matrices(model) if copy_bytes(m, model) <= MAX_COPY_BYTES)
     head = model.output
     if isinstance(head, GpuBlockLinear) and head.matrix.qtype in HEAD_COPY_TYPES:
         yield head
@@ -76,9 +80,8 @@ def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
     its device (measured before the first copy there) beyond `reserve`."""
     kept = DenseCopies()
     left: dict[str, int] = {}
-    size = model.dtype.itemsize
     for matrix in wanted(model):
-        need = matrix.out_features * matrix.in_features * size
+        need = copy_bytes(matrix, model)
         device = matrix.matrix.blocks.device
         key = device_key(device)
         if key not in left:
