@@ -220,14 +220,15 @@ async def completions(request: Request) -> Response:
 async def _generate(request: Request, chat: bool) -> Response:
     st = _state(request)
     try:
-        raw = await read_body(request, st.config.max_body_bytes)
-        body = api.parse_body(raw, api.ChatRequest if chat else api.CompletionRequest)
-        _check_ready(st)
-        ids, parser = await _prompt(st, body, chat)
-        asked = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
-        max_new = api.budget(len(ids), asked, st.context, st.config.sampling.max_tokens)
-        sampling = api.sampling_of(body, st.config.sampling)
-        job = Job(ids, max_new, sampling, endpoint="chat" if chat else "completions")
+        with st.scheduler.arriving():
+            raw = await read_body(request, st.config.max_body_bytes)
+            body = api.parse_body(raw, api.ChatRequest if chat else api.CompletionRequest)
+            _check_ready(st)
+            ids, parser = await _prompt(st, body, chat)
+            asked = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
+            max_new = api.budget(len(ids), asked, st.context, st.config.sampling.max_tokens)
+            sampling = api.sampling_of(body, st.config.sampling)
+            job = Job(ids, max_new, sampling, endpoint="chat" if chat else "completions")
         request.state.summary = lambda: st.job_summary(job)
         try:
             st.scheduler.submit(job)

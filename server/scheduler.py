@@ -12,6 +12,10 @@ Rules (the seed's "batch slots" page):
   and the others behind it, so they are read together (`_join_burst`).
 - A request left alone in a slot goes back to the solo path (`BSTOP`, then `GEN` with everything), at
   most twice per request; STRATA_PARALLEL_SOLO=0 turns that off.
+- While other requests are still on their way (parsed and tokenized by their routes: `arriving`), the
+  waiting ones are held back, at most `HOLD_FOR_ARRIVALS_S`: a burst's requests reach `submit` ~1 ms
+  apart, and the engine reads together only the admissions it has when a read starts, so the first
+  sent alone would be read alone and the others after it (a second forward before their first tokens).
 - More requests than slots wait, FIFO. The control lines (everything of a GEN, an admission's up to its
   BADM) are read by one request at a time, in the order the GEN/BGENs were sent (`control`). Outside
   exact mode admissions are sent while others read (pipelined): the engine reads them together and
@@ -39,11 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.protocol import (
@@ -70,6 +75,7 @@ from server.errors import EngineRefused, EngineUnavailable, InternalError, Queue
 from server.events import DoneEvent, ErrorEvent, JobEvent, ProgressEvent, TokenEvent
 
 MAX_YIELDS = 2
+HOLD_FOR_ARRIVALS_S = 0.025  # a burst's parses and tokenizations take ~0.5-2 ms a request
 MAX_RETURNS_TO_SOLO = 2
 
 
@@ -202,6 +208,9 @@ class Scheduler:
         self.solo_enabled = os.environ.get("STRATA_PARALLEL_SOLO", "1") != "0"
         self._starting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._arriving = 0  # requests between their route's start and `submit` (`arriving`)
+        self._hold: asyncio.TimerHandle | None = None  # ends a hold for arrivals (`_held_for_arrivals`)
+        self._hold_ran_out = False
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -212,6 +221,18 @@ class Scheduler:
     def control_job(self) -> Job | None:
         """The job reading the control lines now."""
         return self.control[0] if self.control else None
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Around a request's parse and tokenization, before its `submit`: what waits meanwhile is held back
+        (`_held_for_arrivals`) so that a burst's requests go to the engine together."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            if not self._arriving and self.waiting:
+                self._schedule()  # the last one failed (bad request): what waits goes on now
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) >= self.queue_limit:
@@ -302,6 +323,8 @@ class Scheduler:
         if cj is None and not self.waiting:
             self._maybe_return_to_solo(engine)
             return
+        if self.waiting and self._held_for_arrivals():
+            return
         while self.waiting:
             job = self.waiting[0]
             busy = any(s.job is not None for s in self.slots)
@@ -320,6 +343,24 @@ class Scheduler:
             self._spawn(job, self._run_control(engine, job, slot))
             if slot is None or not self._pipelines():
                 return
+
+    def _held_for_arrivals(self) -> bool:
+        """Whether the waiting requests are held back for the ones still arriving: until none is, at most
+        `HOLD_FOR_ARRIVALS_S` (then no hold again until a moment with none arriving)."""
+        if not self._arriving:
+            if self._hold is not None:
+                self._hold.cancel()
+            self._hold, self._hold_ran_out = None, False
+            return False
+        if self._hold_ran_out:
+            return False
+        if self._hold is None:
+            self._hold = asyncio.get_running_loop().call_later(HOLD_FOR_ARRIVALS_S, self._end_hold)
+        return True
+
+    def _end_hold(self) -> None:
+        self._hold, self._hold_ran_out = None, True
+        self._schedule()
 
     def _pipelines(self) -> bool:
         """Whether another admission may be sent now: outside exact mode, behind admissions only."""

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from server.engine_client import EngineLaunch
-from server.scheduler import Job, Scheduler, Segment, SegmentEnd, Slot
+from server.scheduler import HOLD_FOR_ARRIVALS_S, Job, Scheduler, Segment, SegmentEnd, Slot
 
 
 def scheduler(n: int, groups: int = 1) -> Scheduler:
@@ -107,3 +107,53 @@ def test_a_burst_is_admitted_together_instead_of_its_first_going_solo():
     assert asyncio.run(sent_for(1, pipelined=True)) == ["GEN"]  # alone: the solo path
     assert asyncio.run(sent_for(3, pipelined=True)) == ["BGEN"] * 3  # the others came before its GEN went out
     assert asyncio.run(sent_for(3, pipelined=False)) == ["GEN"]  # exact mode: reads one at a time anyway
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_requests_still_arriving_hold_the_waiting_ones_back():
+    """A burst's requests reach `submit` one at a time: while another is parsed and tokenized (`arriving`), the
+    first is not sent, then both are admitted together; a request that fails while arriving releases them too."""
+    async def run(fails: bool) -> tuple[list[str], list[str]]:
+        sch = scheduler(4)
+        sch.pipelined = True
+        engine = sch.sup.engine = SentLines(4)
+        try:
+            with sch.arriving():
+                sch.submit(Job([10, 1, 2], 5))
+                await settle()
+                held = list(engine.lines)
+                if fails:
+                    raise ValueError("a bad request")
+            sch.submit(Job([11, 1, 2], 5))
+        except ValueError:
+            pass
+        await settle()
+        for task in sch._tasks:
+            task.cancel()
+        return held, [line.split()[0] for line in engine.lines]
+
+    assert asyncio.run(run(fails=False)) == ([], ["BGEN", "BGEN"])
+    assert asyncio.run(run(fails=True)) == ([], ["GEN"])  # alone after all: the solo path
+
+
+def test_a_hold_for_arrivals_ends_after_its_time():
+    async def run() -> tuple[list[str], list[str]]:
+        sch = scheduler(4)
+        sch.pipelined = True
+        engine = sch.sup.engine = SentLines(4)
+        with sch.arriving():  # a request that takes longer than the hold
+            sch.submit(Job([10, 1, 2], 5))
+            sch.submit(Job([11, 1, 2], 5))
+            await asyncio.sleep(HOLD_FOR_ARRIVALS_S + 0.05)
+            after_hold = [line.split()[0] for line in engine.lines]
+            sch.submit(Job([12, 1, 2], 5))  # still one arriving, but the hold ran out: no second one
+            await settle()
+        for task in sch._tasks:
+            task.cancel()
+        return after_hold, [line.split()[0] for line in engine.lines]
+
+    assert asyncio.run(run()) == (["BGEN", "BGEN"], ["BGEN"] * 3)
