@@ -50,6 +50,10 @@ class KVCache:
         """One session's bytes (on `device` only, when given)."""
         return sum(t[0].numel() * t.element_size() for t in self.k + self.v if device is None or on_device(t, device))
 
+    def saved_bytes(self, n: int) -> int:
+        """The bytes of a `save` of a session holding `n` positions."""
+        return sum(2 * k[0, :, :1].numel() * k.element_size() * min(self.extent(i, n), n) for i, k in enumerate(self.k))
+
     def usable_prefix(self, held: int, n: int) -> int:
         """Of the first `n` positions of a session that wrote `held`, how many a read can continue
         from: all when every ring still holds the `window` positions before `n`, else none."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,10 +66,10 @@ class Parked:
     turn: int
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    bytes: int = field(init=False)  # counted once: the store sums its entries' on every park and eviction
 
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+    def __post_init__(self) -> None:
+        self.bytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -153,8 +153,7 @@ class ParkingStore:
         self.entries.append(entry)
 
     def _room_for(self, kv: KVCache, n: int) -> bool:
-        need = sum(t[0, :, :1].numel() * t.element_size() * min(kv.extent(i % len(kv.k), n), n)
-                   for i, t in enumerate(kv.k + kv.v))
+        need = kv.saved_bytes(n)
         return need <= self.max_bytes and free_bytes(torch.device("cpu"))[0] - need >= MIN_FREE_BYTES
 
     def take(self, entry: Parked) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from reference import reference_logits
 
-from engine import layers
+from engine import kv_blocks, layers
 from engine.batch import Span
 from engine.kv import KVCache
 from engine.loading import open_model
@@ -85,6 +85,15 @@ def test_usable_prefix_needs_the_window_in_the_ring():
     assert kv.usable_prefix(held=2000, n=1000) == 0  # the ring no longer holds 488..999
     full = KVCache([None], 1, 1, 4096, 8, 64, torch.float16, torch.device("cpu"))
     assert full.usable_prefix(held=2000, n=1000) == 1000
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, kv_blocks.DTYPE])
+def test_saved_bytes_are_what_a_save_takes(dtype):
+    """What parking checks room with (`saved_bytes`) against the copy `save` makes: before and after a ring wraps."""
+    kv = KVCache((None, 4, None), 3, 2, 64, 32, 16, dtype, torch.device("cpu"))
+    for n in (1, 5, 30, 64):
+        k, v = kv.save(1, n, pin=False)
+        assert kv.saved_bytes(n) == sum(t.numel() * t.element_size() for t in k + v)
 
 
 @pytest.mark.parametrize(("start", "lo", "rows", "window"), [(0, 0, 300, None), (100, 0, 200, None),
