@@ -231,8 +231,12 @@ class Scheduler:
             yield
         finally:
             self._arriving -= 1
-            if not self._arriving and self.waiting:
-                self._schedule()  # the last one failed (bad request): what waits goes on now
+            if not self._arriving:
+                if self._hold is not None:
+                    self._hold.cancel()
+                self._hold, self._hold_ran_out = None, False
+                if self.waiting:
+                    self._schedule()  # the last one failed (bad request): what waits goes on now
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) >= self.queue_limit:
@@ -347,12 +351,7 @@ class Scheduler:
     def _held_for_arrivals(self) -> bool:
         """Whether the waiting requests are held back for the ones still arriving: until none is, at most
         `HOLD_FOR_ARRIVALS_S` (then no hold again until a moment with none arriving)."""
-        if not self._arriving:
-            if self._hold is not None:
-                self._hold.cancel()
-            self._hold, self._hold_ran_out = None, False
-            return False
-        if self._hold_ran_out:
+        if not self._arriving or self._hold_ran_out:
             return False
         if self._hold is None:
             self._hold = asyncio.get_running_loop().call_later(HOLD_FOR_ARRIVALS_S, self._end_hold)

@@ -157,3 +157,26 @@ def test_a_hold_for_arrivals_ends_after_its_time():
         return after_hold, [line.split()[0] for line in engine.lines]
 
     assert asyncio.run(run()) == (["BGEN", "BGEN"], ["BGEN"] * 3)
+
+
+def test_a_hold_that_ran_out_does_not_outlive_its_arrivals():
+    """A hold whose waiting request left (cancelled) before its arrival ended: the next burst is held again."""
+    async def run() -> list[str]:
+        sch = scheduler(4)
+        sch.pipelined = True
+        engine = sch.sup.engine = SentLines(4)
+        with sch.arriving():
+            gone = Job([10, 1, 2], 5)
+            sch.submit(gone)
+            sch.cancel(gone, "disconnect")
+        await asyncio.sleep(HOLD_FOR_ARRIVALS_S + 0.05)
+        with sch.arriving():
+            sch.submit(Job([11, 1, 2], 5))
+            await settle()
+            held = list(engine.lines)
+        await settle()
+        for task in sch._tasks:
+            task.cancel()
+        return held
+
+    assert asyncio.run(run()) == []
