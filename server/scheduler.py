@@ -12,10 +12,11 @@ Rules (the seed's "batch slots" page):
   and the others behind it, so they are read together (`_join_burst`).
 - A request left alone in a slot goes back to the solo path (`BSTOP`, then `GEN` with everything), at
   most twice per request; STRATA_PARALLEL_SOLO=0 turns that off.
-- While other requests are still on their way (parsed and tokenized by their routes: `arriving`), the
-  waiting ones are held back, at most `HOLD_FOR_ARRIVALS_S`: a burst's requests reach `submit` ~1 ms
+- With slots, while other requests are still on their way (parsed and tokenized by their routes: `arriving`),
+  the waiting ones are held back, at most `HOLD_FOR_ARRIVALS_S`: a burst's requests reach `submit` ~1-2 ms
   apart, and the engine reads together only the admissions it has when a read starts, so the first
   sent alone would be read alone and the others after it (a second forward before their first tokens).
+  Without slots every request runs alone anyway: nothing is held.
 - More requests than slots wait, FIFO. The control lines (everything of a GEN, an admission's up to its
   BADM) are read by one request at a time, in the order the GEN/BGENs were sent (`control`). Outside
   exact mode admissions are sent while others read (pipelined): the engine reads them together and
@@ -327,7 +328,7 @@ class Scheduler:
         if cj is None and not self.waiting:
             self._maybe_return_to_solo(engine)
             return
-        if self.waiting and self._held_for_arrivals():
+        if self.waiting and self.slots and self._held_for_arrivals():
             return
         while self.waiting:
             job = self.waiting[0]

@@ -140,6 +140,21 @@ def test_requests_still_arriving_hold_the_waiting_ones_back():
     assert asyncio.run(run(fails=True)) == ([], ["GEN"])  # alone after all: the solo path
 
 
+def test_without_slots_nothing_is_held():
+    async def run() -> list[str]:
+        sch = scheduler(0)
+        engine = sch.sup.engine = SentLines(0)
+        with sch.arriving():
+            sch.submit(Job([10, 1, 2], 5))
+            await settle()
+            sent = [line.split()[0] for line in engine.lines]
+        for task in sch._tasks:
+            task.cancel()
+        return sent
+
+    assert asyncio.run(run()) == ["GEN"]  # one request at a time anyway: it goes at once
+
+
 def test_a_hold_for_arrivals_ends_after_its_time():
     async def run() -> tuple[list[str], list[str]]:
         sch = scheduler(4)
