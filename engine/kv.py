@@ -50,9 +50,13 @@ class KVCache:
         """One session's bytes (on `device` only, when given)."""
         return sum(t[0].numel() * t.element_size() for t in self.k + self.v if device is None or on_device(t, device))
 
+    def saved(self, layer: int, n: int) -> int:
+        """The positions of `layer` a `save` of a session holding `n` positions copies."""
+        return min(self.extent(layer, n), n)
+
     def saved_bytes(self, n: int) -> int:
         """The bytes of a `save` of a session holding `n` positions."""
-        return sum(2 * k[0, :, :1].numel() * k.element_size() * min(self.extent(i, n), n) for i, k in enumerate(self.k))
+        return sum(2 * k[0, :, :1].numel() * k.element_size() * self.saved(i, n) for i, k in enumerate(self.k))
 
     def usable_prefix(self, held: int, n: int) -> int:
         """Of the first `n` positions of a session that wrote `held`, how many a read can continue
@@ -87,7 +91,7 @@ class KVCache:
         host allocation. (An H200 machine, 12 layers, ~600 tokens: a pinned tensor per layer copied while the
         host waited took 9-10 ms a park, 28-60 ms while the pinned blocks were new; this takes ~1 ms, ~12 ms.
         A park is in front of the read that parks.)"""
-        parts = [(src, min(self.extent(i, n), n)) for i, kv in enumerate(zip(self.k, self.v, strict=True)) for src in kv]
+        parts = [(src, self.saved(i, n)) for i, kv in enumerate(zip(self.k, self.v, strict=True)) for src in kv]
         shapes = [src.shape[1:2] + (m,) + src.shape[3:] for src, m in parts]
         host = torch.empty(sum(s.numel() for s in shapes), dtype=self.k[0].dtype, pin_memory=pin)
         copies = [part.view(shape) for part, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]

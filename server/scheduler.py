@@ -76,8 +76,8 @@ from server.errors import EngineRefused, EngineUnavailable, InternalError, Queue
 from server.events import DoneEvent, ErrorEvent, JobEvent, ProgressEvent, TokenEvent
 
 MAX_YIELDS = 2
-HOLD_FOR_ARRIVALS_S = 0.025  # a burst's parses and tokenizations take ~0.5-2 ms a request
 MAX_RETURNS_TO_SOLO = 2
+HOLD_FOR_ARRIVALS_S = 0.025  # a burst's parses and tokenizations take ~0.5-2 ms a request
 
 
 class SegmentEnd(enum.Enum):

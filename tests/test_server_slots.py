@@ -88,19 +88,38 @@ class SentLines:
     def send(self, line: str) -> None:
         self.lines.append(line)
 
+    def words(self) -> list[str]:
+        """The first word of each line sent."""
+        return [line.split()[0] for line in self.lines]
+
+
+def recording(slots: int, pipelined: bool = True) -> tuple[Scheduler, SentLines]:
+    """A scheduler of `slots` slots over an engine that records what it is sent."""
+    sch = scheduler(slots)
+    sch.pipelined = pipelined
+    sch.sup.engine = SentLines(slots)
+    return sch, sch.sup.engine
+
+
+async def settle() -> None:
+    """Let the tasks the scheduler spawned run as far as they go."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def stop(sch: Scheduler) -> None:
+    for task in sch._tasks:
+        task.cancel()
+
 
 async def sent_for(burst: int, pipelined: bool) -> list[str]:
     """The first word of each line sent when `burst` requests reach the scheduler before any of their tasks run."""
-    sch = scheduler(4)
-    sch.pipelined = pipelined
-    engine = sch.sup.engine = SentLines(4)
+    sch, engine = recording(4, pipelined)
     for i in range(burst):
         sch.submit(Job([10 + i, 1, 2], 5))
-    for _ in range(3):
-        await asyncio.sleep(0)
-    for task in sch._tasks:
-        task.cancel()
-    return [line.split()[0] for line in engine.lines]
+    await settle()
+    stop(sch)
+    return engine.words()
 
 
 def test_a_burst_is_admitted_together_instead_of_its_first_going_solo():
@@ -109,18 +128,11 @@ def test_a_burst_is_admitted_together_instead_of_its_first_going_solo():
     assert asyncio.run(sent_for(3, pipelined=False)) == ["GEN"]  # exact mode: reads one at a time anyway
 
 
-async def settle() -> None:
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
 def test_requests_still_arriving_hold_the_waiting_ones_back():
     """A burst's requests reach `submit` one at a time: while another is parsed and tokenized (`arriving`), the
     first is not sent, then both are admitted together; a request that fails while arriving releases them too."""
     async def run(fails: bool) -> tuple[list[str], list[str]]:
-        sch = scheduler(4)
-        sch.pipelined = True
-        engine = sch.sup.engine = SentLines(4)
+        sch, engine = recording(4)
         try:
             with sch.arriving():
                 sch.submit(Job([10, 1, 2], 5))
@@ -132,9 +144,8 @@ def test_requests_still_arriving_hold_the_waiting_ones_back():
         except ValueError:
             pass
         await settle()
-        for task in sch._tasks:
-            task.cancel()
-        return held, [line.split()[0] for line in engine.lines]
+        stop(sch)
+        return held, engine.words()
 
     assert asyncio.run(run(fails=False)) == ([], ["BGEN", "BGEN"])
     assert asyncio.run(run(fails=True)) == ([], ["GEN"])  # alone after all: the solo path
@@ -142,14 +153,12 @@ def test_requests_still_arriving_hold_the_waiting_ones_back():
 
 def test_without_slots_nothing_is_held():
     async def run() -> list[str]:
-        sch = scheduler(0)
-        engine = sch.sup.engine = SentLines(0)
+        sch, engine = recording(0, pipelined=False)
         with sch.arriving():
             sch.submit(Job([10, 1, 2], 5))
             await settle()
-            sent = [line.split()[0] for line in engine.lines]
-        for task in sch._tasks:
-            task.cancel()
+            sent = engine.words()
+        stop(sch)
         return sent
 
     assert asyncio.run(run()) == ["GEN"]  # one request at a time anyway: it goes at once
@@ -157,19 +166,16 @@ def test_without_slots_nothing_is_held():
 
 def test_a_hold_for_arrivals_ends_after_its_time():
     async def run() -> tuple[list[str], list[str]]:
-        sch = scheduler(4)
-        sch.pipelined = True
-        engine = sch.sup.engine = SentLines(4)
+        sch, engine = recording(4)
         with sch.arriving():  # a request that takes longer than the hold
             sch.submit(Job([10, 1, 2], 5))
             sch.submit(Job([11, 1, 2], 5))
             await asyncio.sleep(HOLD_FOR_ARRIVALS_S + 0.05)
-            after_hold = [line.split()[0] for line in engine.lines]
+            after_hold = engine.words()
             sch.submit(Job([12, 1, 2], 5))  # still one arriving, but the hold ran out: no second one
             await settle()
-        for task in sch._tasks:
-            task.cancel()
-        return after_hold, [line.split()[0] for line in engine.lines]
+        stop(sch)
+        return after_hold, engine.words()
 
     assert asyncio.run(run()) == (["BGEN", "BGEN"], ["BGEN"] * 3)
 
@@ -177,9 +183,7 @@ def test_a_hold_for_arrivals_ends_after_its_time():
 def test_a_hold_that_ran_out_does_not_outlive_its_arrivals():
     """A hold whose waiting request left (cancelled) before its arrival ended: the next burst is held again."""
     async def run() -> list[str]:
-        sch = scheduler(4)
-        sch.pipelined = True
-        engine = sch.sup.engine = SentLines(4)
+        sch, engine = recording(4)
         with sch.arriving():
             gone = Job([10, 1, 2], 5)
             sch.submit(gone)
@@ -190,8 +194,7 @@ def test_a_hold_that_ran_out_does_not_outlive_its_arrivals():
             await settle()
             held = list(engine.lines)
         await settle()
-        for task in sch._tasks:
-            task.cancel()
+        stop(sch)
         return held
 
     assert asyncio.run(run()) == []
