@@ -237,7 +237,7 @@ class Scheduler:
                     self._hold.cancel()
                 self._hold, self._hold_ran_out = None, False
                 if self.waiting:
-                    self._schedule()  # the last one failed (bad request): what waits goes on now
+                    self._schedule()  # what was held (or waits behind an arrival that failed) goes on now
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) >= self.queue_limit:
