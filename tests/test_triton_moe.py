@@ -515,6 +515,26 @@ def test_weighted_sum_is_each_rows_choices_in_order():
         tm.weighted_sum(y[:5], weights)
 
 
+def test_weighted_sum_reads_outputs_in_another_order_in_place():
+    """With `at`, flat pair p's output is y's row at[p]: the sum of y gathered into flat order, bit for bit;
+    `experts.combine` reads a prompt chunk's outputs sorted by expert that way (no scatter back)."""
+    from engine.experts import by_expert, combine
+
+    gen = torch.Generator().manual_seed(14)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:4] for _ in range(3)]).to(DEVICE)
+    flat, order = by_expert(ids)
+    y_flat = torch.randn(3 * 4, 96, generator=gen).to(DEVICE)
+    weights = torch.rand(3, 4, generator=gen).to(DEVICE)
+    y_sorted = y_flat[order]
+    at = torch.argsort(order)
+    assert torch.equal(tm.weighted_sum(y_sorted, weights, at=at), tm.weighted_sum(y_flat, weights))
+    assert torch.equal(combine(y_sorted, weights, order), tm.weighted_sum(y_flat, weights))
+    with pytest.raises(ValueError, match="at must be int64"):
+        tm.weighted_sum(y_sorted, weights, at=at[:5])
+    with pytest.raises(ValueError, match="patch"):
+        combine(y_sorted, weights, order, patch=(at[:1], y_flat[:1]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16]), ids=str)
 def test_weighted_sum_adds_the_residual_bit_for_bit(dtype):
     """With `residual`, the bits of `residual + weighted_sum(y, weights)` in one launch: the sum rounded to
@@ -547,6 +567,26 @@ def test_route_matches_torch(normalize):
     assert torch.allclose(weights.cpu(), expect_w, rtol=1e-5, atol=1e-7)
     w1, i1 = tm.route(x[3:4], router, 4, normalize)
     assert torch.equal(w1, weights[3:4]) and torch.equal(i1, ids[3:4])
+
+
+def test_route_of_a_prompt_chunk_takes_tiles():
+    """From `ROUTER_TILE_ROWS` rows the logits come in tiles: the same experts as torch's router and the
+    weights within float32 rounding; compiled, a row's bits the same whatever the other rows of the call (the
+    interpreter's products are numpy's, whose sums depend on a row's place in the tile)."""
+    from engine.experts import route
+
+    gen = torch.Generator().manual_seed(15)
+    rows = tm.ROUTER_TILE_ROWS + 37  # rows and experts in part tiles
+    x = (torch.randn(rows, 96, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
+    router = torch.randn(24, 96, generator=gen).to(DEVICE)
+    weights, ids = tm.route(x, router, 4, True)
+    expect_w, expect_ids = route(x.cpu(), router.cpu(), 4, True)
+    assert torch.equal(ids.cpu(), expect_ids)
+    assert torch.allclose(weights.cpu(), expect_w, rtol=1e-5, atol=1e-7)
+    w2, i2 = tm.route(x[5:5 + tm.ROUTER_TILE_ROWS], router, 4, True)
+    assert torch.equal(i2, ids[5:5 + tm.ROUTER_TILE_ROWS])
+    assert torch.allclose(w2, weights[5:5 + tm.ROUTER_TILE_ROWS], rtol=1e-6, atol=0)
+    assert INTERPRETED or torch.equal(w2, weights[5:5 + tm.ROUTER_TILE_ROWS])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

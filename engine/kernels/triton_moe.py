@@ -967,14 +967,17 @@ def stage_far(stacks: tuple[Stack, Stack, Stack], staged: tuple[Stack, Stack, St
 
 
 @triton.jit
-def _weighted_sum_kernel(y, weights, residual, out, h, K: tl.constexpr, BLOCK: tl.constexpr,
-                         RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _weighted_sum_kernel(y, weights, at, residual, out, h, K: tl.constexpr, BLOCK: tl.constexpr,
+                         AT: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(K):  # choices in their order: a row's sum whatever the other rows
-        acc += tl.load(weights + r * K + i).to(tl.float32) * tl.load(y + (r * K + i) * h + cols, mask=cols < h,
+        pair = r * K + i
+        if AT:  # y in another order: the pair's row of it
+            pair = tl.load(at + pair)
+        acc += tl.load(weights + r * K + i).to(tl.float32) * tl.load(y + pair * h + cols, mask=cols < h,
                                                                       other=0.0).to(tl.float32)
     total = acc.to(out.dtype.element_ty)
     if RESIDUAL:  # rounded to y's dtype first, then added and rounded again: the bits of `residual + sum`
@@ -983,13 +986,17 @@ def _weighted_sum_kernel(y, weights, residual, out, h, K: tl.constexpr, BLOCK: t
     tl.store(out + r * h + cols, total, mask=cols < h)
 
 
-def weighted_sum(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's k outputs (y [rows * k, H], flat (row, choice) order) times its weights [rows, k], summed
-    in float32 in the order of choices: [rows, H] in y's dtype, one launch. With `residual` ([rows, H],
-    y's dtype), `residual + ` that sum, bit for bit, in the same launch."""
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
+                 at: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's k outputs (y [rows * k, H], flat (row, choice) order, or with `at` (int64 [rows * k]) flat
+    pair p's output is y's row at[p]) times its weights [rows, k], summed in float32 in the order of choices:
+    [rows, H] in y's dtype, one launch. With `residual` ([rows, H], y's dtype), `residual + ` that sum, bit
+    for bit, in the same launch."""
     n, k = weights.shape
     if y.dim() != 2 or y.shape[0] != n * k:
         raise ValueError(f"y must be [rows * top_k = {n * k}, H], got {tuple(y.shape)}")
+    if at is not None and (at.shape != (n * k,) or at.dtype != torch.int64 or at.device != y.device):
+        raise ValueError(f"at must be int64 [{n * k}] on {y.device}, got {at.dtype} {tuple(at.shape)} on {at.device}")
     if residual is not None and (residual.shape != (n, y.shape[1]) or residual.dtype != y.dtype):
         raise ValueError(f"residual must be {y.dtype} [{n}, {y.shape[1]}], got {residual.dtype} "
                          f"{tuple(residual.shape)}")
@@ -998,8 +1005,9 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor 
     if n:
         block = min(1024, triton.next_power_of_2(y.shape[1]))
         _weighted_sum_kernel[(n, triton.cdiv(y.shape[1], block))](
-            y, weights, y if residual is None else residual.contiguous(), out, y.shape[1], K=k, BLOCK=block,
-            RESIDUAL=residual is not None, num_warps=4, enable_fp_fusion=False, **pdl.launch(y.device))
+            y, weights, weights if at is None else at.contiguous(), y if residual is None else residual.contiguous(),
+            out, y.shape[1], K=k, BLOCK=block, AT=at is not None, RESIDUAL=residual is not None, num_warps=4,
+            enable_fp_fusion=False, **pdl.launch(y.device))
     return out
 
 
@@ -1016,6 +1024,23 @@ def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr, 
         acc += tl.load(router + experts * h + cols, mask=(experts < e) & (cols < h), other=0.0) * xv
     tl.store(logits + r * e + tl.arange(0, BE) + tl.program_id(1) * BE, tl.sum(acc, axis=1),
              mask=tl.program_id(1) * BE + tl.arange(0, BE) < e)
+
+
+@triton.jit
+def _router_tiles_kernel(x, router, logits, n, e, h, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                         PDL: tl.constexpr):
+    """logits of BM rows x BE experts: float32 products (tl.dot in "ieee" precision), summed over h in steps of
+    BK, each row's dots in one order whatever the other rows."""
+    pdl.wait(PDL)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    experts = tl.program_id(1) * BE + tl.arange(0, BE)[:, None]
+    acc = tl.zeros((BM, BE), dtype=tl.float32)
+    for c0 in range(0, h, BK):
+        cols = c0 + tl.arange(0, BK)[None, :]
+        xt = tl.load(x + rows.to(tl.int64) * h + cols, mask=(rows < n) & (cols < h), other=0.0).to(tl.float32)
+        wt = tl.load(router + experts * h + cols, mask=(experts < e) & (cols < h), other=0.0)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+    tl.store(logits + rows.to(tl.int64) * e + tl.trans(experts), acc, mask=(rows < n) & (tl.trans(experts) < e))
 
 
 @triton.jit
@@ -1043,6 +1068,12 @@ def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NO
         tl.store(weights + r * K + tl.arange(0, K), got / total)
 
 
+# rows from which a call's logits come in tiles of rows and experts (`_router_tiles_kernel`) instead of a program per
+# (row, expert), which reads the router again for every row; decode windows keep the latter
+ROUTER_TILE_ROWS = 128
+ROUTER_TILES = dict(BM=32, BE=32, BK=64)
+
+
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`engine.experts.route` in two launches: x [N, H] (any float dtype) against the float32 router
     [E, H]; weights float32 [N, k] and ids int64 [N, k], each row on its own."""
@@ -1051,15 +1082,20 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
     if router.shape[1] != h or top_k > e or top_k & (top_k - 1):
         raise ValueError(f"router [E, {h}] with top_k a power of two <= E, got {tuple(router.shape)}, {top_k}")
     x, router = x.contiguous(), router.contiguous()
-    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
-    if n:
+    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    if n >= ROUTER_TILE_ROWS:
+        bm, be = ROUTER_TILES["BM"], ROUTER_TILES["BE"]
+        _router_tiles_kernel[(triton.cdiv(n, bm), triton.cdiv(e, be))](x, router, logits, n, e, h, **ROUTER_TILES,
+                                                                      num_warps=4, **pdl.launch(x.device))
+    elif n:
         # an expert a program and its whole row in one step: each program issues all its loads at once (two
         # experts a program in steps of 256 took 5.0 us a one-row call)
         be = 1
         _router_kernel[(n, triton.cdiv(e, be))](x, router, logits, e, h, BE=be, BH=min(4096, triton.next_power_of_2(h)),
                                                  num_warps=4, enable_fp_fusion=False, **pdl.launch(x.device))
+    if n:
         _top_k_kernel[(n,)](logits, weights, ids, e, K=top_k, BE=triton.next_power_of_2(e), NORMALIZE=normalize,
                             num_warps=1, **pdl.launch(x.device))
     return weights, ids
