@@ -35,6 +35,8 @@ class KVCache:
         shapes = [((sessions, kv_heads, n, row), d) for n, d in zip(self.lengths, on, strict=True)]
         self.k = [torch.zeros(shape, dtype=dtype, device=d) for shape, d in shapes]
         self.v = [torch.zeros(shape, dtype=dtype, device=d) for shape, d in shapes]
+        # every layer's CUDA device, where they share one: `save` and `load` copy in one launch there
+        self.gpu = self.k[0].device if len({t.device for t in self.k}) == 1 and self.k[0].is_cuda else None
         self.sessions = sessions
         self.context = context
         self.max_chunk = max_chunk
@@ -90,23 +92,88 @@ class KVCache:
         to the session, or a `load` of the copy, comes after them on that stream. All of it goes into one
         host allocation. (An H200 machine, 12 layers, ~600 tokens: a pinned tensor per layer copied while the
         host waited took 9-10 ms a park, 28-60 ms while the pinned blocks were new; this takes ~1 ms, ~12 ms.
-        A park is in front of the read that parks.)"""
+        A park is in front of the read that parks.) Where every layer is on one CUDA device the copies are one
+        Triton launch (`_copy_parts`) instead of a copy_ a layer and K/V (~25-35 us of host time each: ~3 ms a
+        park of a 48-layer model)."""
         parts = [(src, self.saved(i, n)) for i, kv in enumerate(zip(self.k, self.v, strict=True)) for src in kv]
         shapes = [src.shape[1:2] + (m,) + src.shape[3:] for src, m in parts]
         host = torch.empty(sum(s.numel() for s in shapes), dtype=self.k[0].dtype, pin_memory=pin)
         copies = [part.view(shape) for part, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]
-        for (src, m), copy in zip(parts, copies, strict=True):
-            copy.copy_(src[session, :, :m], non_blocking=pin)
+        device = self._span_device([host])
+        if device is None:
+            for (src, m), copy in zip(parts, copies, strict=True):
+                copy.copy_(src[session, :, :m], non_blocking=pin)
+        else:
+            _copy_parts([(src, m, copy) for (src, m), copy in zip(parts, copies, strict=True)], session, device,
+                        to_host=True)
         return copies[0::2], copies[1::2]
 
     def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:
         """Write the first `n` positions of a `save`d copy (a ring: all it saved) back into session `session`;
         from pinned memory the copies are queued on each device's stream and the host does not wait for them
-        (torch keeps the pinned blocks from reuse until they are done)."""
+        (torch keeps the pinned blocks from reuse until they are done); one launch on one CUDA device, as `save`'s."""
+        device = self._span_device(ks + vs)
+        if device is not None:
+            parts = [(cache, min(self.extent(i, n), host.shape[1]), host)
+                     for i, (k, v, hk, hv) in enumerate(zip(self.k, self.v, ks, vs, strict=True))
+                     for cache, host in ((k, hk), (v, hv))]
+            _copy_parts(parts, session, device, to_host=False)
+            return
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             m = min(self.extent(i, n), ks[i].shape[1])
             k[session, :, :m].copy_(ks[i][:, :m], non_blocking=ks[i].is_pinned())
             v[session, :, :m].copy_(vs[i][:, :m], non_blocking=vs[i].is_pinned())
+
+    def _span_device(self, hosts: list[torch.Tensor]) -> torch.device | None:
+        """The device a `save` or `load` copies on in one launch (`_copy_parts`): every layer's CUDA device, when the
+        host copy `hosts` is one pinned allocation; else None (a copy_ a layer and K/V)."""
+        return self.gpu if self.gpu is not None and _one_pinned_allocation(hosts) else None
+
+
+def _one_pinned_allocation(tensors: list[torch.Tensor]) -> bool:
+    """Whether `tensors` are views of one pinned host allocation (what `save` returns on CUDA)."""
+    return len({t.untyped_storage().data_ptr() for t in tensors}) == 1 and tensors[0].is_pinned()
+
+
+def _head_spans(cache: torch.Tensor, session: int, m: int, host: torch.Tensor,
+                to_host: bool) -> list[tuple[int, int, int]]:
+    """Per KV head, session `session`'s first `m` rows in `cache` and their copy in `host` (`[kv_heads, >= m, row]`),
+    contiguous bytes in both: (source address, destination address, bytes), to the host copy (`to_host`) or back."""
+    size = cache.element_size()
+    at, step = cache.data_ptr() + session * cache.stride(0) * size, cache.stride(1) * size
+    host_at, host_step = host.data_ptr(), host.stride(0) * size
+    rows = m * cache.stride(2) * size
+    if to_host:
+        return [(at + h * step, host_at + h * host_step, rows) for h in range(cache.shape[1])]
+    return [(host_at + h * host_step, at + h * step, rows) for h in range(cache.shape[1])]
+
+
+def _copy_parts(parts: list[tuple[torch.Tensor, int, torch.Tensor]], session: int, device: torch.device,
+                to_host: bool) -> None:
+    """Copy session `session`'s first m rows of each (cache, m, host copy) to the host copy (`to_host`) or back, a
+    span a KV head: all in one launch on `device` (`triton_spans.copy_spans`) but the last span, which takes a
+    copy_ after it (below)."""
+    from engine.kernels.triton_spans import copy_spans  # imports Triton: only on CUDA (and in tests)
+
+    parts = [part for part in parts if part[1]]  # the last span holds bytes: its copy_ is what guards the host copy
+    if not parts:
+        return
+    spans = []
+    for cache, m, host in parts:
+        spans += _head_spans(cache, session, m, host, to_host)
+    copy_spans(spans[:-1], device)
+    # torch's copy_ to or from pinned memory ties the pinned block to the stream (an event there, recorded at the
+    # copy or, in newer torch, when the block is freed), so the block is not handed out again before the work
+    # queued on it is done; a kernel ties nothing. The host copy may be freed as soon as this returns (a parked
+    # entry evicted, a restored one dropped) with the kernel still queued, and its block could go to a new pinned
+    # tensor the host writes at once (`to_device`'s staging). So the last span goes by copy_, after the kernel on
+    # the same stream: the host copy is one allocation (`_one_pinned_allocation`), kept until the kernel is done.
+    cache, m, host = parts[-1]
+    rows, copy = cache[session, -1, :m], host[-1, :m]
+    if to_host:
+        copy.copy_(rows, non_blocking=True)
+    else:
+        rows.copy_(copy, non_blocking=True)
 
 
 def _row(head_dim: int, dtype: torch.dtype) -> int:
