@@ -569,12 +569,14 @@ def test_route_matches_torch(normalize):
     assert torch.equal(w1, weights[3:4]) and torch.equal(i1, ids[3:4])
 
 
-def test_route_of_a_prompt_chunk_takes_tiles():
-    """From `ROUTER_TILE_ROWS` rows the logits come in tiles: the same experts as torch's router and the
-    weights within float32 rounding; compiled, a row's bits the same whatever the other rows of the call (the
-    interpreter's products are numpy's, whose sums depend on a row's place in the tile)."""
+def test_route_of_a_prompt_chunk_takes_tiles(monkeypatch):
+    """From `ROUTER_TILE_ROWS` rows (64 here, for the interpreter's sake) the logits come in tiles: the same
+    experts as torch's router and the weights within float32 rounding; compiled, a row's bits the same whatever
+    the other rows of the call (the interpreter's products are numpy's, whose sums depend on a row's place in the
+    tile)."""
     from engine.experts import route
 
+    monkeypatch.setattr(tm, "ROUTER_TILE_ROWS", 64)
     gen = torch.Generator().manual_seed(15)
     rows = tm.ROUTER_TILE_ROWS + 37  # rows and experts in part tiles
     x = (torch.randn(rows, 96, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
