@@ -21,8 +21,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
-import torch
-
 from engine import protocol as P
 from engine.experts import ExpertStats
 from engine.loading import log
@@ -270,12 +268,18 @@ class EngineLoop:
         dt = time.perf_counter() - t0
         read = sum(len(chunk) for _, chunk in parts)
         self.stats.prefill(read, dt)
-        for (job, chunk), row in zip(parts, logits, strict=True):
+        done = []
+        for i, (job, chunk) in enumerate(parts):
             job.prompt_read += len(chunk)
             self.say(job, P.Progress(job.read_pos, len(job.prompt), dt * 1000, read / max(dt, 1e-9)))
             if job.read_pos == len(job.prompt):
                 job.prompt_ms = (time.perf_counter() - job.started) * 1000
-                self.first_token(job, row)
+                done.append(i)
+        if done:  # every finished read's first token in one pass and one read back, not one each (the same tokens)
+            jobs = [parts[i][0] for i in done]
+            tokens = self.runner.sample(logits[done], [Draw.after(j.sampling, j.seed, j.session.tokens) for j in jobs])
+            for job, token in zip(jobs, tokens, strict=True):
+                self.first_token(job, token)
         return dt
 
     def _parts(self) -> list[tuple[Job, list[int]]]:
@@ -291,10 +295,10 @@ class EngineLoop:
                 break
         return parts
 
-    def first_token(self, job: Job, logits: torch.Tensor) -> None:
+    def first_token(self, job: Job, token: int) -> None:
+        """A read's first token (`sample_rows`' pick for its last row's logits) said, then its decoding goes on."""
         self.reading.remove(job)
         job.decode_started = time.perf_counter()
-        token = self.runner.sample(logits[None], [Draw.after(job.sampling, job.seed, job.session.tokens)])[0]
         job.generated = 1
         self.say(job, P.Token(token, logprob_of(token)))
         finish = self.finish_reason(job, token)
