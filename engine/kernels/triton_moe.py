@@ -1071,8 +1071,8 @@ def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NO
 # rows from which a call's logits come in tiles of rows and experts (`_router_tiles_kernel`) instead of a program per
 # (row, expert), which reads the router again for every row. H100, qwen3-30b-a3b's router (128 x 2048), us a call,
 # the kernel / tiles: 512 rows 69.8 / 90.2, 1,024 136.8 / 89.6, 3,440 436.2 / 323.4, 8,192 1,039.1 / 646.5 (the
-# tiles' float32 products take the FMA units: torch's float32 GEMM took 28-151 us, but cuBLAS picks its kernel per
-# row count, and every prompt has its own)
+# tiles' float32 products take the FMA units: torch's float32 GEMM took 28-151 us, but the server's reads with it
+# came out slower while new row counts came, every prompt having its own)
 ROUTER_TILE_ROWS = 1024
 ROUTER_TILES = dict(BM=32, BE=32, BK=64)
 
