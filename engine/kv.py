@@ -99,30 +99,18 @@ class KVCache:
         shapes = [src.shape[1:2] + (m,) + src.shape[3:] for src, m in parts]
         host = torch.empty(sum(s.numel() for s in shapes), dtype=self.k[0].dtype, pin_memory=pin)
         copies = [part.view(shape) for part, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]
-        device = self._span_device([host])
-        if device is None:
-            for (src, m), copy in zip(parts, copies, strict=True):
-                copy.copy_(src[session, :, :m], non_blocking=pin)
-        else:
-            _copy_parts([(src, m, copy) for (src, m), copy in zip(parts, copies, strict=True)], session, device,
-                        to_host=True)
+        _copy_parts([(src, m, copy) for (src, m), copy in zip(parts, copies, strict=True)], session,
+                    self._span_device([host]), to_host=True)
         return copies[0::2], copies[1::2]
 
     def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:
         """Write the first `n` positions of a `save`d copy (a ring: all it saved) back into session `session`;
         from pinned memory the copies are queued on each device's stream and the host does not wait for them
         (torch keeps the pinned blocks from reuse until they are done); one launch on one CUDA device, as `save`'s."""
-        device = self._span_device(ks + vs)
-        if device is not None:
-            parts = [(cache, min(self.extent(i, n), host.shape[1]), host)
-                     for i, (k, v, hk, hv) in enumerate(zip(self.k, self.v, ks, vs, strict=True))
-                     for cache, host in ((k, hk), (v, hv))]
-            _copy_parts(parts, session, device, to_host=False)
-            return
-        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            m = min(self.extent(i, n), ks[i].shape[1])
-            k[session, :, :m].copy_(ks[i][:, :m], non_blocking=ks[i].is_pinned())
-            v[session, :, :m].copy_(vs[i][:, :m], non_blocking=vs[i].is_pinned())
+        parts = [(cache, min(self.extent(i, n), host.shape[1]), host)
+                 for i, (k, v, hk, hv) in enumerate(zip(self.k, self.v, ks, vs, strict=True))
+                 for cache, host in ((k, hk), (v, hv))]
+        _copy_parts(parts, session, self._span_device(ks + vs), to_host=False)
 
     def _span_device(self, hosts: list[torch.Tensor]) -> torch.device | None:
         """The device a `save` or `load` copies on in one launch (`_copy_parts`): every layer's CUDA device, when the
@@ -148,11 +136,16 @@ def _head_spans(cache: torch.Tensor, session: int, m: int, host: torch.Tensor,
     return [(host_at + h * host_step, at + h * step, rows) for h in range(cache.shape[1])]
 
 
-def _copy_parts(parts: list[tuple[torch.Tensor, int, torch.Tensor]], session: int, device: torch.device,
+def _copy_parts(parts: list[tuple[torch.Tensor, int, torch.Tensor]], session: int, device: torch.device | None,
                 to_host: bool) -> None:
-    """Copy session `session`'s first m rows of each (cache, m, host copy) to the host copy (`to_host`) or back, a
-    span a KV head: all in one launch on `device` (`triton_spans.copy_spans`) but the last span, which takes a
-    copy_ after it (below)."""
+    """Copy session `session`'s first m rows of each (cache, m, host copy) to the host copy (`to_host`) or back: with
+    `device` (`KVCache._span_device`) a span a KV head, all in one launch there (`triton_spans.copy_spans`) but the
+    last span, which takes a copy_ after it (below); without, a copy_ each, queued without the host waiting where
+    the host copy is pinned."""
+    if device is None:
+        for cache, m, host in parts:
+            _copy_rows(cache[session, :, :m], host[:, :m], to_host)
+        return
     from engine.kernels.triton_spans import copy_spans  # imports Triton: only on CUDA (and in tests)
 
     parts = [part for part in parts if part[1]]  # the last span holds bytes: its copy_ is what guards the host copy
@@ -169,11 +162,15 @@ def _copy_parts(parts: list[tuple[torch.Tensor, int, torch.Tensor]], session: in
     # tensor the host writes at once (`to_device`'s staging). So the last span goes by copy_, after the kernel on
     # the same stream: the host copy is one allocation (`_one_pinned_allocation`), kept until the kernel is done.
     cache, m, host = parts[-1]
-    rows, copy = cache[session, -1, :m], host[-1, :m]
+    _copy_rows(cache[session, -1, :m], host[-1, :m], to_host)
+
+
+def _copy_rows(rows: torch.Tensor, copy: torch.Tensor, to_host: bool) -> None:
+    """Cache rows to their host copy (`to_host`) or back by torch's copy_, the host not waiting where it is pinned."""
     if to_host:
-        copy.copy_(rows, non_blocking=True)
+        copy.copy_(rows, non_blocking=copy.is_pinned())
     else:
-        rows.copy_(copy, non_blocking=True)
+        rows.copy_(copy, non_blocking=copy.is_pinned())
 
 
 def _row(head_dim: int, dtype: torch.dtype) -> int:
