@@ -4,7 +4,8 @@ One main thread does all model work; a reader thread only queues stdin lines, so
 BYIELD are seen between chunks and steps. A GEN's prompt is read alone; admissions (BGEN) sent one
 after another are read together outside exact mode: each forward takes up to `prefill` prompt tokens,
 the earliest admission's first (`_parts`), and each admission's control lines wait until those of the
-admissions sent before it are written (`say`, `order`). After each forward the decoding rows get
+admissions sent before it are written (`say`, `order`). Between `HOLD` and `GO` admissions are only made ready
+(`prepare`: their slots' conversations parked, their prefixes found) while the rest of a burst reaches the server. After each forward the decoding rows get
 `decode_share` times its time, so a long prompt slows the others instead of stopping them; reads whose commands
 came during the forward start first (`admit_arrivals`).
 docs/protocol.md is the contract (where a decode step is called a window, as in STATS `windows`).
@@ -32,6 +33,7 @@ from engine.sampling import Draw, logprob_of
 from engine.window_log import WindowLog
 
 STATS_INTERVAL_S = 0.25
+HOLD_LIMIT_S = 0.25  # a HOLD whose GO never comes ends by itself: held reads are delayed, never stalled
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Job:
     held: list[P.Reply] = field(default_factory=list)  # control lines waiting for an earlier admission's (`say`)
     then: list[P.Reply] = field(default_factory=list)  # ERR lines of later commands, written after its own
     closed: bool = False  # its control lines are all said (an admission's BADM)
+    prepared: bool = False  # its session was made ready for its read (`EngineLoop.prepare`)
 
     @property
     def read_pos(self) -> int:
@@ -85,6 +88,7 @@ class EngineLoop:
         # a decode window queued on the last one's tokens (`Runner.queue`), not read yet, and its rows' jobs
         self.ahead: tuple[Queued, list[Job]] | None = None
         self.quit = False  # QUIT or end of stdin seen: exit once idle
+        self.hold_until: float | None = None  # admissions are held (HOLD) until GO or this time (`holding`)
         self.stats = _StatsCounter()
         self.window_log = WindowLog()
         self.last_stats = 0.0
@@ -133,12 +137,21 @@ class EngineLoop:
     def busy(self) -> bool:
         return bool(self.reading or self.pending or self.decoding)
 
+    def holding(self) -> bool:
+        """Whether admissions are held: from HOLD to GO, at most `HOLD_LIMIT_S`, never once QUIT is seen."""
+        if self.hold_until is not None and (self.quit or time.perf_counter() >= self.hold_until):
+            self.hold_until = None
+        return self.hold_until is not None
+
     def poll(self) -> None:
-        """Handle queued commands; block for one only when there is nothing to do."""
-        block = not self.busy() and not self.quit
+        """Handle queued commands; block for one only when there is nothing to do (held admissions: until the
+        hold's limit at most)."""
+        held = self.holding() and not (self.reading or self.decoding)
+        block = (held or not self.busy()) and not self.quit
+        timeout = max(0.0, self.hold_until - time.perf_counter()) if held and self.hold_until is not None else None
         while True:
             try:
-                line = self.commands.get(block=block)
+                line = self.commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
             if line is None:  # end of stdin: finish what was asked, then exit
@@ -175,6 +188,10 @@ class EngineLoop:
                     job.yield_to = slot
             case P.Quit():
                 self.quit = True  # work already queued is finished first
+            case P.Hold():
+                self.hold_until = time.perf_counter() + HOLD_LIMIT_S
+            case P.Go():
+                self.hold_until = None
 
     def _jobs(self) -> list[Job]:
         return [*self.reading, *self.pending, *self.decoding.values()]
@@ -211,13 +228,19 @@ class EngineLoop:
 
     def start_reads(self) -> None:
         """Start the pending reads that can start now: one when none runs (a GEN waits for the solo session's
-        request); outside exact mode also every admission behind reading admissions, to be read with them."""
-        while self.pending:
-            job = self.pending[0]
+        request); outside exact mode also every admission behind reading admissions, to be read with them. While
+        admissions are held, the admissions that would start are made ready instead (`prepare`)."""
+        held = self.holding()
+        for job in list(self.pending):
             if self.reading and (self.runner.exact or job.slot is None or self.reading[0].slot is None):
                 return
             if job.session.index in self.decoding:
                 return  # a GEN waits until the solo session's request is done
+            if held:
+                if job.slot is None:
+                    return
+                self.prepare(job)
+                continue
             self.pending.popleft()
             self.start_read(job)
 
@@ -242,13 +265,21 @@ class EngineLoop:
         return self.admit()
 
     def start_read(self, job: Job) -> None:
-        busy = set(self.decoding) | {j.session.index for j in self.reading}
         self.reading.append(job)
+        self.prepare(job)
+        job.started = time.perf_counter()
+
+    def prepare(self, job: Job) -> None:
+        """Make `job`'s session ready for its read, once: park the conversation it holds unless the prompt continues
+        it, and give it the longest reusable prefix of any session not busy, or parked (`Runner.reuse`)."""
+        if job.prepared:
+            return
+        busy = set(self.decoding) | {j.session.index for j in (*self.reading, *self.pending) if j.prepared}
+        job.prepared = True
         if job.slot is not None:
             self.order.append(job)
         job.reused = self.runner.reuse(job.session, job.prompt, busy, self.parking)
         job.read_start = job.reused
-        job.started = time.perf_counter()
         if job.reused:
             self.say(job, P.Resume(job.reused))
 

@@ -149,7 +149,19 @@ class BYield:
     slot: int
 
 
-Command = Gen | BGen | Stop | Quit | BStop | BYield
+@dataclass(frozen=True)
+class Hold:
+    """The admissions that follow are made ready (their slots' conversations parked, their prefixes found) but not
+    read until `Go`, so a burst whose requests reach the server one by one is read in one forward."""
+
+
+@dataclass(frozen=True)
+class Go:
+    """The held admissions are read (together), and the next ones as they come."""
+
+
+Command = Gen | BGen | Stop | Quit | BStop | BYield | Hold | Go
+BARE = {"STOP": Stop, "QUIT": Quit, "HOLD": Hold, "GO": Go}  # the commands without arguments
 
 
 def _int(text: str, what: str) -> int:
@@ -208,14 +220,14 @@ def parse_command(line: str) -> Command:
         slot = _int(args[0], "slot")
         max_new, sampling, ids = _parse_generation(args[1:], "BGEN")
         return BGen(slot, max_new, ids, sampling)
-    if verb in ("STOP", "QUIT") and not args:
-        return Stop() if verb == "STOP" else Quit()
+    if verb in BARE and not args:
+        return BARE[verb]()
     if verb in ("BSTOP", "BYIELD"):
         if len(args) != 1:
             raise ProtocolError(f"{verb} needs <slot>")
         slot = _int(args[0], "slot")
         return BStop(slot) if verb == "BSTOP" else BYield(slot)
-    if verb in ("STOP", "QUIT"):
+    if verb in BARE:
         raise ProtocolError(f"{verb} takes no arguments")
     raise ProtocolError(f"unknown command {verb!r}")
 
@@ -226,10 +238,8 @@ def format_command(cmd: Command) -> str:
             return " ".join(["GEN", str(max_new), *sampling.to_keys(), _ids(ids)])
         case BGen(slot, max_new, ids, sampling):
             return " ".join(["BGEN", str(slot), str(max_new), *sampling.to_keys(), _ids(ids)])
-        case Stop():
-            return "STOP"
-        case Quit():
-            return "QUIT"
+        case Stop() | Quit() | Hold() | Go():
+            return next(verb for verb, kind in BARE.items() if isinstance(cmd, kind))
         case BStop(slot):
             return f"BSTOP {slot}"
         case BYield(slot):

@@ -13,10 +13,12 @@ Rules (the seed's "batch slots" page):
 - A request left alone in a slot goes back to the solo path (`BSTOP`, then `GEN` with everything), at
   most twice per request; STRATA_PARALLEL_SOLO=0 turns that off.
 - With slots, while other requests are still on their way (parsed and tokenized by their routes: `arriving`),
-  the waiting ones are held back, at most `HOLD_FOR_ARRIVALS_S`: a burst's requests reach `submit` ~1-2 ms
+  the waiting ones are held, at most `HOLD_FOR_ARRIVALS_S`: a burst's requests reach `submit` ~1-2 ms
   apart, and the engine reads together only the admissions it has when a read starts, so the first
   sent alone would be read alone and the others after it (a second forward before their first tokens).
-  Without slots every request runs alone anyway: nothing is held.
+  Outside exact mode the engine holds them (`HOLD`, then each one's `BGEN` as it comes, into a slot, then
+  `GO` behind the last): it parks what their slots held while the rest arrive. In exact mode they wait
+  here. Without slots every request runs alone anyway: nothing is held.
 - More requests than slots wait, FIFO. The control lines (everything of a GEN, an admission's up to its
   BADM) are read by one request at a time, in the order the GEN/BGENs were sent (`control`). Outside
   exact mode admissions are sent while others read (pipelined): the engine reads them together and
@@ -51,6 +53,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.protocol import (
     BAdm,
@@ -62,6 +65,8 @@ from engine.protocol import (
     Done,
     Err,
     Gen,
+    Go,
+    Hold,
     Logprob,
     Progress,
     Resume,
@@ -115,6 +120,15 @@ class Segment:
         if self.asked is SegmentEnd.YIELDED or job.remaining > 0:
             return self.asked
         return SegmentEnd.FINISHED
+
+
+class Opened(NamedTuple):
+    """A segment whose GEN or BGEN was sent (`Scheduler._open`): its slot, and the engine's death if the line could
+    not go."""
+
+    segment: Segment
+    slot: Slot | None
+    died: EngineDied | None = None
 
 
 _ids = itertools.count(1)
@@ -212,6 +226,7 @@ class Scheduler:
         self._arriving = 0  # requests between their route's start and `submit` (`arriving`)
         self._hold: asyncio.TimerHandle | None = None  # ends a hold for arrivals (`_held_for_arrivals`)
         self._hold_ran_out = False
+        self._engine_held = False  # HOLD sent, its GO not yet
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -238,6 +253,8 @@ class Scheduler:
                 self._hold, self._hold_ran_out = None, False
                 if self.waiting:
                     self._schedule()  # what was held (or waits behind an arrival that failed) goes on now
+                elif self._engine_held:  # after this request's submit (no await between): its BGEN before GO
+                    asyncio.get_running_loop().call_soon(self._schedule)
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) >= self.queue_limit:
@@ -280,11 +297,13 @@ class Scheduler:
         g = engine.info.get("batch_groups", 1)
         self.groups = g if isinstance(g, int) and g >= 1 and n and n % g == 0 else 1
         self.pipelined = not engine.info.get("exact")  # the engine reads admissions sent together together
+        self._engine_held = False
         self._drop_control()
 
     def engine_died(self, engine: EngineProcess) -> None:
         # the jobs reading queues learn it from the EngineDied put in every queue; forget the slots
         self._drop_control()
+        self._engine_held = False
         for s in self.slots:
             s.job, s.reserved_for, s.held, s.stopping = None, None, [], False
         for job in list(self.waiting):
@@ -328,12 +347,27 @@ class Scheduler:
         if cj is None and not self.waiting:
             self._maybe_return_to_solo(engine)
             return
-        if self.waiting and self.slots and self._held_for_arrivals():
+        held = bool(self.waiting) and bool(self.slots) and self._held_for_arrivals()
+        if held and not self.pipelined:
             return
+        if held and not self._engine_held:
+            self._engine_held = True
+            self._send(engine, format_command(Hold()))
+        self._send_waiting(engine, held)
+        if self._engine_held and (not self._arriving or self._hold_ran_out):
+            self._engine_held = False
+            self._send(engine, format_command(Go()))  # behind the held BGENs: they went out as they were sent
+
+    def _send_waiting(self, engine: EngineProcess, held: bool) -> None:
+        """Send the waiting requests that can go now, in turn: alone and idle on the solo path (not while
+        `held`), else into a slot. An admission's BGEN goes out now (`_open`), so a burst's reach the engine as
+        their routes submit them (their routes run one after another in a turn of the event loop); a GEN when its
+        task first runs, so that a burst arriving meanwhile can still take it into a slot (`_join_burst`)."""
         while self.waiting:
             job = self.waiting[0]
             busy = any(s.job is not None for s in self.slots)
-            if not self.control and (not self.slots or (not busy and len(self.waiting) == 1 and self._solo_ok(job))):
+            if not self.control and not held and (not self.slots or (not busy and len(self.waiting) == 1 and
+                                                                      self._solo_ok(job))):
                 slot = None
             else:
                 slot = self.pick_slot(job)
@@ -345,7 +379,8 @@ class Scheduler:
             self.control.append(job)  # its control lines come after those of the jobs sent before it
             self.running.add(job)
             job.state = "reading"
-            self._spawn(job, self._run_control(engine, job, slot))
+            self._spawn(job, self._run_control(engine, job, slot, None if slot is None else
+                                               self._open(engine, job, slot)))
             if slot is None or not self._pipelines():
                 return
 
@@ -528,8 +563,9 @@ class Scheduler:
         self.last_group = slot.index // gs
         return seg, format_command(BGen(slot.index, job.remaining, tuple(ids), job.sampling))
 
-    async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None) -> None:
-        """One GEN (slot None) or BGEN: send it and read the control lines to DONE (and BADM)."""
+    def _open(self, engine: EngineProcess, job: Job, slot: Slot | None) -> Opened:
+        """Begin the job's segment and send its GEN (slot None: into a slot instead where a burst came meanwhile)
+        or BGEN."""
         control = engine.control
         while self.control_job is job and not control.empty():  # nothing stale may reach this request
             item = control.get_nowait()
@@ -538,13 +574,25 @@ class Scheduler:
                 break
         joined = slot is None and (slot := self._join_burst(job)) is not None
         seg, line = self._begin(job, slot)
+        try:
+            engine.send(line)
+        except EngineDied as exc:
+            return Opened(seg, slot, exc)
+        if joined:
+            self._schedule()  # the others' admissions go out behind it, to be read with it
+        return Opened(seg, slot)
+
+    async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None, opened: Opened | None) -> None:
+        """One GEN (slot None) or BGEN: send it (unless `opened` says it went) and read the control lines to DONE
+        (and BADM)."""
+        seg, slot, died = opened or self._open(engine, job, slot)
+        control = engine.control
         ids = job.context
         done: Done | None = None
         try:
-            engine.send(line)
-            if joined:
-                self._schedule()  # the others' admissions go out behind it, to be read with it
-            if job.cancelled:  # gone while it waited for its turn
+            if died is not None:
+                raise died
+            if job.cancelled and not seg.stop_sent:  # gone before its GEN went out: `cancel` had nothing to stop
                 seg.stop_sent = True
                 if slot is None:
                     engine.send(format_command(Stop()))

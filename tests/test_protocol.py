@@ -13,6 +13,8 @@ REQUESTS = [
     "QUIT",
     "BSTOP 2",
     "BYIELD 1",
+    "HOLD",
+    "GO",
 ]
 
 REPLIES = [
@@ -74,6 +76,7 @@ def test_done_fields_at_upstream_positions():
         ("BGEN x 4 1", "slot must be an integer"),
         ("BSTOP", "BSTOP needs <slot>"),
         ("STOP now", "STOP takes no arguments"),
+        ("GO 1", "GO takes no arguments"),
     ],
 )
 def test_malformed_requests(line, message):

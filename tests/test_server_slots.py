@@ -128,16 +128,17 @@ def test_a_burst_is_admitted_together_instead_of_its_first_going_solo():
     assert asyncio.run(sent_for(3, pipelined=False)) == ["GEN"]  # exact mode: reads one at a time anyway
 
 
-def test_requests_still_arriving_hold_the_waiting_ones_back():
+def test_requests_still_arriving_are_held_in_the_engine():
     """A burst's requests reach `submit` one at a time: while another is parsed and tokenized (`arriving`), the
-    first is not sent, then both are admitted together; a request that fails while arriving releases them too."""
-    async def run(fails: bool) -> tuple[list[str], list[str]]:
-        sch, engine = recording(4)
+    first goes into a slot behind HOLD (the engine parks what the slot held, and reads nothing), then the second,
+    then GO; a request that fails while arriving ends the hold too. In exact mode the first waits here instead."""
+    async def run(fails: bool, pipelined: bool = True) -> tuple[list[str], list[str]]:
+        sch, engine = recording(4, pipelined)
         try:
             with sch.arriving():
                 sch.submit(Job([10, 1, 2], 5))
                 await settle()
-                held = list(engine.lines)
+                held = engine.words()
                 if fails:
                     raise ValueError("a bad request")
             sch.submit(Job([11, 1, 2], 5))
@@ -147,8 +148,10 @@ def test_requests_still_arriving_hold_the_waiting_ones_back():
         stop(sch)
         return held, engine.words()
 
-    assert asyncio.run(run(fails=False)) == ([], ["BGEN", "BGEN"])
-    assert asyncio.run(run(fails=True)) == ([], ["GEN"])  # alone after all: the solo path
+    assert asyncio.run(run(fails=False)) == (["HOLD", "BGEN"], ["HOLD", "BGEN", "BGEN", "GO"])
+    assert asyncio.run(run(fails=True)) == (["HOLD", "BGEN"], ["HOLD", "BGEN", "GO"])
+    # exact mode: nothing while held; each request reads alone anyway (the second after the first)
+    assert asyncio.run(run(fails=False, pipelined=False)) == ([], ["GEN"])
 
 
 def test_without_slots_nothing_is_held():
@@ -177,7 +180,7 @@ def test_a_hold_for_arrivals_ends_after_its_time():
         stop(sch)
         return after_hold, engine.words()
 
-    assert asyncio.run(run()) == (["BGEN", "BGEN"], ["BGEN"] * 3)
+    assert asyncio.run(run()) == (["HOLD", "BGEN", "BGEN", "GO"], ["HOLD", "BGEN", "BGEN", "GO", "BGEN"])
 
 
 def test_a_hold_that_ran_out_does_not_outlive_its_arrivals():
@@ -189,12 +192,13 @@ def test_a_hold_that_ran_out_does_not_outlive_its_arrivals():
             sch.submit(gone)
             sch.cancel(gone, "disconnect")
         await asyncio.sleep(HOLD_FOR_ARRIVALS_S + 0.05)
+        first = len(engine.lines)
         with sch.arriving():
             sch.submit(Job([11, 1, 2], 5))
             await settle()
-            held = list(engine.lines)
+            held = engine.words()[first:]
         await settle()
         stop(sch)
-        return held
+        return engine.words()[:first], held
 
-    assert asyncio.run(run()) == []
+    assert asyncio.run(run()) == (["HOLD", "BGEN", "BSTOP", "GO"], ["HOLD", "BGEN"])
