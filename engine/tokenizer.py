@@ -161,7 +161,8 @@ class Tokenizer:
         With `add_special` (and the model's add_bos flag) BOS is prepended, unless the text already
         starts with it (a rendered chat template often writes `<bos>` itself).
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL where encode holds it: the server's routes tokenize in threads side by side
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special:
             if self.add_bos and (not ids or ids[0] != self.bos_id):
                 ids.insert(0, self.bos_id)

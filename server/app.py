@@ -38,8 +38,6 @@ from server.tokens import TokenizerLike, encode_prompt, load_vocabulary
 from server.tool_calls import ToolCall
 from server.urls import api_url, server_url
 
-LONG_TEXT = 20_000  # characters: tokenize in a thread beyond this
-
 
 class ServerState:
     def __init__(self, config: RunConfig, config_path: str | None, api_key: str | None, log_path: Path | None):
@@ -129,10 +127,9 @@ def _check_ready(st: ServerState) -> None:
 async def _encode(st: ServerState, text: str) -> list[int]:
     tok = st.tokenizer
     assert tok is not None
-    if len(text) > LONG_TEXT:
-        ids = await asyncio.to_thread(encode_prompt, tok, text)
-    else:
-        ids = encode_prompt(tok, text)
+    # in a thread, without the GIL (`Tokenizer.encode`): a burst's routes tokenize side by side, and the event
+    # loop goes on meanwhile (~0.3-0.9 ms for 200 words)
+    ids = await asyncio.to_thread(encode_prompt, tok, text)
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     return ids
