@@ -75,8 +75,16 @@ class KVCache:
         return n if length == self.context else length
 
     def copy(self, src: int, dst: int, n: int) -> None:
-        """Copy the first `n` positions of session `src` into session `dst` (a ring: all of it)."""
+        """Copy the first `n` positions of session `src` into session `dst` (a ring: all of it): on one CUDA device
+        in one launch (a span a KV head, `triton_spans.copy_spans`), not a copy a layer and K/V (~30-40 us of
+        host time each, before every read that takes another session's prefix)."""
         if src == dst or n == 0:
+            return
+        if self.gpu is not None:
+            from engine.kernels.triton_spans import copy_spans  # imports Triton: only on CUDA (and in tests)
+
+            copy_spans([span for i, kv in enumerate(zip(self.k, self.v, strict=True)) for cache in kv
+                        for span in _head_spans(cache, src, self.extent(i, n), cache[dst], to_host=True)], self.gpu)
             return
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             m = self.extent(i, n)
@@ -125,8 +133,9 @@ def _one_pinned_allocation(tensors: list[torch.Tensor]) -> bool:
 
 def _head_spans(cache: torch.Tensor, session: int, m: int, host: torch.Tensor,
                 to_host: bool) -> list[tuple[int, int, int]]:
-    """Per KV head, session `session`'s first `m` rows in `cache` and their copy in `host` (`[kv_heads, >= m, row]`),
-    contiguous bytes in both: (source address, destination address, bytes), to the host copy (`to_host`) or back."""
+    """Per KV head, session `session`'s first `m` rows in `cache` and their copy in `host` (`[kv_heads, >= m, row]`:
+    a host copy, or another session of the cache), contiguous bytes in both: (source address, destination address,
+    bytes), to the copy (`to_host`) or back."""
     size = cache.element_size()
     at, step = cache.data_ptr() + session * cache.stride(0) * size, cache.stride(1) * size
     host_at, host_step = host.data_ptr(), host.stride(0) * size

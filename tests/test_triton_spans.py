@@ -1,7 +1,7 @@
 """`copy_spans` (engine/kernels/triton_spans.py) in Triton's interpreter on the CPU (CI), compiled where there is a GPU
 (between device and pinned host memory): spans of any alignment and length copied in one launch, byte for byte,
-the word the call's addresses and sizes allow; and `KVCache.save`/`load` through it: a park and restore (a ring
-layer too, bf16 and Q8_0 rows) the bits of torch's copies, one launch each."""
+the word the call's addresses and sizes allow; and `KVCache.save`/`load`/`copy` through it: a park and restore, a
+session copied into another (a ring layer too, bf16 and Q8_0 rows), the bits of torch's copies, one launch each."""
 
 import os
 
@@ -149,3 +149,22 @@ def test_production_takes_spans_on_one_cuda_device_with_a_pinned_copy():
     if not INTERPRETED:
         assert kv._span_device(ks + [v.clone() for v in vs]) is None  # two allocations
         assert kv._span_device(sum(kv.save(0, 4, pin=False), [])) is None  # not pinned
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, kv_blocks.DTYPE], ids=["bf16", "q8_0"])
+@pytest.mark.parametrize("n", [5, 40], ids=["ring-unwrapped", "ring-wrapped"])
+def test_a_session_copied_into_another_by_spans_is_torch_copies_bits(monkeypatch, dtype, n):
+    """`KVCache.copy` (a read taking another session's prefix) in one launch on one device: the bits of the copies a
+    layer and K/V, the other sessions untouched."""
+    by_copies, by_spans = filled(dtype), filled(dtype)
+    by_copies.gpu, by_spans.gpu = None, torch.device(DEVICE)  # in the interpreter, CPU memory stands in for the GPU's
+    launches = take_spans(monkeypatch, True)
+    by_copies.copy(1, 2, n)
+    assert launches == []
+    by_spans.copy(1, 2, n)
+    done()
+    assert launches == [2 * 3 * 2]  # K and V, 3 layers, 2 KV heads
+    for a, b in zip(by_spans.k + by_spans.v, by_copies.k + by_copies.v, strict=True):
+        assert torch.equal(bits(a), bits(b))
+    k = by_spans.k[0]
+    assert torch.equal(bits(k[2, :, :n]), bits(k[1, :, :n])) and not torch.equal(bits(k[2]), bits(k[1]))

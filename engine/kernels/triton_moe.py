@@ -1029,8 +1029,9 @@ def _router_kernel(x, router, logits, e, h, BE: tl.constexpr, BH: tl.constexpr, 
 @triton.jit
 def _router_tiles_kernel(x, router, logits, n, e, h, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                          PDL: tl.constexpr):
-    """logits of BM rows x BE experts: float32 products (tl.dot in "ieee" precision), summed over h in steps of
-    BK, each row's dots in one order whatever the other rows."""
+    """logits of BM rows x BE experts: float32 products on the tensor cores as three tf32 products each (tl.dot in
+    "tf32x3" precision: x and the router split into a tf32 part and the rest), summed over h in steps of BK, each
+    row's dots in one order whatever the other rows."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
     experts = tl.program_id(1) * BE + tl.arange(0, BE)[:, None]
@@ -1039,7 +1040,7 @@ def _router_tiles_kernel(x, router, logits, n, e, h, BM: tl.constexpr, BE: tl.co
         cols = c0 + tl.arange(0, BK)[None, :]
         xt = tl.load(x + rows.to(tl.int64) * h + cols, mask=(rows < n) & (cols < h), other=0.0).to(tl.float32)
         wt = tl.load(router + experts * h + cols, mask=(experts < e) & (cols < h), other=0.0)
-        acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision="tf32x3")
     tl.store(logits + rows.to(tl.int64) * e + tl.trans(experts), acc, mask=(rows < n) & (tl.trans(experts) < e))
 
 
@@ -1070,11 +1071,12 @@ def _top_k_kernel(logits, weights, ids, e, K: tl.constexpr, BE: tl.constexpr, NO
 
 # rows from which a call's logits come in tiles of rows and experts (`_router_tiles_kernel`) instead of a program per
 # (row, expert), which reads the router again for every row. H100, qwen3-30b-a3b's router (128 x 2048), us a call,
-# the kernel / tiles: 512 rows 69.8 / 90.2, 1,024 136.8 / 89.6, 3,440 436.2 / 323.4, 8,192 1,039.1 / 646.5 (the
-# tiles' float32 products take the FMA units: torch's float32 GEMM took 28-151 us, but the server's reads with it
-# came out slower while new row counts came, every prompt having its own)
-ROUTER_TILE_ROWS = 1024
-ROUTER_TILES = dict(BM=32, BE=32, BK=64)
+# the kernel / tiles in tf32x3 / in float32 on the FMA units ("ieee", 32 x 32 x 64): 512 rows 69.8 / 39.7 / 87.2,
+# 1,024 136.8 / 39.1 / 86.7, 3,440 436.2 / 52.8 / 316.2, 8,192 1,039.1 / 82.6 / 640.4; the same top-8 experts as
+# float32's in every row, logits within 3.1e-6 of torch's float32 GEMM (ieee's 1.1e-5). torch's GEMM took 19-148
+# us, but the server's reads with it came out slower while new row counts came, every prompt having its own
+ROUTER_TILE_ROWS = 512
+ROUTER_TILES = dict(BM=64, BE=32, BK=32)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
