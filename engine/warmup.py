@@ -9,7 +9,9 @@ spend well under a second here; the first start spends that time in the engine's
 `warm_up` reads prompt chunks of the shapes a read comes in (the whole chunk from position 0, then a
 length and a position that are not multiples of 16) and decodes windows of every row count the
 sessions allow, twice each (the second is captured as a CUDA graph, `engine/cuda_graphs.py`), then
-forgets all of it.
+forgets all of it. Between them it copies what the reads left into another session and parks and restores it
+(`KVCache.copy`, `save`, `load`: on one GPU a Triton launch each, which the first requests that share a prefix
+or park a conversation would otherwise compile, ~0.2 s each on an H100).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def warm_up(runner: Runner) -> float:
                 length = min(length, model.context - len(solo.tokens) - 1)
                 if length > 0:
                     runner.read(solo, [1 + (len(solo.tokens) + i) % (vocab - 1) for i in range(length)])
+        _copy_and_park(runner)
         greedy = Sampling()
         for rows in range(1, len(runner.sessions) + 1):
             runner.forget()  # with an expert tier, the slots the reads borrowed come back first, as in a window's start
@@ -50,4 +53,15 @@ def warm_up(runner: Runner) -> float:
     finally:
         runner.forget()
     return time.perf_counter() - t0
+
+
+def _copy_and_park(runner: Runner) -> None:
+    """The solo session's positions copied into another session, then parked and restored there."""
+    kv, solo = runner.model.kv, runner.solo
+    other = next((s for s in runner.sessions if s is not solo), None)
+    n = len(solo.tokens)
+    if other is None or not n:
+        return
+    kv.copy(solo.index, other.index, n)
+    kv.load(other.index, *kv.save(solo.index, n, pin=kv.k[0].is_cuda), n)
 
