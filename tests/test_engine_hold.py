@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from forwards import forwards
 
 from engine import loop as engine_loop
 from engine import protocol as P
@@ -27,19 +28,6 @@ def driver(path):
     d = Driver.load(str(path), slots=4, exact=False, prefill=256)
     d.lines, d.hooks = [], []
     return d
-
-
-def forwards(driver: Driver, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """Each prompt forward's sessions, recorded from now on."""
-    runner, seen = driver.server.runner, []
-    read_parts = runner.read_parts
-
-    def record(parts):
-        seen.append([session.index for session, _ in parts])
-        return read_parts(parts)
-
-    monkeypatch.setattr(runner, "read_parts", record)
-    return seen
 
 
 def send(driver: Driver, *lines: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from forwards import forwards
 
 from engine import protocol as P
 from engine.check import Driver, bgen, collect, sample_prompts
@@ -26,19 +27,6 @@ def path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def driver(path):
     return Driver.load(str(path), slots=4, exact=False, prefill=16)
-
-
-def forwards(driver: Driver, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """Each prompt forward's parts, as their sessions, recorded from now on."""
-    runner, seen = driver.server.runner, []
-    read_parts = runner.read_parts
-
-    def record(parts):
-        seen.append([session.index for session, _ in parts])
-        return read_parts(parts)
-
-    monkeypatch.setattr(runner, "read_parts", record)
-    return seen
 
 
 def groups(lines: list[str]) -> list[list[P.Reply]]:
