@@ -4,10 +4,10 @@ One main thread does all model work; a reader thread only queues stdin lines, so
 BYIELD are seen between chunks and steps. A GEN's prompt is read alone; admissions (BGEN) sent one
 after another are read together outside exact mode: each forward takes up to `prefill` prompt tokens,
 the earliest admission's first (`_parts`), and each admission's control lines wait until those of the
-admissions sent before it are written (`say`, `order`). Between `HOLD` and `GO` admissions are only made ready
-(`prepare`: their slots' conversations parked, their prefixes found) while the rest of a burst reaches the server. After each forward the decoding rows get
-`decode_share` times its time, so a long prompt slows the others instead of stopping them; reads whose commands
-came during the forward start first (`admit_arrivals`).
+admissions sent before it are written (`say`, `order`). Between `HOLD` and `GO` admissions are only made
+ready (`prepare`: their slots' conversations parked, their prefixes found) while the rest of a burst reaches the
+server. After each forward the decoding rows get `decode_share` times its time, so a long prompt slows the others
+instead of stopping them; reads whose commands came during the forward start first (`admit_arrivals`).
 docs/protocol.md is the contract (where a decode step is called a window, as in STATS `windows`).
 """
 

@@ -64,4 +64,3 @@ def _copy_and_park(runner: Runner) -> None:
         return
     kv.copy(solo.index, other.index, n)
     kv.load(other.index, *kv.save(solo.index, n, pin=kv.k[0].is_cuda), n)
-
