@@ -182,7 +182,8 @@ class EngineLoop:
                     if job.slot == slot:
                         job.stop = True
             case P.BYield(slot):
-                job = next((j for j in self.reading if j.slot == slot), None) or (
+                # the admission into `slot`, reading or not read yet (held: it gives way before its first chunk)
+                job = next((j for j in (*self.reading, *self.pending) if j.slot == slot), None) or (
                     self.reading[0] if self.reading and self.reading[0].slot is None else None)
                 if job is not None and self._slot_ok(slot, allow=job.slot):
                     job.yield_to = slot

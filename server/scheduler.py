@@ -338,6 +338,14 @@ class Scheduler:
             if self.waiting and self._starting is None:
                 self._starting = asyncio.get_running_loop().create_task(self._start_engine())
             return
+        self._decide(engine)
+        if self._engine_held and not self._held_for_arrivals():  # nothing arriving any more, or the hold ran out
+            self._engine_held = False
+            self._send(engine, format_command(Go()))  # behind the held BGENs: they went out as they were sent
+
+    def _decide(self, engine: EngineProcess) -> None:
+        """`_schedule`'s decisions: a preemption or a yield, a return to solo, the waiting requests sent (held while
+        others arrive)."""
         cj = self.control_job
         if cj is not None:
             if self.slots and (self.waiting or len(self.control) > 1) and cj.segment is not None:
@@ -354,9 +362,6 @@ class Scheduler:
             self._engine_held = True
             self._send(engine, format_command(Hold()))
         self._send_waiting(engine, held)
-        if self._engine_held and (not self._arriving or self._hold_ran_out):
-            self._engine_held = False
-            self._send(engine, format_command(Go()))  # behind the held BGENs: they went out as they were sent
 
     def _send_waiting(self, engine: EngineProcess, held: bool) -> None:
         """Send the waiting requests that can go now, in turn: alone and idle on the solo path (not while
@@ -385,8 +390,8 @@ class Scheduler:
                 return
 
     def _held_for_arrivals(self) -> bool:
-        """Whether the waiting requests are held back for the ones still arriving: until none is, at most
-        `HOLD_FOR_ARRIVALS_S` (then no hold again until a moment with none arriving)."""
+        """Whether the waiting requests (or those the engine holds) are held for the ones still arriving: until none
+        is, at most `HOLD_FOR_ARRIVALS_S` (then no hold again until a moment with none arriving)."""
         if not self._arriving or self._hold_ran_out:
             return False
         if self._hold is None:

@@ -101,3 +101,13 @@ def test_slots_decode_while_admissions_are_held(driver):
     held_at = next(i for i, ln in enumerate(lines) if ln.startswith("BT 0 "))
     assert go_at and not any(ln.startswith("PP") for ln in lines[held_at:go_at[0]])  # no read while held
     assert lines.index("BADM 1 1") > go_at[0]
+
+
+def test_a_held_admission_gives_way_before_its_first_chunk(path):
+    """BYIELD of an admission held behind HOLD (the server's yield to a much shorter prompt behind it): at GO it
+    gives way before reading anything, and the short one is read first."""
+    long = list(b"a long prompt " * 8)
+    d = Driver.load(str(path), slots=4, exact=False, prefill=16)
+    lines = d.run(["HOLD", bgen(0, long, 4), "BYIELD 0", bgen(1, PROMPTS[2], 4), "GO"])
+    assert lines.index("YIELDED 0 0") < next(i for i, ln in enumerate(lines) if ln.startswith("PP"))
+    assert "BADM 0 0" in lines and collect(lines).slots[1] == Rule().reply(PROMPTS[2], 4)[0]

@@ -202,3 +202,32 @@ def test_a_hold_that_ran_out_does_not_outlive_its_arrivals():
         return engine.words()[:first], held
 
     assert asyncio.run(run()) == (["HOLD", "BGEN", "BSTOP", "GO"], ["HOLD", "BGEN"])
+
+
+def test_a_hold_ends_with_go_when_its_waiting_request_left():
+    """Both slots busy: a request waits behind HOLD, its client leaves, the other arrival fails. GO still goes out,
+    so the next burst is held again (HOLD first)."""
+    async def run() -> tuple[list[str], list[str]]:
+        sch, engine = recording(2)
+        sch.slots[0].job, sch.slots[1].job = Job([1], 5), Job([2], 5)  # both decoding
+        gone = Job([10, 1, 2], 5)
+        try:
+            with sch.arriving():  # a route that fails
+                sch.submit(gone)  # no free slot: HOLD, then it waits
+                await settle()
+                sch.cancel(gone, "disconnect")
+                raise ValueError("a bad request")
+        except ValueError:
+            pass
+        await settle()
+        first = engine.words()
+        sch.slots[0].job = sch.slots[1].job = None
+        with sch.arriving():
+            sch.submit(Job([20, 1, 2], 5))
+            await settle()
+        sch.submit(Job([21, 1, 2], 5))
+        await settle()
+        stop(sch)
+        return first, engine.words()[len(first):]
+
+    assert asyncio.run(run()) == (["HOLD", "GO"], ["HOLD", "BGEN", "BGEN", "GO"])
