@@ -80,16 +80,14 @@ class KVCache:
         host time each, before every read that takes another session's prefix)."""
         if src == dst or n == 0:
             return
-        if self.gpu is not None:
-            from engine.kernels.triton_spans import copy_spans  # imports Triton: only on CUDA (and in tests)
-
-            copy_spans([span for i, kv in enumerate(zip(self.k, self.v, strict=True)) for cache in kv
-                        for span in _head_spans(cache, src, self.extent(i, n), cache[dst], to_host=True)], self.gpu)
+        parts = [(cache, self.extent(i, n), cache[dst]) for i, kv in enumerate(zip(self.k, self.v, strict=True))
+                 for cache in kv]
+        if self.gpu is None:
+            _copy_parts(parts, src, None, to_copy=True)
             return
-        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            m = self.extent(i, n)
-            k[dst, :, :m] = k[src, :, :m]
-            v[dst, :, :m] = v[src, :, :m]
+        from engine.kernels.triton_spans import copy_spans  # imports Triton: only on CUDA (and in tests)
+
+        copy_spans(_spans(parts, src, to_copy=True), self.gpu)  # device memory: no pinned block to guard
 
     def save(self, session: int, n: int, pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A host copy of session `session`, which holds `n` positions: per layer `[kv_heads, m,
@@ -108,7 +106,7 @@ class KVCache:
         host = torch.empty(sum(s.numel() for s in shapes), dtype=self.k[0].dtype, pin_memory=pin)
         copies = [part.view(shape) for part, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]
         _copy_parts([(src, m, copy) for (src, m), copy in zip(parts, copies, strict=True)], session,
-                    self._span_device([host]), to_host=True)
+                    self._span_device([host]), to_copy=True)
         return copies[0::2], copies[1::2]
 
     def load(self, session: int, ks: list[torch.Tensor], vs: list[torch.Tensor], n: int) -> None:
@@ -118,7 +116,7 @@ class KVCache:
         parts = [(cache, min(self.extent(i, n), host.shape[1]), host)
                  for i, (k, v, hk, hv) in enumerate(zip(self.k, self.v, ks, vs, strict=True))
                  for cache, host in ((k, hk), (v, hv))]
-        _copy_parts(parts, session, self._span_device(ks + vs), to_host=False)
+        _copy_parts(parts, session, self._span_device(ks + vs), to_copy=False)
 
     def _span_device(self, hosts: list[torch.Tensor]) -> torch.device | None:
         """The device a `save` or `load` copies on in one launch (`_copy_parts`): every layer's CUDA device, when the
@@ -131,52 +129,54 @@ def _one_pinned_allocation(tensors: list[torch.Tensor]) -> bool:
     return len({t.untyped_storage().data_ptr() for t in tensors}) == 1 and tensors[0].is_pinned()
 
 
-def _head_spans(cache: torch.Tensor, session: int, m: int, host: torch.Tensor,
-                to_host: bool) -> list[tuple[int, int, int]]:
-    """Per KV head, session `session`'s first `m` rows in `cache` and their copy in `host` (`[kv_heads, >= m, row]`:
-    a host copy, or another session of the cache), contiguous bytes in both: (source address, destination address,
-    bytes), to the copy (`to_host`) or back."""
+def _head_spans(cache: torch.Tensor, session: int, m: int, copy: torch.Tensor,
+                to_copy: bool) -> list[tuple[int, int, int]]:
+    """Per KV head, session `session`'s first `m` rows in `cache` and their `copy` (`[kv_heads, >= m, row]`: a host
+    copy, or another session of the cache), contiguous bytes in both: (source address, destination address, bytes),
+    to the copy (`to_copy`) or back."""
     size = cache.element_size()
     at, step = cache.data_ptr() + session * cache.stride(0) * size, cache.stride(1) * size
-    host_at, host_step = host.data_ptr(), host.stride(0) * size
+    copy_at, copy_step = copy.data_ptr(), copy.stride(0) * size
     rows = m * cache.stride(2) * size
-    if to_host:
-        return [(at + h * step, host_at + h * host_step, rows) for h in range(cache.shape[1])]
-    return [(host_at + h * host_step, at + h * step, rows) for h in range(cache.shape[1])]
+    if to_copy:
+        return [(at + h * step, copy_at + h * copy_step, rows) for h in range(cache.shape[1])]
+    return [(copy_at + h * copy_step, at + h * step, rows) for h in range(cache.shape[1])]
+
+
+def _spans(parts: list[tuple[torch.Tensor, int, torch.Tensor]], session: int, to_copy: bool) -> list[tuple[int, int, int]]:
+    """`_head_spans` of every (cache, m, copy)."""
+    return [span for cache, m, copy in parts for span in _head_spans(cache, session, m, copy, to_copy)]
 
 
 def _copy_parts(parts: list[tuple[torch.Tensor, int, torch.Tensor]], session: int, device: torch.device | None,
-                to_host: bool) -> None:
-    """Copy session `session`'s first m rows of each (cache, m, host copy) to the host copy (`to_host`) or back: with
-    `device` (`KVCache._span_device`) a span a KV head, all in one launch there (`triton_spans.copy_spans`) but the
-    last span, which takes a copy_ after it (below); without, a copy_ each, queued without the host waiting where
-    the host copy is pinned."""
+                to_copy: bool) -> None:
+    """Copy session `session`'s first m rows of each (cache, m, copy) to the copy (`to_copy`) or back: with `device`
+    (`KVCache._span_device`: a pinned host copy) a span a KV head, all in one launch there
+    (`triton_spans.copy_spans`) but the last span, which takes a copy_ after it (below); without, a copy_ each,
+    queued without the host waiting where the copy is pinned."""
     if device is None:
-        for cache, m, host in parts:
-            _copy_rows(cache[session, :, :m], host[:, :m], to_host)
+        for cache, m, copy in parts:
+            _copy_rows(cache[session, :, :m], copy[:, :m], to_copy)
         return
     from engine.kernels.triton_spans import copy_spans  # imports Triton: only on CUDA (and in tests)
 
     parts = [part for part in parts if part[1]]  # the last span holds bytes: its copy_ is what guards the host copy
     if not parts:
         return
-    spans = []
-    for cache, m, host in parts:
-        spans += _head_spans(cache, session, m, host, to_host)
-    copy_spans(spans[:-1], device)
+    copy_spans(_spans(parts, session, to_copy)[:-1], device)
     # torch's copy_ to or from pinned memory ties the pinned block to the stream (an event there, recorded at the
     # copy or, in newer torch, when the block is freed), so the block is not handed out again before the work
     # queued on it is done; a kernel ties nothing. The host copy may be freed as soon as this returns (a parked
     # entry evicted, a restored one dropped) with the kernel still queued, and its block could go to a new pinned
     # tensor the host writes at once (`to_device`'s staging). So the last span goes by copy_, after the kernel on
     # the same stream: the host copy is one allocation (`_one_pinned_allocation`), kept until the kernel is done.
-    cache, m, host = parts[-1]
-    _copy_rows(cache[session, -1, :m], host[-1, :m], to_host)
+    cache, m, copy = parts[-1]
+    _copy_rows(cache[session, -1, :m], copy[-1, :m], to_copy)
 
 
-def _copy_rows(rows: torch.Tensor, copy: torch.Tensor, to_host: bool) -> None:
-    """Cache rows to their host copy (`to_host`) or back by torch's copy_, the host not waiting where it is pinned."""
-    if to_host:
+def _copy_rows(rows: torch.Tensor, copy: torch.Tensor, to_copy: bool) -> None:
+    """Cache rows to their copy (`to_copy`) or back by torch's copy_, the host not waiting where the copy is pinned."""
+    if to_copy:
         copy.copy_(rows, non_blocking=copy.is_pinned())
     else:
         rows.copy_(copy, non_blocking=copy.is_pinned())

@@ -63,6 +63,7 @@ def _copy_and_park(runner: Runner) -> None:
     held = len(solo.tokens)
     if other is None:
         return
-    for n in {held, held - 1} - {0, -1}:
-        kv.copy(solo.index, other.index, n)
-        kv.load(other.index, *kv.save(solo.index, n, pin=kv.k[0].is_cuda), n)
+    for n in (held, held - 1):
+        if n > 0:
+            kv.copy(solo.index, other.index, n)
+            kv.load(other.index, *kv.save(solo.index, n, pin=kv.k[0].is_cuda), n)

@@ -384,8 +384,7 @@ class Scheduler:
             self.control.append(job)  # its control lines come after those of the jobs sent before it
             self.running.add(job)
             job.state = "reading"
-            self._spawn(job, self._run_control(engine, job, slot, None if slot is None else
-                                               self._open(engine, job, slot)))
+            self._spawn(job, self._run_control(engine, job, None if slot is None else self._open(engine, job, slot)))
             if slot is None or not self._pipelines():
                 return
 
@@ -587,10 +586,10 @@ class Scheduler:
             self._schedule()  # the others' admissions go out behind it, to be read with it
         return Opened(seg, slot)
 
-    async def _run_control(self, engine: EngineProcess, job: Job, slot: Slot | None, opened: Opened | None) -> None:
-        """One GEN (slot None) or BGEN: send it (unless `opened` says it went) and read the control lines to DONE
-        (and BADM)."""
-        seg, slot, died = opened or self._open(engine, job, slot)
+    async def _run_control(self, engine: EngineProcess, job: Job, opened: Opened | None) -> None:
+        """One GEN or BGEN: the BGEN `opened` sent, or (None) a GEN sent now (`_open`: into a slot instead where a
+        burst came meanwhile); then its control lines read to DONE (and BADM)."""
+        seg, slot, died = opened or self._open(engine, job, None)
         control = engine.control
         ids = job.context
         done: Done | None = None
