@@ -8,6 +8,7 @@ layer wait for the GPU).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,47 @@ class Batch:
             return self
         return Batch(self.spans, *(t.to(device, non_blocking=True) for t in (self.tokens, self.positions, self.last, self.sessions)))
 
+    @functools.cached_property
+    def span_index(self) -> SpanIndex:
+        """The rows and keys by session, on the batch's device: built once a forward, when a layer asks
+        (several spans attended in one call, engine/span_attention.py)."""
+        return span_index(self.spans, self.tokens.device)
+
     @property
     def single_rows(self) -> bool:
         """A decode step: one row for each of its sessions."""
         return all(s.length == 1 for s in self.spans)
+
+
+@dataclass(frozen=True)
+class SpanIndex:
+    """A forward's rows and keys by session, int32 on the device (one copy from the host)."""
+
+    row_sessions: torch.Tensor  # [N] each row's session
+    key_sessions: torch.Tensor  # [K] each key's session, the spans' keys one after another
+    key_positions: torch.Tensor  # [K] each key's position in its session: 0 .. span.end - 1
+    cum_rows: torch.Tensor  # [S + 1] where each span's rows start, then N
+    cum_keys: torch.Tensor  # [S + 1] where each span's keys start, then K
+    max_rows: int
+    max_keys: int
+
+
+def span_index(spans: list[Span], device: torch.device) -> SpanIndex:
+    """The index of `spans`' rows and keys (a span's keys: its session's positions up to its last row), built on
+    the host and sent to `device` in one copy."""
+    sessions = torch.tensor([s.session for s in spans], dtype=torch.int32)
+    lengths = torch.tensor([s.length for s in spans], dtype=torch.int32)
+    ends = torch.tensor([s.end for s in spans], dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    cum_rows = torch.cat([zero, lengths.cumsum(0, dtype=torch.int32)])
+    cum_keys = torch.cat([zero, ends.cumsum(0, dtype=torch.int32)])
+    key_positions = torch.arange(int(cum_keys[-1]), dtype=torch.int32) - cum_keys[:-1].repeat_interleave(ends)
+    parts = [sessions.repeat_interleave(lengths), sessions.repeat_interleave(ends), key_positions, cum_rows, cum_keys]
+    packed = torch.cat(parts)
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return SpanIndex(*packed.split([p.numel() for p in parts]), max(s.length for s in spans),
+                     max(s.end for s in spans))
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -166,6 +166,13 @@ def attend(
         return _attend_rows(q, k, v, k_cache, v_cache, rows, scale, window)
     if rows.single_rows and cpu_ops.usable(q):  # one call, which reads the rows' sessions and positions itself
         return cpu_ops.attend_rows(q, k, v, k_cache, v_cache, rows.sessions, rows.positions, window, scale)
+    if q.is_cuda and len(rows.spans) > 1:  # a burst's reads together: every span in one call a layer
+        from engine import span_attention  # CUDA only
+
+        if span_attention.usable(q, k_cache, rows, window):
+            out = span_attention.attend(q, k, v, k_cache, v_cache, rows, scale)
+            if out is not None:
+                return out
     out = []
     row = 0
     n_rep = q.shape[1] // k.shape[1]
