@@ -41,6 +41,8 @@ class KVCache:
         self.context = context
         self.max_chunk = max_chunk
         self.rings = min(self.lengths, default=context) < context  # some layer keeps a ring, not the context
+        # a position's K and V bytes in each layer (asked before every park: no views made then)
+        self._position_bytes = [2 * k[0, :, 0].numel() * k.element_size() for k in self.k]
 
     @staticmethod
     def bytes_per_session(windows: tuple[int | None, ...], kv_heads: int, context: int, head_dim: int,
@@ -58,7 +60,7 @@ class KVCache:
 
     def saved_bytes(self, n: int) -> int:
         """The bytes of a `save` of a session holding `n` positions."""
-        return sum(2 * k[0, :, :1].numel() * k.element_size() * self.saved(i, n) for i, k in enumerate(self.k))
+        return sum(size * self.saved(i, n) for i, size in enumerate(self._position_bytes))
 
     def usable_prefix(self, held: int, n: int) -> int:
         """Of the first `n` positions of a session that wrote `held`, how many a read can continue
