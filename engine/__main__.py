@@ -185,13 +185,18 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
     info["prefill"] = runner.chunk
     loop = make_loop(runner, stop_token_ids(g.metadata), runner.chunk, share,
                      parking=parking if parking.enabled else None)
-    # what loading and the warm-up made lives as long as the engine: kept out of the collector's passes (a full pass
-    # over a loaded engine's ~180,000 objects took 144-157 ms on a 2-core CPU, in the middle of whatever ran then)
+    # what loading and the warm-up made lives as long as the engine: kept out of the collector's passes while it serves
+    # (a full pass over a loaded engine's ~180,000 objects took 144-157 ms on a 2-core CPU, in the middle of whatever
+    # ran then); handed back at the end, for a caller that runs the engine in its own process (tests)
+    gc.collect()
     gc.freeze()
-    loop.emit(P.Info(info))
-    loop.emit(P.Ready(context, stop=True))
-    loop.start_reader(sys.stdin)
-    loop.run()
+    try:
+        loop.emit(P.Info(info))
+        loop.emit(P.Ready(context, stop=True))
+        loop.start_reader(sys.stdin)
+        loop.run()
+    finally:
+        gc.unfreeze()
     finish_tier(args, model, loop.stats.experts)
     log("quit")
     return 0

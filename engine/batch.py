@@ -48,7 +48,7 @@ class Batch:
     def span_index(self) -> SpanIndex:
         """The rows and keys by session, on the batch's device: built once a forward, when a layer asks
         (several spans attended in one call, engine/span_attention.py)."""
-        return span_index(self.spans, self.tokens.device)
+        return index_spans(self.spans, self.tokens.device)
 
     @property
     def single_rows(self) -> bool:
@@ -58,7 +58,8 @@ class Batch:
 
 @dataclass(frozen=True)
 class SpanIndex:
-    """A forward's rows and keys by session, int32 on the device (one copy from the host)."""
+    """A forward's rows and keys by session, on the device (one copy from the host): int64 for indexing (int32 indices
+    cost torch a conversion at every use), the cumulative lengths int32 as torch's flash kernel takes them."""
 
     row_sessions: torch.Tensor  # [N] each row's session
     key_sessions: torch.Tensor  # [K] each key's session, the spans' keys one after another
@@ -69,22 +70,22 @@ class SpanIndex:
     max_keys: int
 
 
-def span_index(spans: list[Span], device: torch.device) -> SpanIndex:
+def index_spans(spans: list[Span], device: torch.device) -> SpanIndex:
     """The index of `spans`' rows and keys (a span's keys: its session's positions up to its last row), built on
     the host and sent to `device` in one copy."""
-    sessions = torch.tensor([s.session for s in spans], dtype=torch.int32)
-    lengths = torch.tensor([s.length for s in spans], dtype=torch.int32)
-    ends = torch.tensor([s.end for s in spans], dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
-    cum_rows = torch.cat([zero, lengths.cumsum(0, dtype=torch.int32)])
-    cum_keys = torch.cat([zero, ends.cumsum(0, dtype=torch.int32)])
-    key_positions = torch.arange(int(cum_keys[-1]), dtype=torch.int32) - cum_keys[:-1].repeat_interleave(ends)
+    sessions = torch.tensor([s.session for s in spans])
+    lengths = torch.tensor([s.length for s in spans])
+    ends = torch.tensor([s.end for s in spans])
+    zero = torch.zeros(1, dtype=torch.int64)
+    cum_rows, cum_keys = torch.cat([zero, lengths.cumsum(0)]), torch.cat([zero, ends.cumsum(0)])
+    key_positions = torch.arange(int(cum_keys[-1])) - cum_keys[:-1].repeat_interleave(ends)
     parts = [sessions.repeat_interleave(lengths), sessions.repeat_interleave(ends), key_positions, cum_rows, cum_keys]
     packed = torch.cat(parts)
     if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
-    return SpanIndex(*packed.split([p.numel() for p in parts]), max(s.length for s in spans),
-                     max(s.end for s in spans))
+    rows, key_sessions, key_positions, cum_rows, cum_keys = packed.split([p.numel() for p in parts])
+    return SpanIndex(rows, key_sessions, key_positions, cum_rows.to(torch.int32), cum_keys.to(torch.int32),
+                     max(s.length for s in spans), max(s.end for s in spans))
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -169,7 +169,7 @@ def attend(
     if q.is_cuda and len(rows.spans) > 1:  # a burst's reads together: every span in one call a layer
         from engine import span_attention  # CUDA only
 
-        if span_attention.usable(q, k_cache, rows, window):
+        if span_attention.usable(q, rows, window):
             out = span_attention.attend(q, k, v, k_cache, v_cache, rows, scale)
             if out is not None:
                 return out
