@@ -444,10 +444,11 @@ def test_prompt_chunks_from_dequantized_rows_take_the_grouped_gemms(monkeypatch)
     assert not calls
     got = experts(x.bfloat16(), weights, ids)
     assert len(calls) == 3 and got.dtype == torch.bfloat16
-    assert_same_bits(experts(x.bfloat16(), weights, ids), got)  # run after run (exact mode reads a prompt alone so)
+    if DEVICE == "cuda":  # run after run (exact mode reads a prompt alone so); in the interpreter a dequantized
+        assert_same_bits(experts(x.bfloat16(), weights, ids), got)  # stack takes ~9 s, and the CPU's GEMMs repeat
     # bf16 weights, x, gate, up and h against the fused kernel's float32 x and sums here: ~1% apart
     assert ((got.float() - fused).norm() / fused.norm()).item() < 2e-2
-    assert experts.stats().lookups == 4 * ids.numel()
+    assert experts.stats().lookups == (4 if DEVICE == "cuda" else 3) * ids.numel()
 
 
 def test_a_layer_of_blocks_and_dense_stacks_runs_per_expert(monkeypatch):
