@@ -45,10 +45,16 @@ def _inputs(device: str, cache_dtype: torch.dtype, spans: list[Span] = SPANS):
     return q, k, v, [kv_blocks.store(p, cache_dtype) for p in prefix], _batch(spans, device)
 
 
+class FlashCalls(list):
+    """The faked flash call's arguments, one dict a call; `raises`: what the next calls raise instead."""
+
+    raises: Exception | None = None
+
+
 @pytest.fixture
-def fake_flash(monkeypatch):
-    """torch's flash call replaced on the CPU: records its arguments, returns q + 1 (or raises `raises`)."""
-    calls = []
+def fake_flash(monkeypatch) -> FlashCalls:
+    """torch's flash call replaced on the CPU: records its arguments, returns q + 1 (or raises `calls.raises`)."""
+    calls = FlashCalls()
 
     def flash(q, keys, values, cum_rows, cum_keys, max_rows, max_keys, dropout, causal, debug, *, scale):
         calls.append(dict(q=q, keys=keys, values=values, cum_rows=cum_rows.tolist(), cum_keys=cum_keys.tolist(),
@@ -57,7 +63,6 @@ def fake_flash(monkeypatch):
             raise calls.raises
         return q + 1, None, None, None, None
 
-    calls = type("Calls", (list,), {"raises": None})()
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", flash)
     monkeypatch.setattr(span_attention, "_failed", set())
     return calls
