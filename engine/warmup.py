@@ -60,9 +60,9 @@ def _copy_and_park(runner: Runner) -> None:
     but one (the copies' word can hang on a count's parity: Q8_0 rows of 68 or 102 bytes)."""
     kv, solo = runner.model.kv, runner.solo
     other = next((s for s in runner.sessions if s is not solo), None)
-    held = len(solo.tokens)
     if other is None:
         return
+    held = len(solo.tokens)
     for n in (held, held - 1):
         if n > 0:
             kv.copy(solo.index, other.index, n)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import kv_blocks, layers, span_attention
-from engine.batch import Batch, Span, index_spans
+from engine.batch import Batch, BatchBuilder, Span, index_spans
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,11 +26,8 @@ def test_the_span_index_lists_each_rows_session_and_each_spans_keys():
 
 
 def _batch(spans: list[Span], device: str) -> Batch:
-    positions = [p for s in spans for p in range(s.start, s.end)]
-    ends = torch.tensor([s.length for s in spans]).cumsum(0) - 1
-    return Batch(spans, torch.zeros(len(positions), dtype=torch.int64, device=device),
-                 torch.tensor(positions, device=device), ends.to(device),
-                 torch.tensor([s.session for s in spans], device=device))
+    n = sum(s.length for s in spans)
+    return BatchBuilder(torch.device(device), n, len(spans)).build(spans, [0] * n)
 
 
 SPANS = [Span(3, 0, 130), Span(0, 40, 17), Span(4, 100, 40), Span(1, 7, 64), Span(2, 20, 1)]  # 252 rows, 419 keys
