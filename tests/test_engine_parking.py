@@ -159,6 +159,28 @@ def test_a_parked_ring_is_restored_as_it_was():
     assert all(torch.equal(t[0, :, :short], t[1, :, :short]) for t in kv.k + kv.v)
 
 
+def test_room_is_made_before_the_copy_is_taken():
+    """A full store drops its least recently used before the new copy is allocated: on CUDA the dropped copy's
+    pinned block is handed out again instead of a new one."""
+    kv = KVCache((None,), sessions=2, kv_heads=2, context=64, head_dim=4, max_chunk=4, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    store = ParkingStore(64 * MIB, 2, pin=False)
+    store.park(kv, 0, [1, 2, 3], 3)
+    store.park(kv, 0, [4, 5, 6], 3)
+    held_at_save, save = [], kv.save
+
+    def spy(*args):
+        held_at_save.append([e.tokens for e in store.entries])
+        return save(*args)
+
+    kv.save = spy
+    store.park(kv, 1, [4, 5, 6, 7, 8], 5)  # supersedes [4, 5, 6]
+    store.park(kv, 1, [9], 1)
+    assert held_at_save == [[[1, 2, 3]], [[4, 5, 6, 7, 8]]]
+    assert [e.tokens for e in store.entries] == [[4, 5, 6, 7, 8], [9]] and store.evictions == 1
+    assert [e.bytes for e in store.entries] == [kv.saved_bytes(5), kv.saved_bytes(1)]
+
+
 def test_limits_and_bad_sizes(driver, talk):
     a1, _, _, x, _ = talk
     with pytest.raises(ValueError, match=">= 0"):
