@@ -140,8 +140,9 @@ class ParkingStore:
         superseded = [e for e in self.entries if common_prefix(e.tokens, tokens) == len(e.tokens)]
         for e in superseded:
             self.entries.remove(e)
-        # room made before the copy is allocated: a dropped entry's pinned block goes back to torch's host cache
-        # and is handed out again, where a new pinned block took ~10-14 ms of host time (an H100, ~550 positions)
+        # room made before the copy is allocated: never an entry over the limits in memory, and a dropped entry's
+        # pinned block can be handed out again (torch's host cache keeps freed blocks by power-of-two size) where a
+        # new one takes ~10 ms of host time (16 MiB, an H100)
         self._make_room(need)
         self.entries.append(Parked(list(tokens), turn, *kv.save(session, len(tokens), self.pin)))
         self.parks += 1
