@@ -129,7 +129,8 @@ class ParkingStore:
         until it fits are dropped."""
         if not self.enabled or not tokens:
             return
-        if any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.entries):
+        shared = [common_prefix(e.tokens, tokens) for e in self.entries]
+        if len(tokens) in shared:
             return  # already parked, whole
         need = kv.saved_bytes(len(tokens))
         if not self._room_for(need):
@@ -137,7 +138,7 @@ class ParkingStore:
             log(f"parking: skipped {len(tokens)} tokens (over {self.max_bytes // MIB} MiB, or host RAM low)")
             return
         t0 = time.perf_counter()
-        superseded = [e for e in self.entries if common_prefix(e.tokens, tokens) == len(e.tokens)]
+        superseded = [e for e, n in zip(self.entries, shared, strict=True) if n == len(e.tokens)]
         for e in superseded:
             self.entries.remove(e)
         # room made before the copy is allocated: never an entry over the limits in memory, and a dropped entry's
