@@ -6,7 +6,8 @@ after another are read together outside exact mode: each forward takes up to `pr
 the earliest admission's first (`_parts`), and each admission's control lines wait until those of the
 admissions sent before it are written (`say`, `order`). Between `HOLD` and `GO` admissions are only made
 ready (`prepare`: their slots' conversations parked, their prefixes found) while the rest of a burst reaches the
-server. After each forward the decoding rows get `decode_share` times its time, so a long prompt slows the others
+server; while nothing is asked, the parks those reads would make are copied ahead (`Runner.park_ahead`). After each
+forward the decoding rows get `decode_share` times its time, so a long prompt slows the others
 instead of stopping them; reads whose commands came during the forward start first (`admit_arrivals`).
 docs/protocol.md is the contract (where a decode step is called a window, as in STATS `windows`).
 """
@@ -469,6 +470,9 @@ class EngineLoop:
 
     def run(self) -> None:
         while not (self.quit and not self.busy() and self.commands.empty()):
+            if self.parking is not None and not self.busy() and self.commands.empty() \
+                    and self.runner.park_ahead(self.parking):
+                continue  # one conversation's park copied ahead while idle; commands are looked at before the next
             self.poll()
             self.admit()
             if self.reading:

@@ -6,8 +6,11 @@ its tokens and a host copy of its KV rows (pinned on CUDA; on the CPU a copy all
 session's rows are overwritten next). A later read that continues a parked conversation gets it
 back into its own session (`restore`) and reads only its new tokens, as if it had stayed live.
 
+While the engine is idle it takes the copy of a finished conversation ahead (`park_ahead`, on a CUDA stream of
+its own), so the park when its session is taken has no copy left to make: a burst's parks are off its read's path.
+
 The store keeps conversations least-recently-used within `max_bytes` and `max_entries`
-(`--conversation-cache-mib`, `--conversation-cache-slots`). A parked ring (sliding-window layers)
+(`--conversation-cache-mib`, `--conversation-cache-slots`); copies taken ahead count in `max_bytes`. A parked ring (sliding-window layers)
 is kept as it was, so what it can continue is what it could have continued live (`KVCache.usable_prefix`).
 """
 
@@ -74,6 +77,8 @@ class Parked:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # compared in C: a conversation against its own copy is the long case
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
@@ -97,7 +102,10 @@ class ParkingStore:
         self.max_entries = max_entries
         self.pin = pin
         self.entries: list[Parked] = []  # least recently used first
-        self.parks = self.evictions = self.skipped = 0
+        # copies taken ahead (`park_ahead`) by session, with the event their copy's stream records after it
+        self.ready: dict[int, tuple[Parked, torch.cuda.Event | None]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.parks = self.evictions = self.skipped = self.ahead = 0
         self.lookups = self.restores = 0
         self.restore_ms_last = self.restore_ms_total = 0.0
         self.timed = 0  # restores whose copies' time is in the figures
@@ -110,6 +118,10 @@ class ParkingStore:
     @property
     def bytes(self) -> int:
         return sum(e.bytes for e in self.entries)
+
+    @property
+    def ready_bytes(self) -> int:
+        return sum(entry.bytes for entry, _ in self.ready.values())
 
     def best(self, usable: Callable[[list[int]], int]) -> tuple[Parked | None, int]:
         """The parked conversation a read can continue furthest (`usable(tokens)`), and how far.
@@ -125,15 +137,18 @@ class ParkingStore:
         return best, best_n
 
     def park(self, kv: KVCache, session: int, tokens: list[int], turn: int) -> None:
-        """Copy session `session`'s conversation out: first the parked prefixes of it and the least recently used
-        until it fits are dropped."""
+        """Keep session `session`'s conversation, which its next read overwrites: its copy taken ahead where there is
+        one, else copied now; first the parked prefixes of it and the least recently used until it fits are dropped."""
+        ready, copied = self.ready.pop(session, (None, None))
         if not self.enabled or not tokens:
             return
         shared = [common_prefix(e.tokens, tokens) for e in self.entries]
         if len(tokens) in shared:
             return  # already parked, whole
-        need = kv.saved_bytes(len(tokens))
-        if not self._room_for(need):
+        if ready is not None and ready.tokens != tokens:
+            ready = None  # the session changed since (a safety net: its reads and copies drop it, `drop_ready`)
+        need = ready.bytes if ready is not None else kv.saved_bytes(len(tokens))
+        if ready is None and not self._room_for(need):
             self.skipped += 1
             log(f"parking: skipped {len(tokens)} tokens (over {self.max_bytes // MIB} MiB, or host RAM low)")
             return
@@ -145,11 +160,51 @@ class ParkingStore:
         # pinned block can be handed out again (torch's host cache keeps freed blocks by power-of-two size) where a
         # new one takes ~10 ms of host time (16 MiB, an H100)
         self._make_room(need)
-        self.entries.append(Parked(list(tokens), turn, *kv.save(session, len(tokens), self.pin)))
+        if ready is None:
+            entry = Parked(list(tokens), turn, *kv.save(session, len(tokens), self.pin))
+        else:
+            entry = ready
+            self.ahead += 1
+            if copied is not None:  # the read that overwrites the session waits for the copy taken ahead
+                torch.cuda.current_stream(copied.device).wait_event(copied)
+        self.entries.append(entry)
         self.parks += 1
-        log(f"parking: parked {len(tokens)} tokens in {(time.perf_counter() - t0) * 1000:.1f} ms; "
-            f"parked={len(self.entries)} bytes={self.bytes} evictions={self.evictions}"
+        log(f"parking: parked {len(tokens)} tokens in {(time.perf_counter() - t0) * 1000:.1f} ms"
+            + (" (copied ahead)" if ready is not None else "")
+            + f"; parked={len(self.entries)} bytes={self.bytes} evictions={self.evictions}"
             + (f" superseded={len(superseded)}" if superseded else ""))
+
+    def park_ahead(self, kv: KVCache, session: int, tokens: list[int], turn: int) -> bool:
+        """While the engine is idle: copy session `session`'s conversation out now, for its `park` when the session is
+        taken (the copy is then made; its read does not wait for it on the host), unless it is parked whole already,
+        or does not fit beside what is parked (nothing is dropped for a copy that may never be parked: the session's
+        next read may continue it, `drop_ready`). On CUDA the copy runs on a stream of its own, so a read of another
+        session that comes meanwhile does not queue behind it. Returns whether a copy was taken."""
+        if not self.enabled or not tokens or session in self.ready or kv.gpu is None and kv.k[0].is_cuda:
+            return False  # a layer split's copies stay on the layers' own streams, at the park
+        if any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.entries):
+            return False
+        need = kv.saved_bytes(len(tokens))
+        if self.bytes + self.ready_bytes + need > self.max_bytes or not self._room_for(need):
+            return False
+        copied = None
+        if kv.gpu is None:
+            k, v = kv.save(session, len(tokens), self.pin)
+        else:
+            stream = self._streams.setdefault(kv.gpu, torch.cuda.Stream(kv.gpu))
+            stream.wait_stream(torch.cuda.current_stream(kv.gpu))  # after the work that wrote the session
+            with torch.cuda.stream(stream):
+                k, v = kv.save(session, len(tokens), self.pin)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+        self.ready[session] = (Parked(list(tokens), turn, k, v), copied)
+        return True
+
+    def drop_ready(self, session: int) -> None:
+        """Session `session` is read without being parked (its conversation goes on, or another session holds it):
+        the copy taken ahead is dropped (torch keeps its pinned block until the copy is done)."""
+        self.ready.pop(session, None)
+
 
     def put(self, entry: Parked) -> None:
         """Add `entry` as the most recently used, dropping the least recently used until it fits."""
@@ -157,7 +212,9 @@ class ParkingStore:
         self.entries.append(entry)
 
     def _make_room(self, need: int) -> None:
-        """Drop the least recently used until one more entry of `need` bytes fits."""
+        """Drop copies taken ahead, then the least recently used, until one more entry of `need` bytes fits."""
+        while self.ready and self.bytes + self.ready_bytes + need > self.max_bytes:
+            self.ready.pop(next(iter(self.ready)))
         while self.entries and (len(self.entries) >= self.max_entries or self.bytes + need > self.max_bytes):
             self.entries.pop(0)
             self.evictions += 1
@@ -190,7 +247,7 @@ class ParkingStore:
     def stats(self) -> dict:
         """The `parking` object of STATS (docs/protocol.md)."""
         self.settle()
-        return {"parked": len(self.entries), "bytes": self.bytes, "parks": self.parks,
+        return {"parked": len(self.entries), "bytes": self.bytes, "parks": self.parks, "ahead": self.ahead,
                 "evictions": self.evictions, "skipped": self.skipped, "lookups": self.lookups,
                 "restores": self.restores, "restore_ms": round(self.restore_ms_last, 2),
                 "restore_ms_mean": round(self.restore_ms_total / self.timed, 2) if self.timed else 0.0}

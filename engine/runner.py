@@ -124,8 +124,8 @@ class Runner:
         restoring = entry is not None and entry_n > best_n
         if restoring:
             parking.take(entry)
-        if parking is not None and self._parks(target, prompt):
-            parking.park(self.model.kv, target.index, target.tokens, target.turn)
+        if parking is not None:
+            self._park(target, prompt, parking)
         if restoring:
             parking.restore(entry, self.model.kv, target.index, entry_n)
             if not continues(entry.tokens, entry.turn, prompt):
@@ -153,12 +153,26 @@ class Runner:
             for layer in tier.layers:
                 layer.reset_counts()
 
-    def _parks(self, target: Session, prompt: list[int]) -> bool:
-        """Whether `target`'s conversation is lost by this read and held nowhere else."""
+    def park_ahead(self, parking: ParkingStore) -> bool:
+        """While the engine is idle: take the copy of one session's conversation that a read overwriting the session
+        would park (`ParkingStore.park_ahead`). Returns whether one was taken (the caller looks at its commands before
+        the next)."""
+        return any(s.tokens and s.index not in parking.ready and not self._held_elsewhere(s)
+                   and parking.park_ahead(self.model.kv, s.index, s.tokens, s.turn) for s in self.sessions)
+
+    def _park(self, target: Session, prompt: list[int], parking: ParkingStore) -> None:
+        """Park `target`'s conversation if this read loses it and no other session holds it; else drop a copy of it
+        taken ahead."""
         held = target.tokens
-        if not held or continues(held, target.turn, prompt):
-            return False
-        return not any(s is not target and common_prefix(s.tokens, held) == len(held) for s in self.sessions)
+        if held and not continues(held, target.turn, prompt) and not self._held_elsewhere(target):
+            parking.park(self.model.kv, target.index, held, target.turn)
+        else:
+            parking.drop_ready(target.index)
+
+    def _held_elsewhere(self, target: Session) -> bool:
+        """Whether another session holds all of `target`'s conversation."""
+        return any(s is not target and common_prefix(s.tokens, target.tokens) == len(target.tokens)
+                   for s in self.sessions)
 
     def usable(self, session: Session, prompt: list[int]) -> int:
         """How much of `prompt` a read can continue from `session`'s cache."""
@@ -173,8 +187,8 @@ class Runner:
 
     def copy(self, src: Session, dst: Session, parking: ParkingStore | None = None) -> None:
         """`src`'s conversation into `dst` (a read that gives way), parking `dst`'s as `reuse` would."""
-        if parking is not None and self._parks(dst, src.tokens):
-            parking.park(self.model.kv, dst.index, dst.tokens, dst.turn)
+        if parking is not None:
+            self._park(dst, src.tokens, parking)
         self.model.kv.copy(src.index, dst.index, len(src.tokens))
         dst.tokens, dst.turn = list(src.tokens), src.turn
 

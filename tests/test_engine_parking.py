@@ -3,6 +3,9 @@ parking_test. A follow-up decodes the same tokens whether its conversation staye
 or was parked in host memory and restored, also when the store was full (evicted: read again), and
 a restored follow-up reads only its new tokens."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -181,6 +184,74 @@ def test_room_is_made_before_the_copy_is_taken():
     assert [e.bytes for e in store.entries] == [kv.saved_bytes(5), kv.saved_bytes(1)]
 
 
+def park_ahead(driver) -> int:
+    """What the loop does while idle, until it has nothing left to copy ahead; returns the copies taken."""
+    n = 0
+    while driver.server.runner.park_ahead(driver.parking):
+        n += 1
+    return n
+
+
+def test_a_park_copied_ahead_restores_the_live_tokens(driver, talk):
+    a1, answer, a2, x, _ = talk
+    driver.reset()
+    live = steps(driver, bgen(0, a1, 12), bgen(0, a2, 16))[-1]
+    driver.reset()
+    driver.run([bgen(0, a1, 12)])
+    assert park_ahead(driver) == 1 and list(driver.parking.ready) == [0]  # the one session holding anything
+    assert driver.parking.entries == [] and driver.parking.ready_bytes == driver.model.kv.saved_bytes(len(a1) + 11)
+    assert park_ahead(driver) == 0  # taken once
+    driver.run([bgen(0, x, 8)])
+    assert driver.parking.ahead == driver.parking.parks == 1 and driver.parking.ready == {}
+    parked = driver.run([bgen(1, a2, 16)])
+    assert tokens_of(parked) == tokens_of(live) and resumed(parked) == resumed(live)
+    assert driver.parking.restores == 1
+
+
+def test_a_copy_taken_ahead_is_dropped_when_the_conversation_goes_on(driver, talk):
+    a1, _, a2, _, _ = talk
+    driver.reset()
+    live = steps(driver, bgen(0, a1, 12), bgen(0, a2, 16))[-1]
+    driver.reset()
+    driver.run([bgen(0, a1, 12)])
+    park_ahead(driver)
+    assert tokens_of(driver.run([bgen(0, a2, 16)])) == tokens_of(live)
+    assert driver.parking.ready == {} and driver.parking.parks == 0
+
+
+def test_the_idle_loop_copies_parks_ahead(driver, talk):
+    """The real loop, left idle after a request, takes the copy by itself; the next command still comes at once."""
+    a1, _, _, x, _ = talk
+    driver.reset()
+    loop, parking = driver.server, driver.parking
+    runner = threading.Thread(target=loop.run)
+    loop.commands.put(bgen(0, a1, 12))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not parking.ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.commands.put(bgen(0, x, 8))
+    loop.commands.put(None)
+    runner.join(60)
+    assert not runner.is_alive()
+    assert parking.ahead == parking.parks == 1 and [len(e.tokens) for e in parking.entries] == [len(a1) + 11]
+
+
+def test_a_stale_copy_taken_ahead_is_not_parked_and_room_drops_it_first():
+    kv = KVCache((None,), sessions=3, kv_heads=2, context=64, head_dim=4, max_chunk=4, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    store = ParkingStore(2 * kv.saved_bytes(8), 8, pin=False)
+    assert store.park_ahead(kv, 0, [1, 2, 3], 3) and not store.park_ahead(kv, 0, [1, 2, 3], 3)
+    store.park(kv, 0, [1, 2, 3, 4], 4)  # the session changed since its copy: copied now
+    assert store.ahead == 0 and [e.tokens for e in store.entries] == [[1, 2, 3, 4]] and store.ready == {}
+    assert not store.park_ahead(kv, 1, [1, 2, 3, 4], 4)  # parked whole already
+    assert store.park_ahead(kv, 1, [5] * 8, 8)
+    assert not store.park_ahead(kv, 2, [6] * 8, 8)  # does not fit beside what is parked: nothing is dropped for it
+    store.park(kv, 2, [6] * 8, 8)  # a park does: the copy taken ahead first, then the least recently used
+    assert store.ready == {} and [e.tokens for e in store.entries] == [[1, 2, 3, 4], [6] * 8]
+    assert store.evictions == 0
+
+
 def test_limits_and_bad_sizes(driver, talk):
     a1, _, _, x, _ = talk
     with pytest.raises(ValueError, match=">= 0"):
@@ -221,3 +292,9 @@ def test_follow_up_equals_live_after_parking_on_cuda(tiny_model):
     torch.cuda.synchronize()  # the copies done: their time (CUDA events) comes into the figures
     cuda.parking.stats()
     assert cuda.parking.timed == 1 and cuda.parking.restore_ms_last > 0
+    # the park copied ahead on its own stream: the same tokens
+    cuda.reset()
+    cuda.run([bgen(0, a1, 12)])
+    assert park_ahead(cuda) == 1
+    ahead = steps(cuda, bgen(0, x, 8), bgen(1, a2, 16))[-1]
+    assert tokens_of(ahead) == tokens_of(live) and cuda.parking.ahead == cuda.parking.restores == 1
