@@ -192,12 +192,18 @@ def park_ahead(driver) -> int:
     return n
 
 
-def test_a_park_copied_ahead_restores_the_live_tokens(driver, talk):
-    a1, answer, a2, x, _ = talk
+def live_follow_up(driver, a1, a2) -> list[str]:
+    """The follow-up's lines with its conversation live; then a fresh engine holding the first turn in slot 0."""
     driver.reset()
     live = steps(driver, bgen(0, a1, 12), bgen(0, a2, 16))[-1]
     driver.reset()
     driver.run([bgen(0, a1, 12)])
+    return live
+
+
+def test_a_park_copied_ahead_restores_the_live_tokens(driver, talk):
+    a1, _, a2, x, _ = talk
+    live = live_follow_up(driver, a1, a2)
     assert park_ahead(driver) == 1 and list(driver.parking.ready) == [0]  # the one session holding anything
     assert driver.parking.entries == [] and driver.parking.ready_bytes == driver.model.kv.saved_bytes(len(a1) + 11)
     assert park_ahead(driver) == 0  # taken once
@@ -210,10 +216,7 @@ def test_a_park_copied_ahead_restores_the_live_tokens(driver, talk):
 
 def test_a_copy_taken_ahead_is_dropped_when_the_conversation_goes_on(driver, talk):
     a1, _, a2, _, _ = talk
-    driver.reset()
-    live = steps(driver, bgen(0, a1, 12), bgen(0, a2, 16))[-1]
-    driver.reset()
-    driver.run([bgen(0, a1, 12)])
+    live = live_follow_up(driver, a1, a2)
     park_ahead(driver)
     assert tokens_of(driver.run([bgen(0, a2, 16)])) == tokens_of(live)
     assert driver.parking.ready == {} and driver.parking.parks == 0
