@@ -173,10 +173,10 @@ def _int(text: str, what: str) -> int:
 
 def parse_ids(text: str) -> tuple[int, ...]:
     try:
-        ids = tuple(int(t) for t in text.split(","))
+        ids = tuple(map(int, text.split(",")))  # in C: a burst's BGENs are parsed on the engine's way to its read
     except ValueError:
         raise ProtocolError(f"token ids must be comma-separated integers, got {text[:40]!r}") from None
-    if any(i < 0 for i in ids):
+    if ids and min(ids) < 0:
         raise ProtocolError("token ids must be >= 0")
     return ids
 
