@@ -161,14 +161,21 @@ class Tokenizer:
         With `add_special` (and the model's add_bos flag) BOS is prepended, unless the text already
         starts with it (a rendered chat template often writes `<bos>` itself).
         """
-        # encode_batch lets go of the GIL where encode holds it: the server's routes tokenize in threads side by side
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        if add_special:
-            if self.add_bos and (not ids or ids[0] != self.bos_id):
-                ids.insert(0, self.bos_id)
-            if self.add_eos:
-                ids.append(self.eos_id)
-        return ids
+        return self.encode_many([text], add_special)[0]
+
+    def encode_many(self, texts: list[str], add_special: bool = True) -> list[list[int]]:
+        """`encode` of each text, in one call that the backend spreads over the cores without the GIL (the server
+        tokenizes a burst's prompts together, `server.tokens.BatchEncoder`)."""
+        out = []
+        for encoding in self.backend.encode_batch(texts, add_special_tokens=False):
+            ids = encoding.ids
+            if add_special:
+                if self.add_bos and (not ids or ids[0] != self.bos_id):
+                    ids.insert(0, self.bos_id)
+                if self.add_eos:
+                    ids.append(self.eos_id)
+            out.append(ids)
+        return out
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)

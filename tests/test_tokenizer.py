@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -10,7 +12,7 @@ from reference import reference_tokenizer
 
 from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer, TokenizerError
-from server.tokens import ByteTokenizer
+from server.tokens import BatchEncoder, ByteTokenizer, encode_prompt
 
 TEXTS = [
     "The capital of France is",
@@ -148,3 +150,57 @@ def test_demo_token_bytes_with_byte_fallback(demo_tok):
 def test_unsupported_tokenizer_is_named():
     with pytest.raises(TokenizerError, match="'bert'"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+class _Counted:
+    """A tokenizer that records each `encode_many` batch, refuses texts holding "BAD", and can hold a batch."""
+
+    def __init__(self, inner, gate: threading.Event | None = None):
+        self.inner, self.gate, self.batches = inner, gate, []
+        self.bos_id, self.eos_id, self.stop_ids, self.add_bos = inner.bos_id, inner.eos_id, inner.stop_ids, inner.add_bos
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        if "BAD" in text:
+            raise ValueError("refused")
+        return self.inner.encode(text, add_special)
+
+    def encode_many(self, texts: list[str], add_special: bool = True) -> list[list[int]]:
+        self.batches.append(len(texts))
+        if self.gate is not None:
+            self.gate.wait(10)
+        return [self.encode(t, add_special) for t in texts]
+
+
+def test_a_burst_of_prompts_is_tokenized_in_one_batch_behind_the_first(tiny_tok):
+    texts = [f"<|im_start|>user\nprompt {i}: " + "word " * (20 + i) for i in range(6)]
+    gate = threading.Event()
+    counted = _Counted(tiny_tok, gate)
+    encoder = BatchEncoder(counted)
+
+    async def burst():
+        first = asyncio.create_task(encoder.encode(texts[0]))
+        await asyncio.sleep(0.05)  # the first batch (one prompt) is being tokenized, held at the gate
+        rest = [asyncio.create_task(encoder.encode(t)) for t in texts[1:]]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return [await first] + [await r for r in rest]
+
+    assert asyncio.run(burst()) == [encode_prompt(tiny_tok, t) for t in texts]
+    assert counted.batches == [1, 5]  # the five that came while the first was tokenized went together
+
+
+def test_a_prompt_the_tokenizer_refuses_fails_alone(tiny_tok):
+    encoder = BatchEncoder(_Counted(tiny_tok))
+
+    async def burst():
+        return await asyncio.gather(*(encoder.encode(t) for t in ("one", "BAD two", "three")), return_exceptions=True)
+
+    one, bad, three = asyncio.run(burst())
+    assert one == encode_prompt(tiny_tok, "one") and three == encode_prompt(tiny_tok, "three")
+    assert isinstance(bad, ValueError)
+
+
+def test_many_equals_one_at_a_time(tiny_tok):
+    texts = ["hello world", "<|im_start|>system\nbe brief<|im_end|>", ""]
+    assert tiny_tok.encode_many(texts) == [tiny_tok.encode(t) for t in texts]
+    assert ByteTokenizer().encode_many(texts) == [ByteTokenizer().encode(t) for t in texts]
