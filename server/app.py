@@ -330,19 +330,20 @@ async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, as
                 yield sse("[DONE]")
                 return
             case DoneEvent(finish):
+                # the last events in one write: a burst's streams end together, one after another in this loop
+                tail = [] if parser is None else chunks(parser.finish())
                 if parser is None:
                     last = api.completion_chunk(cid, created, model, "", api.finish_reason(finish))
                 else:
-                    for chunk in chunks(parser.finish()):
-                        yield chunk
                     last = with_logprobs(api.chat_chunk(cid, created, model, {}, api.finish_reason(finish, called)))
                 last["timings"] = api.timings(job)
-                yield sse(last)
+                tail.append(sse(last))
                 if include_usage:
                     obj = "chat.completion.chunk" if parser is not None else "text_completion"
-                    yield sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                               "usage": _usage(job, assembler)})
-                yield sse("[DONE]")
+                    tail.append(sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+                                     "usage": _usage(job, assembler)}))
+                tail.append(sse("[DONE]"))
+                yield b"".join(tail)
                 return
 
 
