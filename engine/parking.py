@@ -10,8 +10,9 @@ While the engine is idle it takes the copy of a finished conversation ahead (`pa
 its own), so the park when its session is taken has no copy left to make: a burst's parks are off its read's path.
 
 The store keeps conversations least-recently-used within `max_bytes` and `max_entries`
-(`--conversation-cache-mib`, `--conversation-cache-slots`); copies taken ahead count in `max_bytes`. A parked ring (sliding-window layers)
-is kept as it was, so what it can continue is what it could have continued live (`KVCache.usable_prefix`).
+(`--conversation-cache-mib`, `--conversation-cache-slots`); copies taken ahead count in `max_bytes`. A parked ring
+(sliding-window layers) is kept as it was, so what it can continue is what it could have continued live
+(`KVCache.usable_prefix`).
 """
 
 from __future__ import annotations
@@ -204,7 +205,6 @@ class ParkingStore:
         """Session `session` is read without being parked (its conversation goes on, or another session holds it):
         the copy taken ahead is dropped (torch keeps its pinned block until the copy is done)."""
         self.ready.pop(session, None)
-
 
     def put(self, entry: Parked) -> None:
         """Add `entry` as the most recently used, dropping the least recently used until it fits."""
