@@ -192,7 +192,9 @@ class ParkingStore:
         if kv.gpu is None:
             k, v = kv.save(session, len(tokens), self.pin)
         else:
-            stream = self._streams.setdefault(kv.gpu, torch.cuda.Stream(kv.gpu))
+            if kv.gpu not in self._streams:
+                self._streams[kv.gpu] = torch.cuda.Stream(kv.gpu)
+            stream = self._streams[kv.gpu]
             stream.wait_stream(torch.cuda.current_stream(kv.gpu))  # after the work that wrote the session
             with torch.cuda.stream(stream):
                 k, v = kv.save(session, len(tokens), self.pin)
