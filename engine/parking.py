@@ -143,7 +143,7 @@ class ParkingStore:
         ready, copied = self.ready.pop(session, (None, None))
         if not self.enabled or not tokens:
             return
-        shared = [common_prefix(e.tokens, tokens) for e in self.entries]
+        shared = self._shared(tokens)
         if len(tokens) in shared:
             return  # already parked, whole
         if ready is not None and ready.tokens != tokens:
@@ -183,8 +183,8 @@ class ParkingStore:
         session that comes meanwhile does not queue behind it. Returns whether a copy was taken."""
         if not self.enabled or not tokens or session in self.ready or kv.gpu is None and kv.k[0].is_cuda:
             return False  # a layer split's copies stay on the layers' own streams, at the park
-        if any(common_prefix(e.tokens, tokens) == len(tokens) for e in self.entries):
-            return False
+        if len(tokens) in self._shared(tokens):
+            return False  # already parked, whole
         need = kv.saved_bytes(len(tokens))
         if self.bytes + self.ready_bytes + need > self.max_bytes or not self._room_for(need):
             return False
@@ -207,6 +207,10 @@ class ParkingStore:
         """Session `session` is read without being parked (its conversation goes on, or another session holds it):
         the copy taken ahead is dropped (torch keeps its pinned block until the copy is done)."""
         self.ready.pop(session, None)
+
+    def _shared(self, tokens: list[int]) -> list[int]:
+        """How many of `tokens` each parked entry shares with them from the start."""
+        return [common_prefix(e.tokens, tokens) for e in self.entries]
 
     def put(self, entry: Parked) -> None:
         """Add `entry` as the most recently used, dropping the least recently used until it fits."""

@@ -176,7 +176,7 @@ def parse_ids(text: str) -> tuple[int, ...]:
         ids = tuple(map(int, text.split(",")))  # in C: a burst's BGENs are parsed on the engine's way to its read
     except ValueError:
         raise ProtocolError(f"token ids must be comma-separated integers, got {text[:40]!r}") from None
-    if ids and min(ids) < 0:
+    if min(ids) < 0:  # never empty: an empty field fails int() above
         raise ProtocolError("token ids must be >= 0")
     return ids
 

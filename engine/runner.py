@@ -157,7 +157,7 @@ class Runner:
         """While the engine is idle: take the copy of one session's conversation that a read overwriting the session
         would park (`ParkingStore.park_ahead`). Returns whether one was taken (the caller looks at its commands before
         the next)."""
-        return any(s.tokens and s.index not in parking.ready and not self._held_elsewhere(s)
+        return any(s.tokens and not self._held_elsewhere(s)
                    and parking.park_ahead(self.model.kv, s.index, s.tokens, s.turn) for s in self.sessions)
 
     def _park(self, target: Session, prompt: list[int], parking: ParkingStore) -> None:

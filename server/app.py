@@ -331,10 +331,11 @@ async def _stream(cid: str, model: str, parser: ReplyParser | None, job: Job, as
                 return
             case DoneEvent(finish):
                 # the last events in one write: a burst's streams end together, one after another in this loop
-                tail = [] if parser is None else chunks(parser.finish())
                 if parser is None:
+                    tail = []
                     last = api.completion_chunk(cid, created, model, "", api.finish_reason(finish))
                 else:
+                    tail = chunks(parser.finish())
                     last = with_logprobs(api.chat_chunk(cid, created, model, {}, api.finish_reason(finish, called)))
                 last["timings"] = api.timings(job)
                 tail.append(sse(last))
