@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from engine import dense_copies  # noqa: E402
 from engine.kernels import triton_blocks as tb  # noqa: E402
+from engine.kernels.triton_unpacked import unpacked_bytes  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 from engine.memory import MIB  # noqa: E402
 from engine.weights import Block, LinearStack, Projections  # noqa: E402
@@ -87,21 +88,37 @@ def test_a_matrix_past_the_cap_keeps_only_its_blocks(monkeypatch):
     assert big.copy is None and small.copy is not None
 
 
-def test_a_q6_k_head_gets_a_copy_after_the_layers_where_it_fits(monkeypatch):
-    """The head comes last, past the cap for the layers' matrices; a Q8_0 head keeps only its blocks."""
+def test_a_q6_k_head_is_unpacked_after_the_layers_where_it_fits(monkeypatch):
+    """The head comes last, past the cap for the layers' matrices, unpacked to int8 (not a copy in the model's
+    dtype); a Q8_0 head keeps only its blocks."""
     monkeypatch.setattr(dense_copies, "MAX_COPY_BYTES", 16 * K * 4)
-    each = K * 4
+    each, head_bytes = K * 4, unpacked_bytes(64, K)
     layer, head = linear(16), linear(64, Q.Q6_K, seed=1)
-    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + 63 * each)  # the layer's copy, not the head's
+    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + head_bytes - 1)  # the layer's copy, not the head's
     assert dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head)).matrices == 1
-    assert layer.copy is not None and head.copy is None
+    assert layer.copy is not None and head.unpacked is None
     layer, head = linear(16), linear(64, Q.Q6_K, seed=1)
-    with_free(monkeypatch, dense_copies.RESERVE + 80 * each)
-    assert dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head)).matrices == 2
-    assert layer.copy is not None and head.copy is not None
+    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + head_bytes)
+    kept = dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head))
+    assert (kept.matrices, sum(kept.bytes.values())) == (2, 16 * each + head_bytes)
+    assert layer.copy is not None and head.copy is None and head.unpacked.nbytes == head_bytes
     q8_head = linear(64, Q.Q8_0, seed=2)
     assert dense_copies.keep_dense_copies(model_of([], output=q8_head)).matrices == 0
-    assert q8_head.copy is None
+    assert q8_head.copy is None and q8_head.unpacked is None
+
+
+def test_an_unpacked_head_takes_two_to_eight_rows():
+    """2-8 rows on the unpacked values: the blocks' tensor-core sums, bit for bit; one row and more than 8 keep the
+    blocks' kernels."""
+    head = linear(64, Q.Q6_K, seed=3)
+    head.keep_unpacked()
+    for rows in (1, 2, tb.MATVEC_ROWS, 12):
+        x = torch.randn(rows, K, device=DEVICE)
+        want = head.unpacked.matvec(x) if 1 < rows <= tb.MATVEC_ROWS else head.matrix.matmul(x)
+        assert_same_bits(head(x), want)
+    head.matrix._mma = tb.MmaTiles(32, 2, 2)
+    x = torch.randn(tb.MATVEC_ROWS, K, device=DEVICE)
+    assert_same_bits(head(x), head.matrix.matvec(x))
 
 
 def test_install_keeps_none_in_exact_mode_or_off_or_on_the_cpu(monkeypatch):

@@ -36,6 +36,7 @@ CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 INT16_PARTS = (2, 4, 8)
 WALKS = (1, 2, 4, 8)  # sorted pairs a matvec program (`Tiles.pairs_a_program`)
+ALONE_BLOCKS = (2, 4, 8)  # blocks a step of a window's pairs alone (`Tiles.alone_blocks`)
 INT8_TILES = ((4, 1, 1), (8, 1, 1), (2, 1, 1), (4, 2, 1), (16, 1, 1), (8, 1, 2))
 FLOAT_TILES = ((16, 128, 1), (16, 64, 1), (16, 256, 1), (32, 128, 1), (32, 64, 2), (32, 128, 2), (64, 64, 4),
                (64, 128, 4), (16, 128, 2))  # weight rows a program, values a step, warps
@@ -297,6 +298,14 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
         d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), pairs_a_program=walk)
         gated[("walk", walk)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         down[("walk", walk)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    # pairs alone on their expert, blocks a step (`Tiles.alone_blocks`): the code's tiles otherwise
+    for blocks in ALONE_BLOCKS if rows > 1 and {gate_type, down_type} <= set(tb.ROUNDED) else ():
+        if time.monotonic() > deadline:
+            break
+        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), alone_blocks=blocks)
+        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), alone_blocks=blocks)
+        gated[("alone", blocks)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        down[("alone", blocks)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(gate_type, HIDDEN, True) + (("joint",) if joins else ())
     _report(f"MoE gate+up ({gate_type.name}), {rows} rows, {experts} experts", gated, used)
