@@ -532,8 +532,12 @@ class Tiles:
         else:
             rows, warps, blocks, walk = (4 if gated else 8), 4, 1, 1  # float sums: `row_blocks` unread
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
-                   solo_blocks=4, int8_windows=qtype == Q.Q8_0, pairs_a_program=walk)
+                   solo_blocks=4, int8_windows=qtype == Q.Q8_0, pairs_a_program=walk,
+                   alone_blocks=ALONE_BLOCKS.get((qtype, gated)))
 
+
+# blocks a step of a window's pairs alone (`Tiles.alone_blocks`) by (type, gated)
+ALONE_BLOCKS: dict[tuple[Q, bool], int] = {}
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
 
