@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import triton_blocks
-from engine.kernels.triton_unpacked import Unpacked
+from engine.kernels.triton_unpacked import X_TYPES, Unpacked
 from engine.weights import Linear
 
 # Rows of x from which the matrix is dequantized to x's dtype first and multiplied by torch (cuBLAS), where
@@ -26,7 +26,7 @@ class GpuBlockLinear(Linear):
     chunks), from `DEQUANTIZED_ROWS` rows the matrix dequantized and torch's product (where its copy is
     small enough); products in x's dtype, accumulated in float32. With a dense copy kept
     (`engine.dense_copies`), every product of two rows or more is torch's on the copy; with the matrix unpacked
-    (a Q6_K head), products of 2-8 rows take the tensor cores on its int8 values."""
+    (a Q6_K head), products of 2-8 rows in bf16 or f16 take its int8 values, dequantized in registers."""
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, device: torch.device):
         self.matrix = triton_blocks.Matrix(qtype, blocks.to(device), in_features)
@@ -48,7 +48,7 @@ class GpuBlockLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.unpacked is not None and 1 < rows.shape[0] <= triton_blocks.MATVEC_ROWS:
+        if self.unpacked is not None and 1 < rows.shape[0] <= triton_blocks.MATVEC_ROWS and rows.dtype in X_TYPES:
             y = self.unpacked.matvec(rows)
         elif self.copy is not None and rows.shape[0] > 1 and rows.dtype == self.copy.dtype:
             y = torch.mm(rows, self.copy.t())

@@ -108,17 +108,15 @@ def test_a_q6_k_head_is_unpacked_after_the_layers_where_it_fits(monkeypatch):
 
 
 def test_an_unpacked_head_takes_two_to_eight_rows():
-    """2-8 rows on the unpacked values: the blocks' tensor-core sums, bit for bit; one row and more than 8 keep the
-    blocks' kernels."""
+    """2-8 rows in f16 (or bf16) on the unpacked values; one row, more than 8 and x of float32 keep the blocks'
+    kernels."""
     head = linear(64, Q.Q6_K, seed=3)
     head.keep_unpacked()
-    for rows in (1, 2, tb.MATVEC_ROWS, 12):
-        x = torch.randn(rows, K, device=DEVICE)
-        want = head.unpacked.matvec(x) if 1 < rows <= tb.MATVEC_ROWS else head.matrix.matmul(x)
-        assert_same_bits(head(x), want)
-    head.matrix._mma = tb.MmaTiles(32, 2, 2)
-    x = torch.randn(tb.MATVEC_ROWS, K, device=DEVICE)
-    assert_same_bits(head(x), head.matrix.matvec(x))
+    for rows, dtype in ((1, torch.float16), (2, torch.float16), (tb.MATVEC_ROWS, torch.float16), (12, torch.float16),
+                        (4, torch.float32)):
+        x = (torch.randn(rows, K) / 16).to(DEVICE, dtype)
+        unpacked = 1 < rows <= tb.MATVEC_ROWS and dtype == torch.float16
+        assert_same_bits(head(x), head.unpacked.matvec(x) if unpacked else head.matrix.matmul(x))
 
 
 def test_install_keeps_none_in_exact_mode_or_off_or_on_the_cpu(monkeypatch):

@@ -1,12 +1,13 @@
-"""A Q6_K matrix unpacked for the tensor cores: each weight's 6-bit value as an int8 (q - 32), for products of 2-8
-rows (a dense copy of the head, `engine.dense_copies`).
+"""A Q6_K matrix unpacked: each weight's 6-bit value as an int8 (q - 32) beside its scales, for products of 2-8 rows
+(a dense copy of the head, `engine.dense_copies`).
 
-The file's Q6_K blocks are 210 bytes, so most of them start only 2-byte aligned: the blocks' tensor-core kernel
-(`triton_blocks._q6k_mma`) loads them 16 bits at a time and makes each run's int8 values in registers (on an H100
-the head's 8 rows took 278.9 us for its 255 MB). Unpacked, a run of 32 values is one aligned 32-byte load: q int8
-[n, k], the sub-block scales int8 [n, k // 16] and d float16 [n, k // 256], 1.07 bytes a value against the blocks'
-0.82 and a bf16 copy's 2. The sums are `_q6k_mma`'s, bit for bit: the same int8 products (x rounded to int16, as
-two int8 planes) and the same floats after them in the same order, so a row's bits do not depend on the others.
+A bf16 copy of the head takes cuBLAS's product at ~2.9 TB/s on an H100, but reads 2 bytes a value. Unpacked, the
+matrix is 1.07 bytes a value: q int8 [n, k], the sub-block scales int8 [n, k // 16] and d float16 [n, k // 256]
+(the file's blocks are 0.82, but 210 bytes each, so most start only 2-byte aligned and their 6-bit values must
+be unpacked in registers; the blocks' int8 tensor-core kernel took 291 us at 8 rows against the copy's 212).
+`_unpacked_kernel` dequantizes each tile in registers, q * (d * scale) in float32 rounded to x's dtype (the bf16
+copy's values, bit for bit), and multiplies it with tl.dot over whole blocks of k, float32 sums; x's rows are
+rows of one tile of 16, each an MMA row of its own, so a row's bits do not depend on the others.
 """
 
 from __future__ import annotations
@@ -16,62 +17,47 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
 from engine.kernels.gpu import MATVEC_ROWS
-from engine.kernels.triton_blocks import X_DTYPES, _add_parts, _halves_of, _int8_sums, _x_planes
-from engine.kernels.triton_xq import RoundedRows
 
 BLOCK = 256  # values a Q6_K block holds
 UNPACK_ROWS = 8192  # weight rows unpacked at a time: the torch ops' temporaries stay small beside the copy
+X_TYPES = (torch.bfloat16, torch.float16)  # the tensor cores' 16-bit inputs
 
 
-@triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m
-def _unpacked_kernel(q, sc, d, x_hi, x_lo, xs, out, m, n, k, per, R: tl.constexpr, PDL: tl.constexpr):
-    """Part s = program_id(1) of y [m <= 8, n]: blocks [s * per, (s + 1) * per) of weight rows program_id(0) * R..,
-    into `out` (y itself for one part, else float32 [parts, 8, n]). Tile row t holds x row t % 8's first 16
-    values of a run (t < 8) or its last 16 (the run's two scales), as `_q6k_mma`'s."""
+@triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
+def _unpacked_kernel(q, sc, d, x, y, m, n, k, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """y [m <= 16, n] = x @ W.T for weight rows program_id(0) * BN..: BK values of k a step (whole sub-blocks)."""
     pdl.wait(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    part = tl.program_id(1)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
     live_n = rows < n
-    t = tl.arange(0, 16)
-    half = t // 8
-    x_row = (t % 8).to(tl.int64)
-    x_live = x_row < m
-    c = tl.arange(0, 32)
-    live = x_live[:, None] & (c[None, :] // 16 == half[:, None])
-    x_at = x_row[:, None] * k + c[None, :]
     row = rows.to(tl.int64)
-    q_at = row[:, None] * k + c[None, :]
-    acc = tl.zeros((R, 16), dtype=tl.float32)
-    for b in range(part * per, (part + 1) * per):
-        scale_d = tl.load(d + row * (k // 256) + b, mask=live_n, other=0).to(tl.float32)
-        for h in tl.static_range(2):
-            for r in tl.static_range(4):  # run r of half h: values 128h + 32r.., sub-blocks 8h + 2r and 8h + 2r + 1
-                v = b * 256 + h * 128 + r * 32
-                w_q = tl.load(q + q_at + v, mask=live_n[:, None], other=0)
-                x_t = _x_planes(x_hi, x_lo, x_at + v, live, True)
-                s = _int8_sums(w_q, x_t[0], x_t[1], live)
-                first = tl.load(sc + row * (k // 16) + v // 16, mask=live_n, other=0).to(tl.float32)
-                second = tl.load(sc + row * (k // 16) + v // 16 + 1, mask=live_n, other=0).to(tl.float32)
-                scale = scale_d[:, None] * tl.where(half[None, :] == 0, first[:, None], second[:, None])
-                xsc = tl.load(xs + x_row * (k // 32) + v // 32, mask=x_live, other=0.0)
-                acc += scale * (s.to(tl.float32) * xsc[None, :])
-    r8 = tl.arange(0, 8)[:, None]
-    tl.store(out + part * 8 * n + r8 * n + rows[None, :], _halves_of(acc, R).to(out.dtype.element_ty),
-             mask=(r8 < m) & live_n[None, :])
+    t = tl.arange(0, 16)
+    c = tl.arange(0, BK)
+    live_x = (t < m)[:, None]
+    g = tl.arange(0, BK // 16)
+    acc = tl.zeros((16, BN), dtype=tl.float32)
+    for k0 in range(0, k, BK):
+        w_q = tl.load(q + row[:, None] * k + k0 + c[None, :], mask=live_n[:, None], other=0).to(tl.float32)
+        scale = tl.load(sc + row[:, None] * (k // 16) + k0 // 16 + g[None, :], mask=live_n[:, None], other=0)
+        blk = tl.load(d + row * (k // 256) + k0 // 256, mask=live_n, other=0).to(tl.float32)
+        scale = blk[:, None] * scale.to(tl.float32)  # [BN, BK // 16]: d times each sub-block's scale
+        w = tl.reshape(tl.reshape(w_q, (BN, BK // 16, 16)) * scale[:, :, None], (BN, BK)).to(x.dtype.element_ty)
+        xt = tl.load(x + t[:, None] * k + k0 + c[None, :], mask=live_x, other=0.0)
+        acc = tl.dot(xt, tl.trans(w), acc)
+    out = y + t[:, None] * n + rows[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=live_x & live_n[None, :])
 
 
 @dataclass(frozen=True)
 class UnpackedTiles:
-    """Weight rows a program, warps, stages and parts of k (each a program; `_add_parts` adds them in order)."""
+    """Weight rows a program, values of k a step (a multiple of 16), warps and stages."""
 
-    rows: int = 32
-    warps: int = 2
-    stages: int = 2
-    parts: int = 1
+    rows: int = 64
+    k: int = 256
+    warps: int = 4
+    stages: int = 3
 
 
 def unpack_q6k(blocks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,37 +91,28 @@ class Unpacked:
     """An n x k Q6_K matrix unpacked (`unpack_q6k`) on its device, for products of 2-8 rows."""
 
     def __init__(self, blocks: torch.Tensor, k: int, tiles: UnpackedTiles | None = None):
+        self.tiles = tiles or UnpackedTiles()
+        if self.tiles.k % 16 or k % self.tiles.k:
+            raise ValueError(f"k={k} is not whole steps of {self.tiles.k} values in sub-blocks of 16")
         self.q, self.scales, self.d = unpack_q6k(blocks, k)
         self.n, self.k = blocks.shape[0], k
-        self.tiles = tiles or UnpackedTiles()
-        if (k // BLOCK) % self.tiles.parts:
-            raise ValueError(f"k={k} is not {self.tiles.parts} parts of whole blocks")
-        RoundedRows.want(blocks.device, planes=True)
 
     @property
     def nbytes(self) -> int:
         return unpacked_bytes(self.n, self.k)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """x [2 <= m <= MATVEC_ROWS, k] (contiguous, 16-byte aligned: a kernel per alignment) @ W.T -> [m, n] in
-        x's dtype."""
+        """x [2 <= m <= MATVEC_ROWS, k] of bf16 or f16 @ W.T -> [m, n] in x's dtype, float32 sums."""
         m = x.shape[0]
         if (x.dim() != 2 or x.shape[1] != self.k or not 1 < m <= MATVEC_ROWS or x.device != self.q.device
-                or x.dtype not in X_DTYPES):
-            raise ValueError(f"x must be a float32/bf16/f16 tensor [2-{MATVEC_ROWS}, {self.k}] on {self.q.device}, "
-                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-        x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
-        rounded, t = RoundedRows.of(x), self.tiles
+                or x.dtype not in X_TYPES):
+            raise ValueError(f"x must be a bf16/f16 tensor [2-{MATVEC_ROWS}, {self.k}] on {self.q.device}, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()  # a kernel per alignment
+        t = self.tiles
         y = torch.empty(m, self.n, dtype=x.dtype, device=x.device)
-        out = y if t.parts == 1 else torch.empty(t.parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
-        _unpacked_kernel[(triton.cdiv(self.n, t.rows), t.parts)](
-            self.q, self.scales, self.d, *rounded.planes(), rounded.scale, out, m, self.n, self.k,
-            self.k // BLOCK // t.parts, R=t.rows, num_warps=t.warps, num_stages=t.stages, **pdl.launch(x.device))
-        if t.parts > 1:
-            block = 1024
-            _add_parts[(triton.cdiv(m * self.n, block),)](out, y, m, self.n, PARTS=t.parts, BLOCK=block,
-                                                          **pdl.launch(x.device))
+        _unpacked_kernel[(triton.cdiv(self.n, t.rows),)](self.q, self.scales, self.d, x, y, m, self.n, self.k,
+                                                         BN=t.rows, BK=t.k, num_warps=t.warps, num_stages=t.stages,
+                                                         **pdl.launch(x.device))
         return y
 
-
-UNPACKED_TYPES = (Q.Q6_K,)
