@@ -6,10 +6,9 @@ latency, not bandwidth: on an H100, Q4_K 5,120 x 2,048 at 8 rows takes 16.6 us f
 dequantized to bf16 is a plain product for cuBLAS: 5.6 us (`python -m engine.kernels.sweep --copies`), for a copy
 3.6x the blocks' bytes. So where VRAM is left after the weights, the slots, the expert cache and the prompt chunk's
 peak, each layer's matrices of at most `MAX_COPY_BYTES` keep such a copy (`GpuBlockLinear.keep_copy`), in layer
-order while they fit; every product of 2 rows or more takes it, and one row keeps the blocks (the int16 kernel reads
-fewer bytes: 6.4 against 6.7 us). Then a Q6_K head (`UNPACKED_HEADS`) is unpacked to int8 (`triton_unpacked`): its
-2-8 rows on the tensor cores read 1.07 bytes a value, against a bf16 copy's 2 and the blocks' 0.82 in 16-bit loads
-(one row keeps the blocks: 133.5 us). Larger layer matrices (a dense model's FFN) keep only their blocks: unmeasured, and the more
+order while they fit, then the head where its type gains enough (`HEAD_COPY_TYPES`); every product of 2 rows or
+more takes it, and one row keeps the blocks (the int16 kernel reads fewer bytes: 6.4 against 6.7 us, the Q6_K head
+133.5 against 205.6). Larger layer matrices (a dense model's FFN) keep only their blocks: unmeasured, and the more
 a product is bound by bandwidth the less a copy of 2-4x the bytes can gain.
 
 Exact mode keeps no copies: torch's products choose their kernels by the number of rows, so a row's bits would
@@ -19,10 +18,8 @@ depend on what it is read with.
 from __future__ import annotations
 
 import argparse
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -32,14 +29,10 @@ from engine.memory import MIB, device_key, free_bytes
 from engine.models.base import Model
 from engine.weights import Linear, Projections
 
-if TYPE_CHECKING:
-    from engine.linear_gpu import GpuBlockLinear
-
 MAX_COPY_BYTES = 64 * MIB  # a layer's matrices: qwen3-30b-a3b's q|k|v copy 20 MiB, its attn_output's 16 MiB
-# heads unpacked to int8 after the layers' copies (which save more time per byte). H100, 8 rows, 151,936 x 2,048: a
-# Q6_K head's blocks 288.9 us, a bf16 copy (594 MiB) 208.3; a Q8_0 head's blocks 220.4, its bf16 copy only 208.2,
-# so it keeps its blocks
-UNPACKED_HEADS = (Q.Q6_K,)
+# heads that get a copy too, after the layers' (which save more time per byte). H100, 8 rows, 151,936 x 2,048: Q6_K
+# 288.9 -> 208.3 us for 594 MiB; Q8_0 only 220.4 -> 208.2, so it keeps its blocks
+HEAD_COPY_TYPES = (Q.Q6_K,)
 
 
 @dataclass
@@ -71,33 +64,24 @@ def copy_bytes(matrix: Linear, model: Model) -> int:
     return matrix.out_features * matrix.in_features * model.dtype.itemsize
 
 
-def unpacked_head(model: Model) -> GpuBlockLinear | None:
-    """The model's head where it is unpacked when it fits: blocks on a GPU of an `UNPACKED_HEADS` type."""
+def wanted(model: Model) -> Iterator[Linear]:
+    """The matrices that get a copy where it fits, in order: the layers' whose copy (in the model's dtype) takes at
+    most `MAX_COPY_BYTES`, layer by layer, then the head where its type is one of `HEAD_COPY_TYPES`."""
     from engine.linear_gpu import GpuBlockLinear
 
+    yield from (m for m in layer_matrices(model) if copy_bytes(m, model) <= MAX_COPY_BYTES)
     head = model.output
-    return head if isinstance(head, GpuBlockLinear) and head.matrix.qtype in UNPACKED_HEADS else None
-
-
-def wanted(model: Model) -> Iterator[tuple[Linear, int, Callable[[], object]]]:
-    """The matrices that get a copy where it fits, in order, with its bytes and what keeps it: the layers' whose copy
-    in the model's dtype takes at most `MAX_COPY_BYTES`, layer by layer, then an `unpacked_head`."""
-    from engine.kernels.triton_unpacked import unpacked_bytes
-
-    for matrix in layer_matrices(model):
-        if copy_bytes(matrix, model) <= MAX_COPY_BYTES:
-            yield matrix, copy_bytes(matrix, model), functools.partial(matrix.keep_copy, model.dtype)
-    head = unpacked_head(model)
-    if head is not None:
-        yield head, unpacked_bytes(head.out_features, head.in_features), head.keep_unpacked
+    if isinstance(head, GpuBlockLinear) and head.matrix.qtype in HEAD_COPY_TYPES:
+        yield head
 
 
 def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
-    """Give the `wanted` matrices a copy (the layers' in the model's dtype, the head unpacked), in order, each where
-    it still fits in the VRAM free on its device (measured before the first copy there) beyond `reserve`."""
+    """Give the `wanted` matrices a copy in the model's dtype, in order, each where it still fits in the VRAM free on
+    its device (measured before the first copy there) beyond `reserve`."""
     kept = DenseCopies()
     left: dict[str, int] = {}
-    for matrix, need, keep in wanted(model):
+    for matrix in wanted(model):
+        need = copy_bytes(matrix, model)
         device = matrix.matrix.blocks.device
         key = device_key(device)
         if key not in left:
@@ -105,7 +89,7 @@ def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
         if need > left[key]:
             continue
         try:
-            keep()
+            matrix.keep_copy(model.dtype)
         except torch.cuda.OutOfMemoryError:  # the allocator's blocks round up: what is kept stays
             break
         left[key] -= need
@@ -116,9 +100,9 @@ def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
 
 def add_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-copies", choices=("on", "off"), default="on",
-                   help="GPU: the layers' dense matrices dequantized once into the VRAM left free, for windows of 2-8 "
-                        "rows and prompt chunks (cuBLAS's products instead of the blocks' kernels), and a Q6_K head "
-                        "unpacked to int8 for windows of 2-8 rows (none in exact mode)")
+                   help="GPU: the layers' dense matrices and a Q6_K head dequantized once into the VRAM left free, for "
+                        "windows of 2-8 rows and prompt chunks (cuBLAS's products instead of the blocks' kernels; none "
+                        "in exact mode)")
 
 
 def install(model: Model, asked: str, exact: bool) -> str | None:

@@ -8,7 +8,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import triton_blocks
-from engine.kernels.triton_unpacked import X_TYPES, Unpacked
 from engine.weights import Linear
 
 # Rows of x from which the matrix is dequantized to x's dtype first and multiplied by torch (cuBLAS), where
@@ -25,8 +24,7 @@ class GpuBlockLinear(Linear):
     `triton_blocks.MATVEC_ROWS` rows (decode windows), the dequantize-in-tile GEMM above (prompt
     chunks), from `DEQUANTIZED_ROWS` rows the matrix dequantized and torch's product (where its copy is
     small enough); products in x's dtype, accumulated in float32. With a dense copy kept
-    (`engine.dense_copies`), every product of two rows or more is torch's on the copy; with the matrix unpacked
-    (a Q6_K head), products of 2-8 rows in bf16 or f16 take its int8 values, dequantized in registers."""
+    (`engine.dense_copies`), every product of two rows or more is torch's on the copy."""
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, device: torch.device):
         self.matrix = triton_blocks.Matrix(qtype, blocks.to(device), in_features)
@@ -34,23 +32,15 @@ class GpuBlockLinear(Linear):
         self.in_features = in_features
         self.nbytes = blocks.numel()
         self.copy: torch.Tensor | None = None
-        self.unpacked: Unpacked | None = None
 
     def keep_copy(self, dtype: torch.dtype) -> int:
         """Keep the matrix dequantized to `dtype` beside its blocks; the copy's bytes."""
         self.copy = self.matrix.dequantize(dtype=dtype)
         return self.copy.numel() * self.copy.element_size()
 
-    def keep_unpacked(self) -> int:
-        """Keep the matrix (Q6_K) unpacked to int8 beside its blocks (`triton_unpacked`); the copy's bytes."""
-        self.unpacked = Unpacked(self.matrix.blocks, self.in_features)
-        return self.unpacked.nbytes
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.unpacked is not None and 1 < rows.shape[0] <= triton_blocks.MATVEC_ROWS and rows.dtype in X_TYPES:
-            y = self.unpacked.matvec(rows)
-        elif self.copy is not None and rows.shape[0] > 1 and rows.dtype == self.copy.dtype:
+        if self.copy is not None and rows.shape[0] > 1 and rows.dtype == self.copy.dtype:
             y = torch.mm(rows, self.copy.t())
         elif (rows.shape[0] >= DEQUANTIZED_ROWS
                 and self.out_features * self.in_features * rows.element_size() <= DEQUANTIZED_BYTES):

@@ -13,7 +13,6 @@ pytest.importorskip("triton")
 
 from engine import dense_copies  # noqa: E402
 from engine.kernels import triton_blocks as tb  # noqa: E402
-from engine.kernels.triton_unpacked import unpacked_bytes  # noqa: E402
 from engine.linear_gpu import GpuBlockLinear  # noqa: E402
 from engine.memory import MIB  # noqa: E402
 from engine.weights import Block, LinearStack, Projections  # noqa: E402
@@ -88,35 +87,21 @@ def test_a_matrix_past_the_cap_keeps_only_its_blocks(monkeypatch):
     assert big.copy is None and small.copy is not None
 
 
-def test_a_q6_k_head_is_unpacked_after_the_layers_where_it_fits(monkeypatch):
-    """The head comes last, past the cap for the layers' matrices, unpacked to int8 (not a copy in the model's
-    dtype); a Q8_0 head keeps only its blocks."""
+def test_a_q6_k_head_gets_a_copy_after_the_layers_where_it_fits(monkeypatch):
+    """The head comes last, past the cap for the layers' matrices; a Q8_0 head keeps only its blocks."""
     monkeypatch.setattr(dense_copies, "MAX_COPY_BYTES", 16 * K * 4)
-    each, head_bytes = K * 4, unpacked_bytes(64, K)
+    each = K * 4
     layer, head = linear(16), linear(64, Q.Q6_K, seed=1)
-    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + head_bytes - 1)  # the layer's copy, not the head's
+    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + 63 * each)  # the layer's copy, not the head's
     assert dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head)).matrices == 1
-    assert layer.copy is not None and head.unpacked is None
+    assert layer.copy is not None and head.copy is None
     layer, head = linear(16), linear(64, Q.Q6_K, seed=1)
-    with_free(monkeypatch, dense_copies.RESERVE + 16 * each + head_bytes)
-    kept = dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head))
-    assert (kept.matrices, sum(kept.bytes.values())) == (2, 16 * each + head_bytes)
-    assert layer.copy is not None and head.copy is None and head.unpacked.nbytes == head_bytes
+    with_free(monkeypatch, dense_copies.RESERVE + 80 * each)
+    assert dense_copies.keep_dense_copies(model_of([{"attn_output": layer}], output=head)).matrices == 2
+    assert layer.copy is not None and head.copy is not None
     q8_head = linear(64, Q.Q8_0, seed=2)
     assert dense_copies.keep_dense_copies(model_of([], output=q8_head)).matrices == 0
-    assert q8_head.copy is None and q8_head.unpacked is None
-
-
-def test_an_unpacked_head_takes_two_to_eight_rows():
-    """2-8 rows in f16 (or bf16) on the unpacked values; one row, more than 8 and x of float32 keep the blocks'
-    kernels."""
-    head = linear(64, Q.Q6_K, seed=3)
-    head.keep_unpacked()
-    for rows, dtype in ((1, torch.float16), (2, torch.float16), (tb.MATVEC_ROWS, torch.float16), (12, torch.float16),
-                        (4, torch.float32)):
-        x = (torch.randn(rows, K) / 16).to(DEVICE, dtype)
-        unpacked = 1 < rows <= tb.MATVEC_ROWS and dtype == torch.float16
-        assert_same_bits(head(x), head.unpacked.matvec(x) if unpacked else head.matrix.matmul(x))
+    assert q8_head.copy is None
 
 
 def test_install_keeps_none_in_exact_mode_or_off_or_on_the_cpu(monkeypatch):

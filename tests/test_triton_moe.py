@@ -127,30 +127,6 @@ def test_decode_with_the_tiles_the_shapes_choose(qtype):
     check_projected(values[2], h, routing, tm.project(stacks[2], h, routing, SLOTS), False, **rounding)
 
 
-@pytest.mark.parametrize("blocks", [2, 4])
-@pytest.mark.parametrize("qtype", tm.ROUNDED, ids=lambda t: t.name)
-def test_pairs_alone_take_their_own_blocks_a_step(qtype, blocks):
-    """`Tiles.alone_blocks`: a window's pairs alone on their expert sum 2 or 4 blocks a step (k of 3 blocks: the
-    last step part masked), its runs keep theirs; every pair within the reference's bound, and the runs' bits
-    unchanged."""
-    rows, k = 32, 768
-    shapes = ((rows, k), (rows, k), (rows, k))
-    stacks, values = stacks_of(qtype, 21, tiles=None, shapes=shapes)
-    alone = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), alone_blocks=blocks))
-             for i, s in enumerate(stacks)]
-    gen = torch.Generator().manual_seed(8)
-    x = (torch.randn(2, k, generator=gen) / 16).to(DEVICE, torch.bfloat16)
-    h = (torch.randn(4, k, generator=gen) / 16).to(DEVICE, torch.bfloat16)  # the down over an h of its own
-    routing = tm.Routing.of(ids_of(DECODE_IDS[:2]), E)  # expert 3 a run of two, experts 0 and 1 alone
-    rounding = decode_rounding(stacks[0], 2)
-    gated = tm.swiglu(alone[0], alone[1], x, routing, SLOTS)
-    check_gated(values[:2], x, routing, gated, False, **rounding)
-    check_projected(values[2], h, routing, tm.project(alone[2], h, routing, SLOTS), False, **rounding)
-    before, after = (per_pair(routing, g) for g in (tm.swiglu(stacks[0], stacks[1], x, routing, SLOTS), gated))
-    for row, choice in ((0, 1), (1, 0)):  # expert 3's run
-        assert_same_bits(after[row, choice], before[row, choice])
-
-
 @pytest.mark.parametrize(("qtype", "dtype"), cases(PROMPT_TYPES, Q.Q6_K))
 def test_prompt_matches_reference(qtype, dtype):
     stacks, values = case(qtype)

@@ -119,12 +119,11 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
         args = args | dict(xq="*i8")
     rows, warps, blocks = (t.solo_rows, t.solo_warps, t.solo_blocks) if one_row else \
         (t.matvec_rows, t.matvec_warps, t.row_blocks)
-    alone_blocks = blocks if one_row else t.alone_blocks or blocks
     mma = 0 if one_row else dataclasses.replace(t, mma_rows=t.mma_rows if mma_rows is None else mma_rows).mma_program(rows)
     rows, step, alone = tm.matvec_program(t, qtype in gpu.FLOAT_BLOCKS, rows, mma)
     _, walking = tm.walk_program(t, one_row, TOP_K)
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=step, ROWS=tb.MATVEC_ROWS, SB=blocks,
-                                                            SB2=blocks, SBA=alone_blocks, SBA2=alone_blocks, ASM=True, MMA=mma, ALONE=alone, PARTS=parts,
+                                                            SB2=blocks, ASM=True, MMA=mma, ALONE=alone, PARTS=parts,
                                                             **walking), warps)
 
 

@@ -7,7 +7,7 @@ skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), 
 (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
 windows. `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
-(`engine.dense_copies`). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
+(`engine.dense_copies`), then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each
 shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows
 and runs in parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of
 8 rows on the tensor cores (`float_window`)."""
@@ -27,6 +27,7 @@ from triton.testing import do_bench_cudagraph
 
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
+from engine.kernels.triton_unpacked import Unpacked, UnpackedTiles
 from engine.kernels.triton_xq import ASM, RoundedRows
 
 DENSE = ((Q.Q6_K, 151936, 2048), (Q.Q4_K, 5120, 2048), (Q.Q4_K, 2048, 4096), (Q.Q6_K, 512, 2048))
@@ -36,7 +37,6 @@ CHOICES = (1, 2, 4, 8)
 MMA_RUNS = ((16, 1, 4), (16, 1, 8), (16, 1, 2), (32, 1, 4), (32, 2, 4), (16, 2, 4), (16, 1, 1), (32, 2, 1))
 INT16_PARTS = (2, 4, 8)
 WALKS = (1, 2, 4, 8)  # sorted pairs a matvec program (`Tiles.pairs_a_program`)
-ALONE_BLOCKS = (2, 4, 8)  # blocks a step of a window's pairs alone (`Tiles.alone_blocks`)
 INT8_TILES = ((4, 1, 1), (8, 1, 1), (2, 1, 1), (4, 2, 1), (16, 1, 1), (8, 1, 2))
 FLOAT_TILES = ((16, 128, 1), (16, 64, 1), (16, 256, 1), (32, 128, 1), (32, 64, 2), (32, 128, 2), (64, 64, 4),
                (64, 128, 4), (16, 128, 2))  # weight rows a program, values a step, warps
@@ -145,6 +145,31 @@ def dense_copies(deadline: float, shapes: tuple[tuple[Q, int, int], ...] = DENSE
             on_copy = _us(lambda copy=copy, x=x: torch.mm(x, copy.t()))
             print(f"  {m} rows  {on_blocks:8.1f} / {on_copy:8.1f}  ({on_blocks / on_copy:.2f}x)")
         del mat, copy
+
+
+UNPACKED_TILES = ((64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 2), (32, 256, 2, 3), (128, 128, 8, 3), (64, 256, 8, 3),
+                  (32, 128, 2, 3), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 2, 3), (128, 128, 4, 3), (16, 256, 2, 3),
+                  (32, 512, 4, 2), (128, 256, 8, 2))  # weight rows a program, values a step, warps, stages
+
+
+def unpacked_head(deadline: float) -> None:
+    """The Q6_K head's 2-8 rows unpacked (`triton_unpacked`: `UNPACKED_TILES`, the default marked) beside its blocks'
+    kernel and torch's product on a bf16 copy (what `engine.dense_copies` keeps)."""
+    n, k = DENSE[0][1:]
+    mat = tb.Matrix(Q.Q6_K, tb.random_blocks(Q.Q6_K, n, k, torch.Generator().manual_seed(5)).cuda(), k)
+    copy, unpacked = mat.dequantize(dtype=torch.bfloat16), Unpacked(mat.blocks, k)
+    default = dataclasses.astuple(unpacked.tiles)
+    x = torch.randn(tb.MATVEC_ROWS, k, device="cuda", dtype=torch.bfloat16)
+    print(f"Q6_K {n}x{k}, 8 rows: blocks {_us(lambda: mat.matvec(x)):.1f} us ({mat.blocks.numel() / 2**20:.0f} MiB), "
+          f"bf16 copy {_us(lambda: torch.mm(x, copy.t())):.1f} ({copy.numel() * 2 / 2**20:.0f} MiB), unpacked "
+          f"{unpacked.nbytes / 2**20:.0f} MiB:")
+    times = {}
+    for config in (default,) + tuple(c for c in UNPACKED_TILES if c != default):
+        if config != default and time.monotonic() > deadline:
+            break
+        unpacked.tiles = UnpackedTiles(*config)
+        times[config] = _us(lambda: unpacked.matvec(x))
+    _report("  unpacked", times, default, "weight rows a program, values a step, warps, stages")
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -298,14 +323,6 @@ def moe_window(rows: int, deadline: float, copies: bool = False, types: tuple[Q,
         d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), pairs_a_program=walk)
         gated[("walk", walk)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
         down[("walk", walk)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
-    # pairs alone on their expert, blocks a step (`Tiles.alone_blocks`): the code's tiles otherwise
-    for blocks in ALONE_BLOCKS if rows > 1 and {gate_type, down_type} <= set(tb.ROUNDED) else ():
-        if time.monotonic() > deadline:
-            break
-        g = dataclasses.replace(tm.Tiles.for_stack(gate_type, HIDDEN, True), alone_blocks=blocks)
-        d = dataclasses.replace(tm.Tiles.for_stack(down_type, FF, False), alone_blocks=blocks)
-        gated[("alone", blocks)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
-        down[("alone", blocks)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
     used = chosen(gate_type, HIDDEN, True) + (("joint",) if joins else ())
     _report(f"MoE gate+up ({gate_type.name}), {rows} rows, {experts} experts", gated, used)
@@ -322,7 +339,8 @@ def main() -> None:
             float_window(start + seconds * i / 2, copies)
         return
     if "--copies" in sys.argv:
-        dense_copies(start + seconds)
+        dense_copies(start + seconds * 0.7)
+        unpacked_head(start + seconds)
         return
     if "--runs" in sys.argv:  # the MoE's runs on the tensor cores only, both mixes, both routings
         cases = [(types, copies) for types in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)) for copies in (False, True)]

@@ -199,9 +199,9 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        row_bytes, expert_bytes, row_bytes2, expert_bytes2, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                        HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                       ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, SBA: tl.constexpr,
-                       SBA2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, ALONE: tl.constexpr,
-                       PARTS: tl.constexpr, WALKS: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+                       ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
+                       ALONE: tl.constexpr, PARTS: tl.constexpr, WALKS: tl.constexpr, PAIRS: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (weight-row tile, g, part): g is a sorted pair, which computes its expert's run where it is the first
     of it (a run: an expert's sorted pairs, 1 to ROWS of them; the others do nothing); WALKS: the window's runs g,
     g + G, g + 2G, ... in turn (G programs a tile, the grid's second size), found in the sorted experts (a
@@ -220,8 +220,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
             count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
             _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes, expert_bytes,
                         row_bytes2, expert_bytes2, rows, p, count, slot.to(tl.int64), part, QTYPE, GROUP, HAS_MIN,
-                        QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, SBA, SBA2, ASM, MMA, ALONE,
-                        PARTS)
+                        QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM, MMA, ALONE, PARTS)
     else:
         at = tl.arange(0, PAIRS)
         live = at < pairs
@@ -235,8 +234,8 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
             if slot != -1:
                 _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
                             expert_bytes, row_bytes2, expert_bytes2, rows, p, tl.sum(in_run.to(tl.int32)), slot, part,
-                            QTYPE, GROUP, HAS_MIN, QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, SBA,
-                            SBA2, ASM, MMA, ALONE, PARTS)
+                            QTYPE, GROUP, HAS_MIN, QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM,
+                            MMA, ALONE, PARTS)
 
 
 @triton.jit
@@ -244,24 +243,24 @@ def _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, 
                 row_bytes2, expert_bytes2, rows, p, count, slot, part, QTYPE: tl.constexpr, GROUP: tl.constexpr,
                 HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                 GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                SB: tl.constexpr, SB2: tl.constexpr, SBA: tl.constexpr, SBA2: tl.constexpr, ASM: tl.constexpr,
-                MMA: tl.constexpr, ALONE: tl.constexpr, PARTS: tl.constexpr):
+                SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, ALONE: tl.constexpr,
+                PARTS: tl.constexpr):
     """A `_moe_matvec_kernel` program's work on the run of `count` sorted pairs from p, on the expert at `slot`:
-    the one-row sums for a pair alone (ALONE; SBA and SBA2 blocks a step), else the run's (SB and SB2)."""
+    the one-row sums for a pair alone (ALONE), else the run's."""
     if (count == 1) & ALONE:  # alone on its expert, as every pair of a one-row window: the one-row sums
         if part == 0:
             at = tl.load(src + p).to(tl.int64)
             if JOINT:  # Q4_K gates and ups in one pass, both matrices' loads in flight together
                 one, up1 = _row_dot2_q4k(_expert_at(w, wf, slot, expert_bytes),
                                          _expert_at(w2, wf2, slot, expert_bytes2), rows, n, xq + at * k,
-                                         xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SBA, ASM)
+                                         xs + at * (k // 32), xsum + at * (k // 32), k, row_bytes, R, SB, ASM)
                 one = one * tl.sigmoid(one) * up1
             else:
                 one = _one_row(_expert_at(w, wf, slot, expert_bytes), rows, n, x, xq, xs, xsum, xh, at, k,
-                               row_bytes, QTYPE, GROUP, R, BK, SBA, ASM)
+                               row_bytes, QTYPE, GROUP, R, BK, SB, ASM)
                 if GATED:
                     up1 = _one_row(_expert_at(w2, wf2, slot, expert_bytes2), rows, n, x, xq, xs, xsum, xh, at, k,
-                                   row_bytes2, QTYPE2, GROUP2, R, BK, SBA2, ASM)
+                                   row_bytes2, QTYPE2, GROUP2, R, BK, SB2, ASM)
                     one = one * tl.sigmoid(one) * up1
             tl.store(y + tl.load(dst + p).to(tl.int64) * n + rows, one.to(y.dtype.element_ty), mask=rows < n)
     else:  # a run of 2-8 pairs: part `part` of k's 256-value steps
@@ -469,9 +468,6 @@ class Tiles:
     solo_rows: int | None = None
     solo_warps: int | None = None
     solo_blocks: int | None = None
-    # a window of 2-8 rows: blocks a step of its pairs alone on their expert (None: `row_blocks`, the runs' own). A
-    # pair alone reads as many bytes as a run and sums one x row, so more blocks a step keep more loads in flight
-    alone_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mma_rows and (self.mma_rows < 16 or self.mma_rows & (self.mma_rows - 1)):
@@ -532,12 +528,8 @@ class Tiles:
         else:
             rows, warps, blocks, walk = (4 if gated else 8), 4, 1, 1  # float sums: `row_blocks` unread
         return cls(rows, min(wide, triton.next_power_of_2(k)), 64, 64, 64, warps, 4, blocks, solo_rows=1, solo_warps=1,
-                   solo_blocks=4, int8_windows=qtype == Q.Q8_0, pairs_a_program=walk,
-                   alone_blocks=ALONE_BLOCKS.get((qtype, gated)))
+                   solo_blocks=4, int8_windows=qtype == Q.Q8_0, pairs_a_program=walk)
 
-
-# blocks a step of a window's pairs alone (`Tiles.alone_blocks`) by (type, gated)
-ALONE_BLOCKS: dict[tuple[Q, bool], int] = {}
 
 SKIP = -1  # slot table entry: the pair is computed elsewhere, its output row is left unwritten
 
@@ -793,7 +785,6 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         rows, warps, sb = ((tiles.solo_rows, tiles.solo_warps, tiles.solo_blocks) if solo else
                            (tiles.matvec_rows, tiles.matvec_warps, tiles.row_blocks))
         sb2 = other.tiles(gated).solo_blocks if solo else other.tiles(gated).row_blocks
-        sba, sba2 = (sb, sb2) if solo else (t.alone_blocks or sb for t in (tiles, other.tiles(gated)))
         floats = w.qtype == other.qtype and w.qtype in FLOAT_BLOCKS  # `_float_mma` reads both as w's type
         on_tensor_cores = not solo and routing.rows > 1 and (floats or takes_tensor_cores(w.qtype, w.k) and
                                                              takes_tensor_cores(other.qtype, other.k))
@@ -810,7 +801,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint, R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2,
-            SBA=sba, SBA2=sba2, ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, **walking, num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, **walking, num_warps=warps, **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,

@@ -1,15 +1,17 @@
-"""A Q6_K matrix unpacked: each weight's 6-bit value as an int8 (q - 32) beside its scales, for products of 2-8 rows
-(a dense copy of the head, `engine.dense_copies`).
+"""A Q6_K matrix unpacked: each weight's 6-bit value as an int8 (q - 32) beside its scales, for products of 2-8 rows:
+a candidate for the head's dense copy (`engine.dense_copies`), not used by the engine until it is timed faster than
+the bf16 copy (`python -m engine.kernels.sweep --copies` times both).
 
-A bf16 copy of the head takes cuBLAS's product at ~2.9 TB/s on an H100, but reads 2 bytes a value. Unpacked, the
-matrix is 1.07 bytes a value: q int8 [n, k], the sub-block scales int8 [n, k // 16] and d float16 [n, k // 256]
-(the file's blocks are 0.82, but 210 bytes each, so most start only 2-byte aligned and their 6-bit values must
-be unpacked in registers; the blocks' int8 tensor-core kernel took 291 us at 8 rows against the copy's 212).
-`_unpacked_kernel` dequantizes each tile in registers, q * (d * scale) in float32 rounded to x's dtype (the bf16
-copy's values, bit for bit), and multiplies it with tl.dot over whole blocks of k, float32 sums; x's rows are
-rows of one tile of 16, each an MMA row of its own, so a row's bits do not depend on the others.
+A bf16 copy of the head takes cuBLAS's product at ~2.9 TB/s on an H100 (151,936 x 2,048, 8 rows: 211.8 us), but
+reads 2 bytes a value. Unpacked, the matrix is 1.07 bytes a value: q int8 [n, k], the sub-block scales int8
+[n, k // 16] and d float16 [n, k // 256] (the file's blocks are 0.82, but 210 bytes each, so most start only
+2-byte aligned and their 6-bit values must be unpacked in registers: the blocks' int8 tensor-core kernel took
+291.4 us). Int8 products over these values, as that kernel's (x rounded to int16 in two planes, three products a
+run of 32), took 280.1 us at best: the loads were not what held it. So `_unpacked_kernel` dequantizes each tile in
+registers instead, q * (d * scale) in float32 rounded to x's dtype (the bf16 copy's values, bit for bit), and
+multiplies it with tl.dot over whole sub-blocks of k, float32 sums; x's rows are rows of one tile of 16, each an
+MMA row of its own, so a row's bits do not depend on the others.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
