@@ -163,8 +163,16 @@ def test_format_table_like_the_seed():
                         "| First token: median / last of the round |")
     assert lines[2].startswith("| 1 | one at a time | ") and "| - |" in lines[2]
     assert '| 1 | "parallel": 2 |' in lines[3] and "-9 %" in lines[3]
-    assert "0.4 s / 0.4 s" in lines[2]
+    assert "400 ms / 400 ms" in lines[2]
     assert "95% CI" in table
+
+
+def test_first_tokens_in_milliseconds_below_a_second():
+    """A GPU's first tokens take tens of milliseconds: shown as such, seconds from one second, "-" where none came."""
+    requests = [RequestResult(tokens=3, first_s=0.0234, end_s=2.0), RequestResult(tokens=3, first_s=1.53, end_s=2.0)]
+    assert BenchRow(0, "x", 2, [RoundResult(requests)]).first_token_text == "777 ms / 1.5 s"
+    assert BenchRow(0, "x", 1, [RoundResult(requests[:1])]).first_token_text == "23 ms / 23 ms"
+    assert BenchRow(0, "x", 1, []).first_token_text == "- / -"
 
 
 def test_each_concurrency_against_the_same_setting_one_at_a_time():

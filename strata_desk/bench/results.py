@@ -53,6 +53,13 @@ class RoundResult:
                 "requests": [asdict(r) for r in self.requests]}
 
 
+def _seconds_text(x: float) -> str:
+    """Milliseconds below a second (a first token on a GPU: tens of them), else seconds; "-" for none (NaN)."""
+    if x != x:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.1f} s"
+
+
 @dataclass
 class BenchRow:
     arm: int
@@ -85,6 +92,11 @@ class BenchRow:
     @property
     def errors(self) -> int:
         return sum(len(r.requests) - len(r.ok) for r in self.rounds)
+
+    @property
+    def first_token_text(self) -> str:
+        """The median and last first token of the rounds (medians), as the tables show them: "23 ms / 25 ms"."""
+        return f"{_seconds_text(self.ttft_median_s)} / {_seconds_text(self.ttft_last_s)}"
 
     def to_dict(self) -> dict[str, Any]:
         out = {"arm": self.arm, "setting": self.setting, "concurrency": self.concurrency,

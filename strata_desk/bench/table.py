@@ -5,10 +5,6 @@ from __future__ import annotations
 from strata_desk.bench.results import BenchResult
 
 
-def _secs(x: float) -> str:
-    return "-" if x != x else f"{x:.1f} s"
-
-
 def format_table(result: BenchResult) -> str:
     """The seed's table, rows by concurrency then arm, and the arms' comparisons below it."""
     first = result.arms[0]["setting"] if result.arms else "first"
@@ -21,7 +17,7 @@ def format_table(result: BenchResult) -> str:
         vs = "-" if row.versus_first is None else f"{(row.versus_first.ratio - 1) * 100:+.0f} %"
         err = f" ({row.errors} failed)" if row.errors else ""
         lines.append(f"| {row.concurrency} | {row.setting} | {row.total_tok_s:.1f}{err} | {vs} | "
-                     f"{row.per_request_tok_s:.1f} | {_secs(row.ttft_median_s)} / {_secs(row.ttft_last_s)} |")
+                     f"{row.per_request_tok_s:.1f} | {row.first_token_text} |")
     comparisons = [r for r in rows if r.versus_first is not None]
     if comparisons:
         lines.append("")

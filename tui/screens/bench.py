@@ -26,10 +26,6 @@ COLUMNS = ("arm", "setting", "concurrent", "total tok/s", "vs first", "per reque
            "rounds", "errors")
 
 
-def _secs(x: float) -> str:
-    return "-" if x != x else f"{x:.1f}s"  # NaN -> "-"
-
-
 def bench_out_path() -> Path:
     from strata_desk import paths
 
@@ -199,7 +195,7 @@ class BenchScreen(Screen[None]):
         errors = Text(str(row.errors), style="bold red" if row.errors else "dim")
         cells: list[Text | str] = [
             str(row.arm + 1), row.setting, str(row.concurrency), f"{row.total_tok_s:.1f}", vs,
-            f"{row.per_request_tok_s:.1f}", f"{_secs(row.ttft_median_s)} / {_secs(row.ttft_last_s)}",
+            f"{row.per_request_tok_s:.1f}", row.first_token_text,
             f"{len(row.rounds)}/{self.rounds}", errors,
         ]
         table = self.query_one(DataTable)
