@@ -22,6 +22,7 @@ DTYPES = (torch.float16,) if INTERPRETED else (torch.float16, torch.bfloat16)
 
 
 def blocks_of(seed: int, n: int = N, k: int = K) -> torch.Tensor:
+    """n rows of k random Q6_K values' blocks."""
     return tb.random_blocks(Q.Q6_K, n, k, torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
@@ -34,15 +35,16 @@ def test_unpacked_values_are_gguf_pys():
     assert_same_bits(values.view(N, K), reference(Q.Q6_K, blocks))
 
 
+@pytest.mark.parametrize(("k", "step"), [(768, 256), (768, 128), (1024, 512)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_kernels_weights_are_the_dequantized_copys(dtype):
+def test_the_kernels_weights_are_the_dequantized_copys(dtype, k, step):
     """Rows of x that pick one column each: y is that column of the matrix dequantized to x's dtype (equal values: a
-    weight of -0 sums to +0)."""
-    blocks = blocks_of(2)
-    unpacked = Unpacked(blocks, K, TILES)
-    copy = tb.Matrix(Q.Q6_K, blocks, K).dequantize(dtype=dtype)
-    columns = torch.tensor([0, 17, 255, 256, 400, 511, 600, 767])
-    x = torch.zeros(len(columns), K, dtype=dtype, device=DEVICE)
+    weight of -0 sums to +0), with steps of half a block, one and two."""
+    blocks = blocks_of(2, k=k)
+    unpacked = Unpacked(blocks, k, UnpackedTiles(rows=32, k=step, warps=2, stages=2))
+    copy = tb.Matrix(Q.Q6_K, blocks, k).dequantize(dtype=dtype)
+    columns = torch.tensor([0, 17, 255, 256, 400, 511, 600, k - 1])
+    x = torch.zeros(len(columns), k, dtype=dtype, device=DEVICE)
     x[torch.arange(len(columns)), columns] = 1
     assert torch.equal(unpacked.matvec(x), copy[:, columns.to(DEVICE)].t())
 
@@ -67,8 +69,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="whole steps"):
         Unpacked(blocks, K, UnpackedTiles(k=512))
     unpacked = Unpacked(blocks, K, TILES)
-    for bad in (torch.zeros(1, K), torch.zeros(9, K), torch.zeros(2, K - 256), torch.zeros(2, K)):
+    half = torch.float16
+    for bad in (torch.zeros(1, K, dtype=half), torch.zeros(9, K, dtype=half), torch.zeros(2, K - 256, dtype=half),
+                torch.zeros(2, K)):  # one row, nine, another k, float32
         with pytest.raises(ValueError, match="x must be"):
-            unpacked.matvec(bad.to(DEVICE, torch.float16 if bad.dtype == torch.float32 and bad.shape != (2, K)
-                                   else torch.float32))
+            unpacked.matvec(bad.to(DEVICE))
     assert unpacked.nbytes == unpacked_bytes(N, K) == N * K + N * K // 16 + N * K // 256 * 2

@@ -43,8 +43,8 @@ def _unpacked_kernel(q, sc, d, x, y, m, n, k, BN: tl.constexpr, BK: tl.constexpr
     for k0 in range(0, k, BK):
         w_q = tl.load(q + row[:, None] * k + k0 + c[None, :], mask=live_n[:, None], other=0).to(tl.float32)
         scale = tl.load(sc + row[:, None] * (k // 16) + k0 // 16 + g[None, :], mask=live_n[:, None], other=0)
-        blk = tl.load(d + row * (k // 256) + k0 // 256, mask=live_n, other=0).to(tl.float32)
-        scale = blk[:, None] * scale.to(tl.float32)  # [BN, BK // 16]: d times each sub-block's scale
+        blk = tl.load(d + row[:, None] * (k // 256) + (k0 + 16 * g[None, :]) // 256, mask=live_n[:, None], other=0)
+        scale = blk.to(tl.float32) * scale.to(tl.float32)  # [BN, BK // 16]: d times each sub-block's scale
         w = tl.reshape(tl.reshape(w_q, (BN, BK // 16, 16)) * scale[:, :, None], (BN, BK)).to(x.dtype.element_ty)
         xt = tl.load(x + t[:, None] * k + k0 + c[None, :], mask=live_x, other=0.0)
         acc = tl.dot(xt, tl.trans(w), acc)
