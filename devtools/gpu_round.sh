@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on a lent GPU machine (the `device` tool of this workplace, or any CUDA box with this tree):
 # generates the qwen3-30b-a3b test file, times `bench-engine --distinct` for each `--dense-copies` setting, then the
-# server's round of 8 (`strata-desk bench`, parallel 8, 128 tokens) for each server arm, within LIMIT seconds.
+# server's round of 8 (`strata-desk bench`, parallel 8, 128 tokens) for each server arm, within LIMIT seconds. Each
+# arm's engine log (its parks, `parking: parked N tokens in X ms`) is kept in $OUT.
 #
 #   ENGINE_ARMS="off on" ARMS="copies plain" ROUNDS=3 LIMIT=540 bash devtools/gpu_round.sh
 #
@@ -42,7 +43,7 @@ for arm in ${ARMS-copies plain}; do
   [ "$(left)" -lt 60 ] && break
   port=$((port + 1))
   dense=false; [ "$arm" = copies ] && dense=true
-  echo "{\"model\": \"$M\", \"parallel\": 8, \"context\": 4096, \"port\": $port, \"prefill\": \"auto\", \"dense_copies\": $dense}" \
+  echo "{\"model\": \"$M\", \"parallel\": 8, \"context\": 4096, \"port\": $port, \"prefill\": \"auto\", \"dense_copies\": $dense, \"log\": \"$OUT/$arm-engine.log\"}" \
     > $OUT/$arm.json
   python3 -m server --config $OUT/$arm.json > $OUT/$arm-server.log 2>&1 &
   pid=$!
