@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on a lent GPU machine (the `device` tool of this workplace, or any CUDA box with this tree):
 # generates the qwen3-30b-a3b test file, times `bench-engine --distinct` for each `--dense-copies` setting, then the
-# server's round of 8 (`strata-desk bench`, parallel 8, 128 tokens) for each server arm, within LIMIT seconds. Each
+# server's round of 8 (`strata-desk bench`, parallel 8, 128 tokens, 8 concurrent first: the steady state, the
+# conversation store full for one at a time) for each server arm, within LIMIT seconds. Each
 # arm's engine log (its parks, `parking: parked N tokens in X ms`) is kept in $OUT.
 #
 #   ENGINE_ARMS="off on" ARMS="copies plain" ROUNDS=3 LIMIT=540 bash devtools/gpu_round.sh
@@ -50,7 +51,7 @@ for arm in ${ARMS-copies plain}; do
   for _ in $(seq 600); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
   echo "== server, dense_copies $dense, ready at $(( $(date +%s) - START )) s"
   timeout $(( $(left) > 30 ? $(left) - 20 : 10 )) python3 -m strata_desk bench --url http://127.0.0.1:$port \
-    --concurrency 1,8 --max-tokens 128 --rounds ${ROUNDS:-3} --prompt-words 200 --out $OUT/$arm-bench.json 2>&1 \
+    --concurrency 8,1 --max-tokens 128 --rounds ${ROUNDS:-3} --prompt-words 200 --out $OUT/$arm-bench.json 2>&1 \
     | grep -v "^$" | tail -7
   kill $pid; wait $pid 2>/dev/null
 done
