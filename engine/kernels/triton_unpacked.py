@@ -12,6 +12,7 @@ registers instead, q * (d * scale) in float32 rounded to x's dtype (the bf16 cop
 multiplies it with tl.dot over whole sub-blocks of k, float32 sums; x's rows are rows of one tile of 16, each an
 MMA row of its own, so a row's bits do not depend on the others.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
