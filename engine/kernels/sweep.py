@@ -8,9 +8,10 @@ skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), 
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
 windows. `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
 (`engine.dense_copies`), then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`). Each figure is
-one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows
-and runs in parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of
-8 rows on the tensor cores (`float_window`)."""
+one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
+fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
+code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of 8 rows on the tensor cores
+(`float_window`)."""
 
 from __future__ import annotations
 
