@@ -43,6 +43,10 @@ FLOAT_TILES = ((16, 128, 1), (16, 64, 1), (16, 256, 1), (32, 128, 1), (32, 64, 2
                (64, 128, 4), (16, 128, 2))  # weight rows a program, values a step, warps
 INT8_Q8_0_TILES = ((2, 512, 1), (4, 512, 1), (2, 256, 1), (4, 256, 1), (8, 256, 1), (1, 512, 1))  # rows, values, warps
 WITHOUT = "without tensor cores"
+# the unpacked head's tiles (`unpacked_head`): weight rows a program, values a step, warps, stages
+UNPACKED_TILES = ((64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 2), (32, 256, 2, 3), (128, 128, 8, 3), (64, 256, 8, 3),
+                  (32, 128, 2, 3), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 2, 3), (128, 128, 4, 3), (16, 256, 2, 3),
+                  (32, 512, 4, 2), (128, 256, 8, 2))
 
 
 def _us(fn: Callable[[], object]) -> float:
@@ -148,20 +152,15 @@ def dense_copies(deadline: float, shapes: tuple[tuple[Q, int, int], ...] = DENSE
         del mat, copy
 
 
-UNPACKED_TILES = ((64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 2), (32, 256, 2, 3), (128, 128, 8, 3), (64, 256, 8, 3),
-                  (32, 128, 2, 3), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 2, 3), (128, 128, 4, 3), (16, 256, 2, 3),
-                  (32, 512, 4, 2), (128, 256, 8, 2))  # weight rows a program, values a step, warps, stages
-
-
 def unpacked_head(deadline: float) -> None:
     """The Q6_K head's 2-8 rows unpacked (`triton_unpacked`: `UNPACKED_TILES`, the default marked) beside its blocks'
     kernel and torch's product on a bf16 copy (what `engine.dense_copies` keeps)."""
-    n, k = DENSE[0][1:]
-    mat = tb.Matrix(Q.Q6_K, tb.random_blocks(Q.Q6_K, n, k, torch.Generator().manual_seed(5)).cuda(), k)
+    qtype, n, k = DENSE[0]  # the Q6_K head
+    mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, torch.Generator().manual_seed(5)).cuda(), k)
     copy, unpacked = mat.dequantize(dtype=torch.bfloat16), Unpacked(mat.blocks, k)
     default = dataclasses.astuple(unpacked.tiles)
     x = torch.randn(tb.MATVEC_ROWS, k, device="cuda", dtype=torch.bfloat16)
-    print(f"Q6_K {n}x{k}, 8 rows: blocks {_us(lambda: mat.matvec(x)):.1f} us ({mat.blocks.numel() / 2**20:.0f} MiB), "
+    print(f"{qtype.name} {n}x{k}, 8 rows: blocks {_us(lambda: mat.matvec(x)):.1f} us ({mat.blocks.numel() / 2**20:.0f} MiB), "
           f"bf16 copy {_us(lambda: torch.mm(x, copy.t())):.1f} ({copy.numel() * 2 / 2**20:.0f} MiB), unpacked "
           f"{unpacked.nbytes / 2**20:.0f} MiB:")
     times = {}

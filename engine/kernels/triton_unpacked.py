@@ -26,7 +26,7 @@ from engine.kernels.gpu import MATVEC_ROWS
 
 BLOCK = 256  # values a Q6_K block holds
 UNPACK_ROWS = 8192  # weight rows unpacked at a time: the torch ops' temporaries stay small beside the copy
-X_TYPES = (torch.bfloat16, torch.float16)  # the tensor cores' 16-bit inputs
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # x's types: the tensor cores' 16-bit inputs
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -108,7 +108,7 @@ class Unpacked:
         """x [2 <= m <= MATVEC_ROWS, k] of bf16 or f16 @ W.T -> [m, n] in x's dtype, float32 sums."""
         m = x.shape[0]
         if (x.dim() != 2 or x.shape[1] != self.k or not 1 < m <= MATVEC_ROWS or x.device != self.q.device
-                or x.dtype not in X_TYPES):
+                or x.dtype not in HALF_DTYPES):
             raise ValueError(f"x must be a bf16/f16 tensor [2-{MATVEC_ROWS}, {self.k}] on {self.q.device}, got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()  # a kernel per alignment
