@@ -7,8 +7,8 @@ skewed routing, then every row on the same experts as `bench-engine`'s 8 rows), 
 (`_rounded_kernel`: weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
 windows. `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
-(`engine.dense_copies`), then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`). Each figure is
-one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
+(`engine.dense_copies`), the Q4_K shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`,
+`Q4K_TILES`), then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
 fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
 code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of 8 rows on the tensor cores
 (`float_window`)."""
@@ -28,6 +28,7 @@ from triton.testing import do_bench_cudagraph
 
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
+from engine.kernels.triton_tiles import Q4kTiles, TileLaunch
 from engine.kernels.triton_unpacked import Unpacked, UnpackedTiles
 from engine.kernels.triton_xq import ASM, RoundedRows
 
@@ -47,6 +48,11 @@ WITHOUT = "without tensor cores"
 UNPACKED_TILES = ((64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 2), (32, 256, 2, 3), (128, 128, 8, 3), (64, 256, 8, 3),
                   (32, 128, 2, 3), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 2, 3), (128, 128, 4, 3), (16, 256, 2, 3),
                   (32, 512, 4, 2), (128, 256, 8, 2))
+# the Q4_K tiles' launches (`dense_tiles`): weight rows a program, warps, stages, parts of k
+Q4K_TILES = ((32, 4, 3, 1), (32, 2, 3, 1), (16, 1, 3, 1), (16, 2, 3, 1), (64, 4, 3, 1), (32, 4, 3, 2), (16, 2, 3, 2),
+             (32, 2, 3, 2), (32, 4, 3, 4), (16, 2, 3, 4), (16, 1, 3, 4), (64, 4, 3, 2), (64, 4, 3, 4), (32, 4, 2, 2),
+             (32, 4, 4, 2), (16, 1, 2, 4), (32, 2, 2, 4), (64, 8, 3, 2), (32, 4, 3, 8), (16, 2, 3, 8), (16, 1, 2, 8))
+LAYERS = 12  # matrices a shape in `dense_tiles`: a 12-layer model's, more bytes than the L2 holds
 
 
 def _us(fn: Callable[[], object]) -> float:
@@ -170,6 +176,31 @@ def unpacked_head(deadline: float) -> None:
         unpacked.tiles = UnpackedTiles(*config)
         times[config] = _us(lambda: unpacked.matvec(x))
     _report("  unpacked", times, default, "weight rows a program, values a step, warps, stages")
+
+
+def dense_tiles(deadline: float) -> None:
+    """The Q4_K dense shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `Q4K_TILES`, the default
+    marked) beside the blocks' kernels and torch's product on a bf16 copy: each figure a call over `LAYERS` matrices
+    of the shape, as a window reads them (from HBM, not the L2), divided by `LAYERS`."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(tb.MATVEC_ROWS, 4096, device="cuda", dtype=torch.bfloat16)
+    for qtype, n, k in DENSE[1:3]:
+        mats = [tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k) for _ in range(LAYERS)]
+        copies = [mat.dequantize(dtype=torch.bfloat16) for mat in mats]
+        xk = x[:, :k].contiguous()
+        each = {"blocks": _us(lambda mats=mats, xk=xk: [mat.matvec(xk) for mat in mats]) / LAYERS,
+                "bf16 copy": _us(lambda copies=copies, xk=xk: [torch.mm(xk, c.t()) for c in copies]) / LAYERS}
+        print(f"{qtype.name} {n}x{k}, 8 rows, a call over {LAYERS}: " + ", ".join(f"{name} {us:.1f} us"
+                                                                               for name, us in each.items()))
+        del copies
+        default = dataclasses.astuple(TileLaunch())
+        times = {}
+        for config in (default,) + tuple(c for c in Q4K_TILES if c != default):
+            if config != default and time.monotonic() > deadline:
+                break
+            tiles = [Q4kTiles(mat.blocks, k, TileLaunch(*config)) for mat in mats]
+            times[config] = _us(lambda tiles=tiles, xk=xk: [t.matvec(xk) for t in tiles]) / LAYERS
+        _report("  tiles", times, default, "weight rows a program, warps, stages, parts of k")
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -339,7 +370,8 @@ def main() -> None:
             float_window(start + seconds * i / 2, copies)
         return
     if "--copies" in sys.argv:
-        dense_copies(start + seconds * 0.7)
+        dense_copies(start + seconds * 0.4)
+        dense_tiles(start + seconds * 0.8)
         unpacked_head(start + seconds)
         return
     if "--runs" in sys.argv:  # the MoE's runs on the tensor cores only, both mixes, both routings
