@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None, make_runner: Callable[..., Runner] = Run
         runner.chunk, why = choose_prefill(runner, args.prefill)
         if args.prefill.auto:
             log(why)
-        if (copies := dense_copies.install(model, args.dense_copies, args.exact)) is not None:
+        if (copies := dense_copies.install(model, args.dense_copies, args.exact, args.dense_tiles)) is not None:
             log(copies)
             info["dense_copies_mib"] = round(sum(model.copy_bytes.values()) / MIB)
         if warmup.needed(runner):

@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     prompt = min(args.prompt, args.context // 2)
     chunk, why = choose_prefill(Runner(model, 0, exact=False, graphs=False), args.prefill)
-    copies = dense_copies.install(model, args.dense_copies, exact=False)
+    copies = dense_copies.install(model, args.dense_copies, exact=False, tiles=args.dense_tiles)
     for _ in range(args.rounds):
         rounds.append(run(model, device, prompt, args.decode, args.slots, chunk, args.warmup,
                           graphs=args.cuda_graphs == "on", ahead=None if args.ahead == "on" else False,

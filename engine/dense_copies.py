@@ -33,6 +33,11 @@ MAX_COPY_BYTES = 64 * MIB  # a layer's matrices: qwen3-30b-a3b's q|k|v copy 20 M
 # heads that get a copy too, after the layers' (which save more time per byte). H100, 8 rows, 151,936 x 2,048: Q6_K
 # 288.9 -> 208.3 us for 594 MiB; Q8_0 only 220.4 -> 208.2, so it keeps its blocks
 HEAD_COPY_TYPES = (Q.Q6_K,)
+# with `--dense-tiles on` (off until timed faster on a GPU) and the model's dtype bf16 or f16, these types' matrices
+# take tiles dequantized in registers instead of a copy (`GpuBlockLinear.keep_tiles`): a layer's Q4_K matrices their
+# own blocks, a Q6_K head its values unpacked
+LAYER_TILE_TYPES = (Q.Q4_K,)
+HEAD_TILE_TYPES = (Q.Q6_K,)
 
 
 @dataclass
@@ -40,12 +45,14 @@ class DenseCopies:
     """What `keep_dense_copies` kept: how many matrices, and their bytes per device (`memory.device_key`)."""
 
     matrices: int = 0
+    tiles: int = 0  # of them on tiles (`GpuBlockLinear.keep_tiles`) rather than a copy
     bytes: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> str:
         if not self.matrices:
             return "none (no VRAM left for them)"
-        return f"{self.matrices} matrices, " + ", ".join(f"{n / MIB:.0f} MiB on {d}" for d, n in self.bytes.items())
+        tiles = f" ({self.tiles} on tiles)" if self.tiles else ""
+        return f"{self.matrices} matrices{tiles}, " + ", ".join(f"{n / MIB:.0f} MiB on {d}" for d, n in self.bytes.items())
 
 
 def layer_matrices(model: Model) -> Iterator[Linear]:
@@ -64,6 +71,25 @@ def copy_bytes(matrix: Linear, model: Model) -> int:
     return matrix.out_features * matrix.in_features * model.dtype.itemsize
 
 
+def takes_tiles(matrix: Linear, model: Model, tiles: bool) -> bool:
+    """Whether `matrix` takes tiles rather than a copy: tiles are asked for, its type is one of `LAYER_TILE_TYPES` (a
+    head's: `HEAD_TILE_TYPES`) and the model's dtype is bf16 or f16."""
+    from engine.kernels.triton_tiles import HALF_DTYPES
+
+    types = HEAD_TILE_TYPES if matrix is model.output else LAYER_TILE_TYPES
+    return tiles and model.dtype in HALF_DTYPES and matrix.matrix.qtype in types
+
+
+def extra_bytes(matrix: Linear, model: Model, tiles: bool) -> int:
+    """The VRAM `matrix`'s fast form takes beside its blocks: none for a Q4_K matrix's tiles, the unpacked values for
+    a Q6_K one's, else the copy in the model's dtype."""
+    from engine.kernels.triton_unpacked import unpacked_bytes
+
+    if not takes_tiles(matrix, model, tiles):
+        return copy_bytes(matrix, model)
+    return unpacked_bytes(matrix.out_features, matrix.in_features) if matrix.matrix.qtype == Q.Q6_K else 0
+
+
 def wanted(model: Model) -> Iterator[Linear]:
     """The matrices that get a copy where it fits, in order: the layers' whose copy (in the model's dtype) takes at
     most `MAX_COPY_BYTES`, layer by layer, then the head where its type is one of `HEAD_COPY_TYPES`."""
@@ -75,25 +101,28 @@ def wanted(model: Model) -> Iterator[Linear]:
         yield head
 
 
-def keep_dense_copies(model: Model, reserve: int = RESERVE) -> DenseCopies:
-    """Give the `wanted` matrices a copy in the model's dtype, in order, each where it still fits in the VRAM free on
-    its device (measured before the first copy there) beyond `reserve`."""
+def keep_dense_copies(model: Model, reserve: int = RESERVE, tiles: bool = False) -> DenseCopies:
+    """Give the `wanted` matrices their tiles (where `tiles` and `takes_tiles`) or a copy in the model's dtype, in
+    order, each where it still fits in the VRAM free on its device (measured before the first one there) beyond
+    `reserve`."""
     kept = DenseCopies()
     left: dict[str, int] = {}
     for matrix in wanted(model):
-        need = copy_bytes(matrix, model)
+        need = extra_bytes(matrix, model, tiles)
         device = matrix.matrix.blocks.device
         key = device_key(device)
         if key not in left:
             left[key] = free_bytes(device)[0] - reserve
         if need > left[key]:
             continue
+        on_tiles = takes_tiles(matrix, model, tiles)
         try:
-            matrix.keep_copy(model.dtype)
+            matrix.keep_tiles() if on_tiles else matrix.keep_copy(model.dtype)
         except torch.cuda.OutOfMemoryError:  # the allocator's blocks round up: what is kept stays
             break
         left[key] -= need
         kept.matrices += 1
+        kept.tiles += on_tiles
         kept.bytes[key] = kept.bytes.get(key, 0) + need
     return kept
 
@@ -103,15 +132,19 @@ def add_flag(p: argparse.ArgumentParser) -> None:
                    help="GPU: the layers' dense matrices and a Q6_K head dequantized once into the VRAM left free, for "
                         "windows of 2-8 rows and prompt chunks (cuBLAS's products instead of the blocks' kernels; none "
                         "in exact mode)")
+    p.add_argument("--dense-tiles", choices=("on", "off"), default="off",
+                   help="GPU, with --dense-copies on: a bf16/f16 model's Q4_K layer matrices and Q6_K head take windows "
+                        "of 2-8 rows on tiles dequantized in registers instead of copies (Q4_K: no VRAM; off until "
+                        "timed faster)")
 
 
-def install(model: Model, asked: str, exact: bool) -> str | None:
-    """`--dense-copies` on a model loaded and sized (slots, expert cache, prompt chunk): the log line; None where
-    off or where no GPU runs the model."""
+def install(model: Model, asked: str, exact: bool, tiles: str = "off") -> str | None:
+    """`--dense-copies` (and `--dense-tiles`) on a model loaded and sized (slots, expert cache, prompt chunk): the log
+    line; None where off or where no GPU runs the model."""
     if asked != "on" or not model.placement.on_gpu():
         return None
     if exact:
         return "dense copies: none in exact mode (torch's products choose their kernels by the number of rows)"
-    kept = keep_dense_copies(model)
+    kept = keep_dense_copies(model, tiles=tiles == "on")
     model.copy_bytes = kept.bytes
     return f"dense copies for windows of 2-8 rows: {kept.describe()}"

@@ -8,6 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import triton_blocks
+from engine.kernels.gpu import MATVEC_ROWS
+from engine.kernels.triton_tiles import HALF_DTYPES, Q4kTiles, launch_for
+from engine.kernels.triton_unpacked import Unpacked
 from engine.weights import Linear
 
 # Rows of x from which the matrix is dequantized to x's dtype first and multiplied by torch (cuBLAS), where
@@ -24,7 +27,8 @@ class GpuBlockLinear(Linear):
     `triton_blocks.MATVEC_ROWS` rows (decode windows), the dequantize-in-tile GEMM above (prompt
     chunks), from `DEQUANTIZED_ROWS` rows the matrix dequantized and torch's product (where its copy is
     small enough); products in x's dtype, accumulated in float32. With a dense copy kept
-    (`engine.dense_copies`), every product of two rows or more is torch's on the copy."""
+    (`engine.dense_copies`), every product of two rows or more is torch's on the copy; with tiles kept instead
+    (`keep_tiles`), windows of 2-8 rows in bf16/f16 take them, and from 9 rows the matrix is dequantized as above."""
 
     def __init__(self, qtype: Q, blocks: torch.Tensor, in_features: int, device: torch.device):
         self.matrix = triton_blocks.Matrix(qtype, blocks.to(device), in_features)
@@ -32,17 +36,36 @@ class GpuBlockLinear(Linear):
         self.in_features = in_features
         self.nbytes = blocks.numel()
         self.copy: torch.Tensor | None = None
+        self.tiles: Q4kTiles | Unpacked | None = None
 
     def keep_copy(self, dtype: torch.dtype) -> int:
         """Keep the matrix dequantized to `dtype` beside its blocks; the copy's bytes."""
         self.copy = self.matrix.dequantize(dtype=dtype)
         return self.copy.numel() * self.copy.element_size()
 
+    def keep_tiles(self) -> int:
+        """Take windows of 2-8 rows in bf16/f16 on tiles dequantized in registers: a Q4_K matrix's own blocks
+        (`triton_tiles`), a Q6_K one's values unpacked beside them (`triton_unpacked`); the bytes kept beside the
+        blocks."""
+        m = self.matrix
+        if m.qtype == Q.Q4_K:
+            self.tiles = Q4kTiles(m.blocks, m.k, launch_for(m.n, m.k))
+            return 0
+        if m.qtype == Q.Q6_K:
+            self.tiles = Unpacked(m.blocks, m.k)
+            return self.tiles.nbytes
+        raise ValueError(f"{m.qtype.name} has no tiles (Q4_K and Q6_K do)")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.copy is not None and rows.shape[0] > 1 and rows.dtype == self.copy.dtype:
+        m = rows.shape[0]
+        # with tiles, 9-63 rows are dequantized too: the dequantize-in-tile GEMM is the slower (64 rows, above)
+        dequantized_from = MATVEC_ROWS + 1 if self.tiles is not None else DEQUANTIZED_ROWS
+        if self.tiles is not None and 1 < m <= MATVEC_ROWS and rows.dtype in HALF_DTYPES:
+            y = self.tiles.matvec(rows.contiguous())
+        elif self.copy is not None and m > 1 and rows.dtype == self.copy.dtype:
             y = torch.mm(rows, self.copy.t())
-        elif (rows.shape[0] >= DEQUANTIZED_ROWS
+        elif (m >= dequantized_from
                 and self.out_features * self.in_features * rows.element_size() <= DEQUANTIZED_BYTES):
             y = torch.mm(rows, self.matrix.dequantize(dtype=rows.dtype).t())
         else:

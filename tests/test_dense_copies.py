@@ -132,3 +132,37 @@ def test_the_config_turns_them_on_through_the_engine_flag():
 
     assert asked() == "on"
     assert asked(dense_copies=False) == "off"
+    tiles = build_parser().parse_args(RunConfig(model="m.gguf", args=["--dense-tiles", "on"]).engine_args())
+    assert (tiles.dense_copies, tiles.dense_tiles) == ("on", "on")
+    assert build_parser().parse_args(RunConfig(model="m.gguf").engine_args()).dense_tiles == "off"
+
+
+def test_q4_k_layers_and_a_q6_k_head_take_tiles_in_a_half_dtype(monkeypatch):
+    """Asked for (`--dense-tiles on`), in f16 (the engine's bf16 alike) a layer's Q4_K matrices take tiles on their own blocks (no VRAM), a Q6_K head
+    its values unpacked (their bytes), a layer's Q6_K matrix a copy; in float32 every one a copy."""
+    from engine.kernels.triton_unpacked import unpacked_bytes
+
+    with_free(monkeypatch, 1 << 40)
+    qk, v, head = linear(16), linear(8, Q.Q6_K, seed=1), linear(64, Q.Q6_K, seed=2)
+    model = model_of([{"attn_qkv": Projections([qk, v])}], dtype=torch.float16, output=head)
+    assert dense_copies.keep_dense_copies(model).tiles == 0  # not asked for: copies
+    qk.copy = v.copy = head.copy = None
+    kept = dense_copies.keep_dense_copies(model, tiles=True)
+    assert (qk.tiles is not None, qk.copy is None, v.tiles is None, v.copy is not None) == (True, True, True, True)
+    assert head.tiles is not None and head.copy is None
+    key = dense_copies.device_key(DEVICE)
+    assert (kept.matrices, kept.tiles, kept.bytes) == (3, 2, {key: 8 * K * 2 + unpacked_bytes(64, K)})
+    assert kept.describe().startswith("3 matrices (2 on tiles), ")
+    x = torch.randn(5, K, device=DEVICE, dtype=torch.float16)
+    assert_same_bits(qk(x), qk.tiles.matvec(x))
+    assert_same_bits(head(x), head.tiles.matvec(x))
+    assert_same_bits(qk(x[:1]), qk.matrix.matvec(x[:1]))  # one row keeps the blocks' kernel
+    many = torch.randn(12, K, device=DEVICE, dtype=torch.float16)  # from 9 rows: dequantized, torch's product
+    assert_same_bits(qk(many), torch.mm(many, qk.matrix.dequantize(dtype=torch.float16).t()))
+    plain = linear(16, seed=3)
+    dense_copies.keep_dense_copies(model_of([{"attn_output": plain}]), tiles=True)
+    assert plain.tiles is None and plain.copy is not None
+    with pytest.raises(ValueError, match="Q8_0 has no tiles"):
+        linear(8, Q.Q8_0).keep_tiles()
+    half = model_of([{"attn_output": linear(8, seed=5)}], dtype=torch.float16)
+    assert "1 matrices (1 on tiles), 0 MiB" in dense_copies.install(half, "on", exact=False, tiles="on")
