@@ -1,9 +1,10 @@
 #!/bin/bash
 # One call on a lent GPU machine (the `device` tool of this workplace, or any CUDA box with this tree):
 # generates the qwen3-30b-a3b test file, times `bench-engine --distinct` for each setting (off, on: `--dense-copies`;
-# tiles: `--dense-copies on --dense-tiles on`), then the server's round of 8 (`strata-desk bench`, parallel 8, 128 tokens, 8 concurrent first: the steady state, the
-# conversation store full for one at a time) for each server arm, within LIMIT seconds. Each
-# arm's engine log (its parks, `parking: parked N tokens in X ms`) is kept in $OUT.
+# tiles: `--dense-copies on --dense-tiles on`), then the server's round of 8 (`strata-desk bench`, parallel 8, 128
+# tokens, 8 concurrent first: the steady state, the conversation store full for one at a time) for each server arm
+# (copies; plain: none; tiles: `--dense-tiles on`), within LIMIT seconds. Each arm's engine log (its parks,
+# `parking: parked N tokens in X ms`) is kept in $OUT.
 #
 #   ENGINE_ARMS="on tiles" ARMS="copies tiles" ROUNDS=8 LIMIT=560 bash devtools/gpu_round.sh
 #
