@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import triton_blocks
 from engine.kernels.gpu import MATVEC_ROWS
-from engine.kernels.triton_tiles import HALF_DTYPES, Q4kTiles, launch_for
+from engine.kernels.triton_tiles import HALF_DTYPES, BlockTiles, launch_for
 from engine.kernels.triton_unpacked import Unpacked
 from engine.weights import Linear
 
@@ -36,7 +36,7 @@ class GpuBlockLinear(Linear):
         self.in_features = in_features
         self.nbytes = blocks.numel()
         self.copy: torch.Tensor | None = None
-        self.tiles: Q4kTiles | Unpacked | None = None
+        self.tiles: BlockTiles | Unpacked | None = None
 
     def keep_copy(self, dtype: torch.dtype) -> int:
         """Keep the matrix dequantized to `dtype` beside its blocks; the copy's bytes."""
@@ -45,11 +45,11 @@ class GpuBlockLinear(Linear):
 
     def keep_tiles(self) -> int:
         """Take windows of 2-8 rows in bf16/f16 on tiles dequantized in registers: a Q4_K matrix's own blocks
-        (`triton_tiles`), a Q6_K one's values unpacked beside them (`triton_unpacked`); the bytes kept beside the
+        (`triton_tiles.BlockTiles`), a Q6_K one's values unpacked beside them (`triton_unpacked`); the bytes kept beside the
         blocks."""
         m = self.matrix
         if m.qtype == Q.Q4_K:
-            self.tiles = Q4kTiles(m.blocks, m.k, launch_for(m.n, m.k))
+            self.tiles = BlockTiles(m.qtype, m.blocks, m.k, launch_for(m.n, m.k))
             return 0
         if m.qtype == Q.Q6_K:
             self.tiles = Unpacked(m.blocks, m.k)

@@ -28,7 +28,7 @@ from triton.testing import do_bench_cudagraph
 
 from engine.kernels import triton_blocks as tb
 from engine.kernels import triton_moe as tm
-from engine.kernels.triton_tiles import Q4kTiles, TileLaunch
+from engine.kernels.triton_tiles import BlockTiles, TileLaunch
 from engine.kernels.triton_unpacked import Unpacked, UnpackedTiles
 from engine.kernels.triton_xq import ASM, RoundedRows
 
@@ -198,7 +198,7 @@ def dense_tiles(deadline: float) -> None:
         for config in (default,) + tuple(c for c in Q4K_TILES if c != default):
             if config != default and time.monotonic() > deadline:
                 break
-            tiles = [Q4kTiles(mat.blocks, k, TileLaunch(*config)) for mat in mats]
+            tiles = [BlockTiles(qtype, mat.blocks, k, TileLaunch(*config)) for mat in mats]
             times[config] = _us(lambda tiles=tiles, xk=xk: [t.matvec(xk) for t in tiles]) / LAYERS
         _report("  tiles", times, default, "weight rows a program, warps, stages, parts of k")
 

@@ -1,13 +1,15 @@
-"""Q4_K matrices' products of 2-8 rows on bf16 tiles dequantized in registers from the file's blocks: a candidate for
-the layers' dense copies (`engine.dense_copies`), which read 2 bytes a value where the blocks read 0.5625.
+"""Q4_K and Q6_K products of 2-8 rows on bf16/f16 tiles dequantized in registers from the file's blocks: for the
+layers' dense matrices (`engine.dense_copies`, `--dense-tiles on`: instead of bf16 copies, which read 2 bytes a value
+where Q4_K blocks read 0.5625) and for the fused MoE kernel's runs (`triton_moe.Tiles.tile_runs`).
 
-Each step of a program takes one block (256 values) of each of its weight rows: the block's 128 bytes of nibble
-pairs in one load (the blocks are 144 bytes, so 16-byte aligned where a row's bytes are), its eight scales and mins
-(`_k_scales`). The low nibbles (values 64j + l of the block) and the high ones (64j + 32 + l) are dequantized apart,
-q * scale - min in float32 rounded to x's dtype (the dequantized copy's values, bit for bit: no fused multiply-add,
-as `dequantize_blocks`), and each multiplied with tl.dot by the x values of the same places, float32 sums. x's rows
-are rows of one tile of 16, each an MMA row of its own, so a row's bits do not depend on the others. Small matrices
-cut k into parts (`Q4kTiles.parts`), each a program of its own, added in order by `_add_parts`.
+`tile_sums` takes one block (256 values) of each weight row a step: a Q4_K block's 128 bytes of nibble pairs in one
+load (the blocks are 144 bytes, so 16-byte aligned where a row's bytes are) and its eight scales and mins
+(`_k_scales`); a Q6_K block's 128 bytes of low nibbles, its 64 of high bit pairs (each loaded for the two tiles that
+use it), its 16 scales and d. Each block is two tiles of 128 values (`_q4k_halves`, `_q6k_halves`), dequantized in
+float32 to x's dtype (the dequantized copy's values, bit for bit, where launched without fused multiply-adds, as
+`dequantize_blocks`), each multiplied with tl.dot by x's values of the same places, float32 sums. x's rows are rows of
+one tile of 16, each an MMA row of its own, so a row's bits do not depend on the others. Small matrices cut k into
+parts (`TileLaunch.parts`), each a program of its own, added in order by `_add_parts`.
 """
 
 from __future__ import annotations
@@ -21,45 +23,103 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import pdl
 from engine.kernels.gpu import MATVEC_ROWS
-from engine.kernels.triton_blocks import _add_parts, _k_scales, row_bytes
+from engine.kernels.triton_blocks import _Q4_K, _add_parts, _f16, _k_scales, _signed, row_bytes
 
-BLOCK, BLOCK_BYTES = 256, 144  # a Q4_K block's values and bytes: d, dmin, 12 bytes of scales, 128 of nibble pairs
+BLOCK = 256  # values a K-quant block holds
+TYPES = (Q.Q4_K, Q.Q6_K)
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # x's types: the tensor cores' 16-bit inputs
 
 
 @triton.jit
-def _half_tile(nibbles, scale, minimum, BN: tl.constexpr, dtype: tl.constexpr):
-    """[BN, 128] weights of x's dtype: nibbles [BN, 128] (four runs of 32) times their run's scale, less its min."""
-    w = tl.reshape(nibbles.to(tl.float32), (BN, 4, 32)) * scale[:, :, None] - minimum[:, :, None]
+def _scaled(q, scale, minimum, BN: tl.constexpr, G: tl.constexpr, dtype: tl.constexpr, HAS_MIN: tl.constexpr):
+    """[BN, 128] of `dtype`: q [BN, 128] (G runs of 128 // G values) times its run's scale [BN, G], less its run's
+    minimum [BN, G] where HAS_MIN, in float32 (no fused multiply-add: `dequantize_blocks`' values)."""
+    w = tl.reshape(q.to(tl.float32), (BN, G, 128 // G)) * scale[:, :, None]
+    if HAS_MIN:
+        w -= minimum[:, :, None]
     return tl.reshape(w, (BN, 128)).to(dtype)
 
 
+@triton.jit
+def _q4k_halves(w, blk, live, BN: tl.constexpr, dtype: tl.constexpr):
+    """The Q4_K block at bytes blk [BN] of each weight row as two [BN, 128] tiles: its low nibbles (values 64j + l of
+    the block, j < 4, l < 32) and its high ones (64j + 32 + l), q * scale - min. Byte run j's low nibbles are sub-block 2j, its high ones 2j + 1."""
+    c = tl.arange(0, 128)
+    j = tl.arange(0, 4)[None, :]
+    qs = tl.load(w + blk[:, None] + 16 + c[None, :], mask=live[:, None], other=0)
+    sc_lo, mn_lo = _k_scales(w, blk[:, None], 2 * j, live[:, None])
+    sc_hi, mn_hi = _k_scales(w, blk[:, None], 2 * j + 1, live[:, None])
+    return _scaled(qs & 15, sc_lo, mn_lo, BN, 4, dtype, True), _scaled(qs >> 4, sc_hi, mn_hi, BN, 4, dtype, True)
+
+
+@triton.jit
+def _q6k_halves(w, blk, live, BN: tl.constexpr, dtype: tl.constexpr):
+    """The Q6_K block at bytes blk [BN] of each weight row as two [BN, 128] tiles: the values of its 128 bytes of low
+    nibbles' low halves (values 128h + c of the block, h < 2, c < 64) and of their high halves (128h + 64 + c), each
+    with its two high bits, (q - 32) * (d * scale)."""
+    c = tl.arange(0, 128)
+    ql = tl.load(w + blk[:, None] + c[None, :], mask=live[:, None], other=0).to(tl.int32)
+    qh = tl.load(w + blk[:, None] + 128 + (32 * (c // 64) + c % 32)[None, :], mask=live[:, None], other=0).to(tl.int32)
+    shift = (2 * (c % 64 // 32))[None, :]
+    lo = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
+    hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+    g = tl.arange(0, 8)[None, :]  # the tiles' runs of 16: lo's are sub-blocks 8 (g // 4) + g % 4, hi's 4 further
+    d = _f16(w, blk[:, None] + 208, live[:, None])
+    sub = blk[:, None] + 192 + 8 * (g // 4) + g % 4
+    lo = _scaled(lo, d * _signed(w, sub, live[:, None]), d, BN, 8, dtype, False)
+    return lo, _scaled(hi, d * _signed(w, sub + 4, live[:, None]), d, BN, 8, dtype, False)
+
+
+@triton.jit
+def tile_sums(w, w2, row, live, x_at, x_live, b0, b1, acc, acc2, QTYPE: tl.constexpr, BN: tl.constexpr,
+              BOTH: tl.constexpr):
+    """acc [16, BN] += the x rows at x_at [16, 1] (pointers to each row's values; x_live [16, 1]) times the weight
+    rows at bytes `row` [BN] of w (live [BN]) over k's blocks [b0, b1); BOTH: acc2 += the same x times w2's rows (a
+    matrix of w's type and shape), each x tile loaded once for both. Each block's weights are two tiles of x's dtype
+    (`_q4k_halves`, `_q6k_halves`), each multiplied with tl.dot by x's values at the same places, float32 sums."""
+    c = tl.arange(0, 128)
+    if QTYPE == _Q4_K:
+        size: tl.constexpr = 144
+        at = 64 * (c // 32) + c % 32  # the values of the block the low tile holds; the high tile's are 32 on
+        far: tl.constexpr = 32
+    else:
+        size: tl.constexpr = 210
+        at = 128 * (c // 64) + c % 64  # the high tile's are 64 on
+        far: tl.constexpr = 64
+    dtype = x_at.dtype.element_ty
+    for b in range(b0, b1):
+        blk = row + b * size
+        x_lo = tl.load(x_at + b * 256 + at[None, :], mask=x_live, other=0.0)
+        x_hi = tl.load(x_at + b * 256 + far + at[None, :], mask=x_live, other=0.0)
+        if QTYPE == _Q4_K:
+            w_lo, w_hi = _q4k_halves(w, blk, live, BN, dtype)
+        else:
+            w_lo, w_hi = _q6k_halves(w, blk, live, BN, dtype)
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+        if BOTH:
+            if QTYPE == _Q4_K:
+                w_lo, w_hi = _q4k_halves(w2, blk, live, BN, dtype)
+            else:
+                w_lo, w_hi = _q6k_halves(w2, blk, live, BN, dtype)
+            acc2 = tl.dot(x_lo, tl.trans(w_lo), acc2)
+            acc2 = tl.dot(x_hi, tl.trans(w_hi), acc2)
+    return acc, acc2
+
+
 @triton.jit(do_not_specialize=["m", "per"])  # one compiled kernel for every m and part
-def _q4k_tiles_kernel(w, x, out, m, n, k, row_bytes, per, BN: tl.constexpr, PDL: tl.constexpr):
+def _tiles_kernel(w, x, out, m, n, k, row_bytes, per, QTYPE: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     """Part s = program_id(1) of y [m <= 8, n] = x @ W.T: blocks [s * per, (s + 1) * per) of weight rows
     program_id(0) * BN.., into `out` (y itself for one part, else float32 [parts, 8, n])."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     part = tl.program_id(1)
     live_n = rows < n
-    row = rows.to(tl.int64) * row_bytes
     t = tl.arange(0, 16)
     live_x = (t < m)[:, None]
-    c = tl.arange(0, 128)
-    at = 64 * (c // 32) + c % 32  # the value of a block each byte's low nibble holds; its high nibble's is 32 on
-    j = tl.arange(0, 4)[None, :]  # byte run j's low nibbles are sub-block 2j, its high ones 2j + 1
-    dtype = x.dtype.element_ty
     acc = tl.zeros((16, BN), dtype=tl.float32)
-    for b in range(part * per, (part + 1) * per):
-        blk = row + b * 144
-        qs = tl.load(w + blk[:, None] + 16 + c[None, :], mask=live_n[:, None], other=0)
-        sc_lo, mn_lo = _k_scales(w, blk[:, None], 2 * j, live_n[:, None])
-        sc_hi, mn_hi = _k_scales(w, blk[:, None], 2 * j + 1, live_n[:, None])
-        w_lo = _half_tile(qs & 15, sc_lo, mn_lo, BN, dtype)
-        w_hi = _half_tile(qs >> 4, sc_hi, mn_hi, BN, dtype)
-        xp = x + t[:, None] * k + b * 256 + at[None, :]
-        acc = tl.dot(tl.load(xp, mask=live_x, other=0.0), tl.trans(w_lo), acc)
-        acc = tl.dot(tl.load(xp + 32, mask=live_x, other=0.0), tl.trans(w_hi), acc)
+    acc, _ = tile_sums(w, w, rows.to(tl.int64) * row_bytes, live_n, x + t[:, None] * k, live_x, part * per,
+                       (part + 1) * per, acc, acc, QTYPE, BN, False)
     tl.store(out + part * 8 * n + t[:, None] * n + rows[None, :], acc.to(out.dtype.element_ty),
              mask=live_x & live_n[None, :])
 
@@ -79,19 +139,20 @@ def launch_for(n: int, k: int) -> TileLaunch:
     return TileLaunch()
 
 
-class Q4kTiles:
-    """An n x k Q4_K matrix's blocks (uint8 [n, k // 256 * 144] on a CUDA device or, interpreted, the CPU), for
+class BlockTiles:
+    """An n x k Q4_K or Q6_K matrix's blocks (uint8 [n, row_bytes] on a CUDA device or, interpreted, the CPU), for
     products of 2-8 rows on dequantized bf16/f16 tiles."""
 
-    def __init__(self, blocks: torch.Tensor, k: int, launch: TileLaunch | None = None):
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % BLOCK or blocks.shape[1] != row_bytes(Q.Q4_K, k):
-            raise ValueError(f"blocks must be uint8 [n, {k // BLOCK * BLOCK_BYTES}] of Q4_K with k={k}, got "
+    def __init__(self, qtype: Q, blocks: torch.Tensor, k: int, launch: TileLaunch | None = None):
+        if qtype not in TYPES:
+            raise ValueError(f"{Q(qtype).name} has no tiles (Q4_K and Q6_K do)")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % BLOCK or blocks.shape[1] != row_bytes(qtype, k):
+            raise ValueError(f"blocks must be uint8 [n, {row_bytes(qtype, k)}] of {qtype.name} with k={k}, got "
                              f"{blocks.dtype} {tuple(blocks.shape)}")
-        self.blocks, self.n, self.k = blocks, blocks.shape[0], k
+        self.qtype, self.blocks, self.n, self.k = qtype, blocks, blocks.shape[0], k
         self.launch = launch or TileLaunch()
         if (k // BLOCK) % self.launch.parts or self.launch.rows < 16:
             raise ValueError(f"{self.launch} does not cut k={k} into whole blocks, or has fewer than 16 rows")
-
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """x [2 <= m <= MATVEC_ROWS, k] of bf16 or f16 @ W.T -> [m, n] in x's dtype, float32 sums."""
         m = x.shape[0]
@@ -103,9 +164,9 @@ class Q4kTiles:
         t, parts = self.launch, self.launch.parts
         y = torch.empty(m, self.n, dtype=x.dtype, device=x.device)
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
-        _q4k_tiles_kernel[(triton.cdiv(self.n, t.rows), parts)](
-            self.blocks, x, out, m, self.n, self.k, self.blocks.shape[1], self.k // BLOCK // parts, BN=t.rows,
-            num_warps=t.warps, num_stages=t.stages, enable_fp_fusion=False, **pdl.launch(x.device))
+        _tiles_kernel[(triton.cdiv(self.n, t.rows), parts)](
+            self.blocks, x, out, m, self.n, self.k, self.blocks.shape[1], self.k // BLOCK // parts,
+            QTYPE=int(self.qtype), BN=t.rows, num_warps=t.warps, num_stages=t.stages, enable_fp_fusion=False, **pdl.launch(x.device))
         if parts > 1:
             _add_parts[(triton.cdiv(m * self.n, 1024),)](out, y, m, self.n, PARTS=parts, BLOCK=1024,
                                                          **pdl.launch(x.device))
