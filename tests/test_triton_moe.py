@@ -204,6 +204,36 @@ def test_decode_runs_on_the_tensor_cores(qtype):
         assert_same_bits(per_pair(routing, y)[i], window[row])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_decode_runs_on_tiles(qtype):
+    """`Tiles.tile_runs`: runs of 2-8 pairs on tiles of x's dtype dequantized in registers (the weights rounded as the
+    prompt GEMM's, x as it is), so within that GEMM's bound; a pair's bits whatever its run's company and order; pairs
+    alone keep the one-row sums, bit for bit. The down over 48 weight rows: programs of 16 where compiled (every 2-4
+    programs start one; interpreted: one of all rows, `TILES`); x in f16 where interpreted (bf16 tiles: GPU only)."""
+    stacks, values = stacks_of(qtype, 12, shapes=((FF, H), (FF, H), (48, FF)))
+    plain = [tm.Stack(s.qtype, s.blocks, s.k, t) for s, t in zip(
+        stacks, (TILES or tm.Tiles.for_stack(qtype, H, True),) * 2 + (TILES or tm.Tiles.for_stack(qtype, FF, False),),
+        strict=True)]
+    tiled = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), mma_rows=16, tile_runs=True))
+             for i, s in enumerate(plain)]
+    x = random_x(3, torch.float16 if INTERPRETED else torch.bfloat16, seed=4)
+    ids = ids_of([[1, 3], [3, 1], [1, 3]])  # experts 1 and 3: runs of 3
+    routing, h, y = run(tiled, x, ids, prompt=False)
+    check_moe(values, x, routing, h, y, prompt=True)
+    window = per_pair(routing, y)
+    for sub in ([2, 0], [1, 2]):  # runs of 2, in other orders
+        routing, _, y = run(tiled, x[sub], ids[sub], prompt=False)
+        for i, row in enumerate(sub):
+            assert_same_bits(per_pair(routing, y)[i], window[row])
+    mixed = ids_of([[1, 3], [3, 1], [0, 4]])  # row 2's experts alone
+    routing, _, y = run(tiled, x, mixed, prompt=False)
+    _, _, y_plain = run(plain, x, mixed, prompt=False)
+    assert_same_bits(per_pair(routing, y)[2], per_pair(routing, y_plain)[2])
+    assert not tm.takes_tile_runs(tiled[0].tiles(True), tiled[0], tiled[0], torch.float32)  # float32 x: int8 runs
+    with pytest.raises(ValueError, match="set mma_rows too"):
+        dataclasses.replace(plain[0].tiles(True), tile_runs=True, mma_rows=0)
+
+
 @pytest.mark.parametrize("qtype", gpu.FLOAT_BLOCKS, ids=lambda t: t.name)
 def test_float_windows_on_the_tensor_cores(qtype):
     """F16 and BF16 stacks' `Tiles.mma_rows`: every pair of a window of 2-8 rows, in a run or alone, as tf32 tiles on

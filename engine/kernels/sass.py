@@ -124,7 +124,7 @@ def moe_matvec(qtype: Q, gated: bool, one_row: bool, mma_rows: int | None = None
     _, walking = tm.walk_program(t, one_row, TOP_K)
     return usage(tm._moe_matvec_kernel, args, consts | dict(R=rows, BK=step, ROWS=tb.MATVEC_ROWS, SB=blocks,
                                                             SB2=blocks, ASM=True, MMA=mma, ALONE=alone, PARTS=parts,
-                                                            **walking), warps)
+                                                            TILE_RUNS=False, **walking), warps)
 
 
 def moe_gemm(qtype: Q, gated: bool) -> Usage:

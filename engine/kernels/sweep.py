@@ -1,4 +1,4 @@
-"""`python -m engine.kernels.sweep [SECONDS] [--runs] [--float]`: the decode tile sweeps behind `triton_blocks` and
+"""`python -m engine.kernels.sweep [SECONDS] [--runs] [--float] [--copies] [--tile-runs]`: the decode tile sweeps behind `triton_blocks` and
 `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once: 1-5 s, ~13 s
 for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
 down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor
@@ -11,7 +11,8 @@ windows. `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against t
 `Q4K_TILES`), then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
 fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
 code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of 8 rows on the tensor cores
-(`float_window`)."""
+(`float_window`). `--tile-runs`: the MoE's runs of 8-row windows on tiles of x's dtype (`tile_runs_window`,
+`TILE_RUNS`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ Q4K_TILES = ((32, 4, 3, 1), (32, 2, 3, 1), (16, 1, 3, 1), (16, 2, 3, 1), (64, 4,
              (32, 2, 3, 2), (32, 4, 3, 4), (16, 2, 3, 4), (16, 1, 3, 4), (64, 4, 3, 2), (64, 4, 3, 4), (32, 4, 2, 2),
              (32, 4, 4, 2), (16, 1, 2, 4), (32, 2, 2, 4), (64, 8, 3, 2), (32, 4, 3, 8), (16, 2, 3, 8), (16, 1, 2, 8))
 LAYERS = 12  # matrices a shape in `dense_tiles`: a 12-layer model's, more bytes than the L2 holds
+# runs on tiles of x's dtype (`tile_runs_window`): `Tiles.mma_rows`, warps, parts of k (the down's 768: 3 for any above 1)
+TILE_RUNS = ((16, 1, 1), (32, 1, 1), (32, 2, 1), (64, 2, 1), (64, 4, 1), (16, 2, 1), (32, 4, 1), (16, 1, 2), (32, 2, 2),
+             (32, 1, 4), (64, 4, 2), (128, 4, 1))
 
 
 def _us(fn: Callable[[], object]) -> float:
@@ -201,6 +205,28 @@ def dense_tiles(deadline: float) -> None:
             tiles = [BlockTiles(qtype, mat.blocks, k, TileLaunch(*config)) for mat in mats]
             times[config] = _us(lambda tiles=tiles, xk=xk: [t.matvec(xk) for t in tiles]) / LAYERS
         _report("  tiles", times, default, "weight rows a program, warps, stages, parts of k")
+
+
+def tile_runs_window(deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K)) -> None:
+    """The fused MoE kernel's runs of 2-8 pairs on tiles of x's dtype dequantized in registers (`Tiles.tile_runs`,
+    `TILE_RUNS`) beside the code's tiles, in a window of 8 rows (`moe_window`'s routings: skewed, or `copies`)."""
+    stack, x, h, routing, slot_of = _window_case(tb.MATVEC_ROWS, copies, types)
+    g0, d0 = tm.Tiles.for_stack(types[0], HIDDEN, True), tm.Tiles.for_stack(types[1], FF, False)
+    gated = {("code",): _us(lambda: tm.swiglu(stack("gate", g0), stack("up", g0), x, routing, slot_of))}
+    down = {("code",): _us(lambda: tm.project(stack("down", d0), h, routing, slot_of))}
+    for mma, warps, parts in TILE_RUNS:
+        if time.monotonic() > deadline:
+            break
+        g = dataclasses.replace(g0, mma_rows=mma, matvec_warps=warps, tile_runs=True, run_parts=parts)
+        d = dataclasses.replace(d0, mma_rows=mma, matvec_warps=warps, tile_runs=True,
+                                run_parts=1 if parts == 1 else FF // tb.MMA_STEP)
+        gated[("tiles", mma, warps, parts)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
+                                                                         slot_of))
+        down[("tiles", mma, warps, d.run_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+    experts = routing.experts.unique().numel()
+    legend = "tiles: mma_rows, warps, parts of k"
+    _report(f"MoE gate+up ({types[0].name}), 8 rows, {experts} experts", gated, ("code",), legend)
+    _report(f"MoE down ({types[1].name}), 8 rows, {experts} experts", down, ("code",), legend)
 
 
 def _skewed_ids(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -373,6 +399,11 @@ def main() -> None:
         dense_copies(start + seconds * 0.4)
         dense_tiles(start + seconds * 0.8)
         unpacked_head(start + seconds)
+        return
+    if "--tile-runs" in sys.argv:  # the MoE's runs on tiles: skewed, copies, the mix's Q4_K down
+        tile_runs_window(start + seconds * 0.45)
+        tile_runs_window(start + seconds * 0.75, copies=True)
+        tile_runs_window(start + seconds, types=(Q.Q4_K, Q.Q4_K))
         return
     if "--runs" in sys.argv:  # the MoE's runs on the tensor cores only, both mixes, both routings
         cases = [(types, copies) for types in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)) for copies in (False, True)]

@@ -72,6 +72,8 @@ from engine.kernels.triton_blocks import (
     steps_per_part,
     takes_tensor_cores,
 )
+from engine.kernels.triton_tiles import HALF_DTYPES, tile_sums
+from engine.kernels.triton_tiles import TYPES as TILE_TYPES
 from engine.kernels.triton_xq import ASM, RoundedRows
 
 HAS_MIN = (Q.Q4_K, Q.Q5_K)
@@ -201,14 +203,15 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                        GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
                        ROWS: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
                        ALONE: tl.constexpr, PARTS: tl.constexpr, WALKS: tl.constexpr, PAIRS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, TILE_RUNS: tl.constexpr):
     """Program (weight-row tile, g, part): g is a sorted pair, which computes its expert's run where it is the first
     of it (a run: an expert's sorted pairs, 1 to ROWS of them; the others do nothing); WALKS: the window's runs g,
     g + G, g + 2G, ... in turn (G programs a tile, the grid's second size), found in the sorted experts (a
     block of PAIRS >= pairs). PARTS > 1 (runs on the tensor cores, or of Q4_K and Q6_K on the int16 sums): part s
     of a run's sums, k's 256-value steps [s * k / PARTS, (s + 1) * k / PARTS), into `parts` float32 [PARTS, 1 +
     GATED, pairs, n] (the gates' then the ups'), for `_add_run_parts`; pairs alone take part 0. ALONE: pairs alone
-    take the one-row sums (else they are runs of one, as the F16 and BF16 windows on the tensor cores take them)."""
+    take the one-row sums (else they are runs of one, as the F16 and BF16 windows on the tensor cores take them).
+    TILE_RUNS: runs on the tensor cores take bf16/f16 tiles dequantized in registers (`Tiles.tile_runs`)."""
     pdl.wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     part = tl.program_id(2)
@@ -220,7 +223,8 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
             count = tl.sum((tl.load(experts + ahead, mask=ahead < pairs, other=-1) == e).to(tl.int32))
             _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes, expert_bytes,
                         row_bytes2, expert_bytes2, rows, p, count, slot.to(tl.int64), part, QTYPE, GROUP, HAS_MIN,
-                        QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM, MMA, ALONE, PARTS)
+                        QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM, MMA, ALONE, PARTS,
+                        TILE_RUNS)
     else:
         at = tl.arange(0, PAIRS)
         live = at < pairs
@@ -235,7 +239,7 @@ def _moe_matvec_kernel(w, w2, wf, wf2, slot_of, experts, src, dst, x, xq, xs, xs
                 _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, n, k, row_bytes,
                             expert_bytes, row_bytes2, expert_bytes2, rows, p, tl.sum(in_run.to(tl.int32)), slot, part,
                             QTYPE, GROUP, HAS_MIN, QTYPE2, GROUP2, HAS_MIN2, GATED, JOINT, R, BK, ROWS, SB, SB2, ASM,
-                            MMA, ALONE, PARTS)
+                            MMA, ALONE, PARTS, TILE_RUNS)
 
 
 @triton.jit
@@ -244,7 +248,7 @@ def _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, 
                 HAS_MIN: tl.constexpr, QTYPE2: tl.constexpr, GROUP2: tl.constexpr, HAS_MIN2: tl.constexpr,
                 GATED: tl.constexpr, JOINT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                 SB: tl.constexpr, SB2: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, ALONE: tl.constexpr,
-                PARTS: tl.constexpr):
+                PARTS: tl.constexpr, TILE_RUNS: tl.constexpr):
     """A `_moe_matvec_kernel` program's work on the run of `count` sorted pairs from p, on the expert at `slot`:
     the one-row sums for a pair alone (ALONE), else the run's."""
     if (count == 1) & ALONE:  # alone on its expert, as every pair of a one-row window: the one-row sums
@@ -274,6 +278,16 @@ def _expert_run(w, w2, wf, wf2, src, dst, x, xq, xs, xsum, xh, y, parts, pairs, 
             acc, up = _float_mma(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
                                  tile, n, x, src, p, count, k, row_bytes, QTYPE, R, BK, GATED)
             _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 16, GATED, PARTS)
+        elif (MMA > 0) & TILE_RUNS:  # tiles of x's dtype dequantized in registers, each x row a tile row of its own
+            if (tl.program_id(0) * R) % MMA == 0:
+                tile = tl.program_id(0) * R + tl.arange(0, MMA)
+                t = tl.arange(0, 16)
+                x_at = x + tl.load(src + p + t, mask=t < count, other=0).to(tl.int64)[:, None] * k
+                acc = tl.zeros((16, MMA), dtype=tl.float32)
+                acc, up = tile_sums(_expert_at(w, wf, slot, expert_bytes), _expert_at(w2, wf2, slot, expert_bytes2),
+                                    tile.to(tl.int64) * row_bytes, tile < n, x_at, (t < count)[:, None], b0, b1, acc,
+                                    acc, QTYPE, MMA, GATED)
+                _store_run(acc, up, y, parts, dst, p, count, tile, n, pairs, part, 16, GATED, PARTS)
         elif MMA > 0:  # on the tensor cores: the programs whose weight rows start a tile of MMA rows
             if (tl.program_id(0) * R) % MMA == 0:
                 tile = tl.program_id(0) * R + tl.arange(0, MMA)
@@ -464,6 +478,11 @@ class Tiles:
     # 36.7 -> 31.1, down 35.2 -> 30.9; copies 4,117 -> 4,301) and little where they do not (44 experts: 46.7 -> 44.2,
     # 47.5 -> 45.0; `--distinct` 3,650 -> 3,666, the server unchanged)
     int8_windows: bool = False
+    # runs of 2-8 pairs of Q4_K or Q6_K (gates and ups of one type), x in bf16 or f16, on tiles of x's dtype
+    # dequantized in registers (`triton_tiles.tile_sums`: the weights' values as the grouped GEMMs take them, x as it
+    # is, one tl.dot a tile), in programs of `mma_rows` weight rows, instead of the int8 products; elsewhere `mma_rows`
+    # keeps those. Not yet timed on a GPU: off
+    tile_runs: bool = False
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -477,6 +496,8 @@ class Tiles:
             raise ValueError(f"run_parts must be at least 1, got {self.run_parts}")
         if self.pairs_a_program < 1:
             raise ValueError(f"pairs_a_program must be at least 1, got {self.pairs_a_program}")
+        if self.tile_runs and not self.mma_rows:
+            raise ValueError("tile_runs takes the tensor cores' programs: set mma_rows too")
 
     def mma_program(self, rows: int) -> int:
         """Weight rows of a tensor-core program for runs of 2-8 pairs, where programs have `rows` (the kernel's
@@ -797,11 +818,13 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
         walk, walking = walk_program(tiles, solo, pairs // routing.rows)
+        tile_runs = bool(mma) and takes_tile_runs(tiles, w, other, x.dtype)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), triton.cdiv(pairs, walk), n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
             **other.type_args("2"), GATED=gated, JOINT=joint, R=rows, BK=step, ROWS=MATVEC_ROWS, SB=sb, SB2=sb2,
-            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, **walking, num_warps=warps, **_FUSED, **pdl.launch(x.device))
+            ASM=ASM, MMA=mma, ALONE=alone, PARTS=n_parts, **walking, TILE_RUNS=tile_runs, num_warps=warps,
+            **_FUSED, **pdl.launch(x.device))
         if n_parts > 1:
             block = 256
             _add_run_parts[(pairs, triton.cdiv(w.n, block))](parts, y, routing.experts, slot_of, routing.order, pairs,
@@ -826,6 +849,12 @@ def matvec_program(tiles: Tiles, floats: bool, rows: int, mma: int) -> tuple[int
     for tiles whose programs have `rows` rows and runs `mma` (`Tiles.mma_program`; 0: off the tensor cores): F16 and
     BF16 windows (`floats`) on the tensor cores put every pair on tf32 tiles, in programs of `mma` rows."""
     return (mma, tiles.mma_k, False) if floats and mma else (rows, tiles.matvec_k, True)
+
+
+def takes_tile_runs(tiles: Tiles, w: Stack, other: Stack, dtype: torch.dtype) -> bool:
+    """Whether a window's runs on the tensor cores take tiles of x's dtype (`Tiles.tile_runs`): stacks of one type
+    that has them (Q4_K, Q6_K), x in bf16 or f16; else they take the int8 products."""
+    return tiles.tile_runs and w.qtype == other.qtype and w.qtype in TILE_TYPES and dtype in HALF_DTYPES
 
 
 def walk_program(tiles: Tiles, solo: bool, top_k: int) -> tuple[int, dict[str, int | bool]]:
