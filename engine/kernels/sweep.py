@@ -54,6 +54,9 @@ Q4K_TILES = ((32, 4, 3, 1), (32, 2, 3, 1), (16, 1, 3, 1), (16, 2, 3, 1), (64, 4,
              (32, 2, 3, 2), (32, 4, 3, 4), (16, 2, 3, 4), (16, 1, 3, 4), (64, 4, 3, 2), (64, 4, 3, 4), (32, 4, 2, 2),
              (32, 4, 4, 2), (16, 1, 2, 4), (32, 2, 2, 4), (64, 8, 3, 2), (32, 4, 3, 8), (16, 2, 3, 8), (16, 1, 2, 8))
 LAYERS = 12  # matrices a shape in `dense_tiles`: a 12-layer model's, more bytes than the L2 holds
+# the Q6_K head's launches on tiles from its blocks (`unpacked_head`): weight rows a program, warps, stages, parts
+HEAD_TILES = ((32, 4, 3, 1), (64, 4, 3, 1), (32, 2, 3, 1), (64, 8, 3, 1), (128, 8, 3, 1), (16, 2, 3, 1), (64, 4, 2, 1),
+              (128, 4, 3, 1))
 # runs on tiles of x's dtype (`tile_runs_window`): `Tiles.mma_rows`, warps, parts of k (the down's 768: 3 for any above 1)
 TILE_RUNS = ((16, 1, 1), (32, 1, 1), (32, 2, 1), (64, 2, 1), (64, 4, 1), (16, 2, 1), (32, 4, 1), (16, 1, 2), (32, 2, 2),
              (32, 1, 4), (64, 4, 2), (128, 4, 1))
@@ -164,7 +167,8 @@ def dense_copies(deadline: float, shapes: tuple[tuple[Q, int, int], ...] = DENSE
 
 def unpacked_head(deadline: float) -> None:
     """The Q6_K head's 2-8 rows unpacked (`triton_unpacked`: `UNPACKED_TILES`, the default marked) beside its blocks'
-    kernel and torch's product on a bf16 copy (what `engine.dense_copies` keeps)."""
+    kernel and torch's product on a bf16 copy (what `engine.dense_copies` keeps), then on tiles dequantized from its
+    blocks (`triton_tiles`, `HEAD_TILES`)."""
     qtype, n, k = DENSE[0]  # the Q6_K head
     mat = tb.Matrix(qtype, tb.random_blocks(qtype, n, k, torch.Generator().manual_seed(5)).cuda(), k)
     copy, unpacked = mat.dequantize(dtype=torch.bfloat16), Unpacked(mat.blocks, k)
@@ -180,6 +184,13 @@ def unpacked_head(deadline: float) -> None:
         unpacked.tiles = UnpackedTiles(*config)
         times[config] = _us(lambda: unpacked.matvec(x))
     _report("  unpacked", times, default, "weight rows a program, values a step, warps, stages")
+    on_blocks = {}
+    for config in HEAD_TILES:
+        if time.monotonic() > deadline:
+            break
+        tiles = BlockTiles(qtype, mat.blocks, k, TileLaunch(*config))
+        on_blocks[config] = _us(lambda tiles=tiles: tiles.matvec(x))
+    _report("  tiles on the blocks (`triton_tiles`)", on_blocks, (), "weight rows a program, warps, stages, parts")
 
 
 def dense_tiles(deadline: float) -> None:
