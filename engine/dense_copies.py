@@ -52,7 +52,8 @@ class DenseCopies:
         if not self.matrices:
             return "none (no VRAM left for them)"
         tiles = f" ({self.tiles} on tiles)" if self.tiles else ""
-        return f"{self.matrices} matrices{tiles}, " + ", ".join(f"{n / MIB:.0f} MiB on {d}" for d, n in self.bytes.items())
+        where = ", ".join(f"{n / MIB:.0f} MiB on {d}" for d, n in self.bytes.items())
+        return f"{self.matrices} matrices{tiles}, {where}"
 
 
 def layer_matrices(model: Model) -> Iterator[Linear]:
@@ -133,9 +134,9 @@ def add_flag(p: argparse.ArgumentParser) -> None:
                         "windows of 2-8 rows and prompt chunks (cuBLAS's products instead of the blocks' kernels; none "
                         "in exact mode)")
     p.add_argument("--dense-tiles", choices=("on", "off"), default="off",
-                   help="GPU, with --dense-copies on: a bf16/f16 model's Q4_K layer matrices and Q6_K head take windows "
-                        "of 2-8 rows on tiles dequantized in registers instead of copies (Q4_K: no VRAM; off until "
-                        "timed faster)")
+                   help="GPU, with --dense-copies on: a bf16/f16 model's Q4_K layer matrices and Q6_K head take "
+                        "windows of 2-8 rows on tiles dequantized in registers instead of copies (Q4_K: no VRAM; off "
+                        "until timed faster)")
 
 
 def install(model: Model, asked: str, exact: bool, tiles: str = "off") -> str | None:

@@ -45,8 +45,8 @@ class GpuBlockLinear(Linear):
 
     def keep_tiles(self) -> int:
         """Take windows of 2-8 rows in bf16/f16 on tiles dequantized in registers: a Q4_K matrix's own blocks
-        (`triton_tiles.BlockTiles`), a Q6_K one's values unpacked beside them (`triton_unpacked`); the bytes kept beside the
-        blocks."""
+        (`triton_tiles.BlockTiles`), a Q6_K one's values unpacked beside them (`triton_unpacked`); the bytes kept
+        beside the blocks."""
         m = self.matrix
         if m.qtype == Q.Q4_K:
             self.tiles = BlockTiles(m.qtype, m.blocks, m.k, launch_for(m.n, m.k))

@@ -33,7 +33,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # x's types: the tensor cores' 16
 @triton.jit
 def _scaled(q, scale, minimum, BN: tl.constexpr, G: tl.constexpr, dtype: tl.constexpr, HAS_MIN: tl.constexpr):
     """[BN, 128] of `dtype`: q [BN, 128] (G runs of 128 // G values) times its run's scale [BN, G], less its run's
-    minimum [BN, G] where HAS_MIN, in float32 (no fused multiply-add: `dequantize_blocks`' values)."""
+    minimum [BN, G] where HAS_MIN, in float32."""
     w = tl.reshape(q.to(tl.float32), (BN, G, 128 // G)) * scale[:, :, None]
     if HAS_MIN:
         w -= minimum[:, :, None]
@@ -43,7 +43,8 @@ def _scaled(q, scale, minimum, BN: tl.constexpr, G: tl.constexpr, dtype: tl.cons
 @triton.jit
 def _q4k_halves(w, blk, live, BN: tl.constexpr, dtype: tl.constexpr):
     """The Q4_K block at bytes blk [BN] of each weight row as two [BN, 128] tiles: its low nibbles (values 64j + l of
-    the block, j < 4, l < 32) and its high ones (64j + 32 + l), q * scale - min. Byte run j's low nibbles are sub-block 2j, its high ones 2j + 1."""
+    the block, j < 4, l < 32) and its high ones (64j + 32 + l), q * scale - min. Byte run j's low nibbles are
+    sub-block 2j, its high ones 2j + 1."""
     c = tl.arange(0, 128)
     j = tl.arange(0, 4)[None, :]
     qs = tl.load(w + blk[:, None] + 16 + c[None, :], mask=live[:, None], other=0)
@@ -135,7 +136,8 @@ class TileLaunch:
 
 
 def launch_for(n: int, k: int) -> TileLaunch:
-    """The launch for an n x k matrix, from its shape only (so never from the window's rows)."""
+    """The launch for an n x k matrix, from its shape only (so never from the window's rows): `TileLaunch`'s own for
+    every shape until a GPU's sweep picks others (`sweep --copies`, `Q4K_TILES`)."""
     return TileLaunch()
 
 
@@ -153,6 +155,7 @@ class BlockTiles:
         self.launch = launch or TileLaunch()
         if (k // BLOCK) % self.launch.parts or self.launch.rows < 16:
             raise ValueError(f"{self.launch} does not cut k={k} into whole blocks, or has fewer than 16 rows")
+
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """x [2 <= m <= MATVEC_ROWS, k] of bf16 or f16 @ W.T -> [m, n] in x's dtype, float32 sums."""
         m = x.shape[0]
@@ -166,7 +169,8 @@ class BlockTiles:
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)
         _tiles_kernel[(triton.cdiv(self.n, t.rows), parts)](
             self.blocks, x, out, m, self.n, self.k, self.blocks.shape[1], self.k // BLOCK // parts,
-            QTYPE=int(self.qtype), BN=t.rows, num_warps=t.warps, num_stages=t.stages, enable_fp_fusion=False, **pdl.launch(x.device))
+            QTYPE=int(self.qtype), BN=t.rows, num_warps=t.warps, num_stages=t.stages, enable_fp_fusion=False,
+            **pdl.launch(x.device))
         if parts > 1:
             _add_parts[(triton.cdiv(m * self.n, 1024),)](out, y, m, self.n, PARTS=parts, BLOCK=1024,
                                                          **pdl.launch(x.device))
