@@ -72,6 +72,17 @@ def _q6k_halves(w, blk, live, BN: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _block_dots(w, blk, live, x_lo, x_hi, acc, QTYPE: tl.constexpr, BN: tl.constexpr):
+    """acc [16, BN] + x's values of a block (x_lo, x_hi [16, 128]: the places of its two tiles) times the weight rows'
+    block at bytes blk [BN] of w."""
+    if QTYPE == _Q4_K:
+        w_lo, w_hi = _q4k_halves(w, blk, live, BN, x_lo.dtype)
+    else:
+        w_lo, w_hi = _q6k_halves(w, blk, live, BN, x_lo.dtype)
+    return tl.dot(x_hi, tl.trans(w_hi), tl.dot(x_lo, tl.trans(w_lo), acc))
+
+
+@triton.jit
 def tile_sums(w, w2, row, live, x_at, x_live, b0, b1, acc, acc2, QTYPE: tl.constexpr, BN: tl.constexpr,
               BOTH: tl.constexpr):
     """acc [16, BN] += the x rows at x_at [16, 1] (pointers to each row's values; x_live [16, 1]) times the weight
@@ -87,24 +98,13 @@ def tile_sums(w, w2, row, live, x_at, x_live, b0, b1, acc, acc2, QTYPE: tl.const
         size: tl.constexpr = 210
         at = 128 * (c // 64) + c % 64  # the high tile's are 64 on
         far: tl.constexpr = 64
-    dtype = x_at.dtype.element_ty
     for b in range(b0, b1):
         blk = row + b * size
         x_lo = tl.load(x_at + b * 256 + at[None, :], mask=x_live, other=0.0)
         x_hi = tl.load(x_at + b * 256 + far + at[None, :], mask=x_live, other=0.0)
-        if QTYPE == _Q4_K:
-            w_lo, w_hi = _q4k_halves(w, blk, live, BN, dtype)
-        else:
-            w_lo, w_hi = _q6k_halves(w, blk, live, BN, dtype)
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+        acc = _block_dots(w, blk, live, x_lo, x_hi, acc, QTYPE, BN)
         if BOTH:
-            if QTYPE == _Q4_K:
-                w_lo, w_hi = _q4k_halves(w2, blk, live, BN, dtype)
-            else:
-                w_lo, w_hi = _q6k_halves(w2, blk, live, BN, dtype)
-            acc2 = tl.dot(x_lo, tl.trans(w_lo), acc2)
-            acc2 = tl.dot(x_hi, tl.trans(w_hi), acc2)
+            acc2 = _block_dots(w2, blk, live, x_lo, x_hi, acc2, QTYPE, BN)
     return acc, acc2
 
 
@@ -123,6 +123,16 @@ def _tiles_kernel(w, x, out, m, n, k, row_bytes, per, QTYPE: tl.constexpr, BN: t
                        (part + 1) * per, acc, acc, QTYPE, BN, False)
     tl.store(out + part * 8 * n + t[:, None] * n + rows[None, :], acc.to(out.dtype.element_ty),
              mask=live_x & live_n[None, :])
+
+
+def window_rows(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+    """x [2-8, k] of bf16 or f16 on `device`, checked, copied where its rows do not start 16-byte aligned (Triton
+    compiles a kernel per alignment: every call of a matrix must run one)."""
+    if (x.dim() != 2 or x.shape[1] != k or not 1 < x.shape[0] <= MATVEC_ROWS or x.device != device
+            or x.dtype not in HALF_DTYPES):
+        raise ValueError(f"x must be a bf16/f16 tensor [2-{MATVEC_ROWS}, {k}] on {device}, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    return x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()
 
 
 @dataclass(frozen=True)
@@ -158,12 +168,8 @@ class BlockTiles:
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """x [2 <= m <= MATVEC_ROWS, k] of bf16 or f16 @ W.T -> [m, n] in x's dtype, float32 sums."""
+        x = window_rows(x, self.k, self.blocks.device)
         m = x.shape[0]
-        if (x.dim() != 2 or x.shape[1] != self.k or not 1 < m <= MATVEC_ROWS or x.device != self.blocks.device
-                or x.dtype not in HALF_DTYPES):
-            raise ValueError(f"x must be a bf16/f16 tensor [2-{MATVEC_ROWS}, {self.k}] on {self.blocks.device}, got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()  # a kernel per alignment
         t, parts = self.launch, self.launch.parts
         y = torch.empty(m, self.n, dtype=x.dtype, device=x.device)
         out = y if parts == 1 else torch.empty(parts, MATVEC_ROWS, self.n, dtype=torch.float32, device=x.device)

@@ -22,11 +22,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl
-from engine.kernels.gpu import MATVEC_ROWS
+from engine.kernels.triton_tiles import window_rows
 
 BLOCK = 256  # values a Q6_K block holds
 UNPACK_ROWS = 8192  # weight rows unpacked at a time: the torch ops' temporaries stay small beside the copy
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # x's types: the tensor cores' 16-bit inputs
 
 
 @triton.jit(do_not_specialize=["m"])  # one compiled kernel for every m
@@ -105,13 +104,9 @@ class Unpacked:
         return unpacked_bytes(self.n, self.k)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """x [2 <= m <= MATVEC_ROWS, k] of bf16 or f16 @ W.T -> [m, n] in x's dtype, float32 sums."""
+        """x [2-8 rows, k] of bf16 or f16 (`triton_tiles.window_rows`) @ W.T -> [m, n] in x's dtype, float32 sums."""
+        x = window_rows(x, self.k, self.q.device)
         m = x.shape[0]
-        if (x.dim() != 2 or x.shape[1] != self.k or not 1 < m <= MATVEC_ROWS or x.device != self.q.device
-                or x.dtype not in HALF_DTYPES):
-            raise ValueError(f"x must be a bf16/f16 tensor [2-{MATVEC_ROWS}, {self.k}] on {self.q.device}, got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone()  # a kernel per alignment
         t = self.tiles
         y = torch.empty(m, self.n, dtype=x.dtype, device=x.device)
         _unpacked_kernel[(triton.cdiv(self.n, t.rows),)](self.q, self.scales, self.d, x, y, m, self.n, self.k,
