@@ -232,6 +232,21 @@ def test_decode_runs_on_tiles(qtype):
     assert not tm.takes_tile_runs(tiled[0].tiles(True), tiled[0], tiled[0], torch.float32)  # float32 x: int8 runs
     with pytest.raises(ValueError, match="set mma_rows too"):
         dataclasses.replace(plain[0].tiles(True), tile_runs=True, mma_rows=0)
+    with pytest.raises(ValueError, match="set tile_runs too"):
+        dataclasses.replace(plain[0].tiles(True), tile_alone=True)
+    # `Tiles.tile_alone`: pairs alone take the tiles too, runs of one: within the same bound, their bits whatever the
+    # window; a window of one row keeps the one-row sums
+    every = [tm.Stack(s.qtype, s.blocks, s.k, dataclasses.replace(s.tiles(i < 2), tile_alone=True))
+             for i, s in enumerate(tiled)]
+    routing, h, y = run(every, x, mixed, prompt=False)
+    check_moe(values, x, routing, h, y, prompt=True)
+    window = per_pair(routing, y)
+    assert not torch.equal(window[2], per_pair(routing, y_plain)[2])  # another path than the one-row sums
+    routing, _, y = run(every, x[[2, 0]], mixed[[2, 0]], prompt=False)
+    assert_same_bits(per_pair(routing, y)[0], window[2])
+    routing, _, y = run(every, x[2:], mixed[2:], prompt=False)
+    _, _, y_plain = run(plain, x[2:], mixed[2:], prompt=False)
+    assert_same_bits(y, y_plain)
 
 
 @pytest.mark.parametrize("qtype", gpu.FLOAT_BLOCKS, ids=lambda t: t.name)

@@ -59,9 +59,10 @@ LAYERS = 12  # matrices a shape in `dense_tiles`: a 12-layer model's, more bytes
 HEAD_TILES = ((32, 4, 3, 1), (64, 4, 3, 1), (32, 2, 3, 1), (64, 8, 3, 1), (128, 8, 3, 1), (16, 2, 3, 1), (64, 4, 2, 1),
               (128, 4, 3, 1))
 # runs on tiles of x's dtype (`tile_runs_window`): `Tiles.mma_rows`, warps, parts of k (the down's 768 values: 3 parts
-# for any above 1)
-TILE_RUNS = ((16, 1, 1), (32, 1, 1), (32, 2, 1), (64, 2, 1), (64, 4, 1), (16, 2, 1), (32, 4, 1), (16, 1, 2), (32, 2, 2),
-             (32, 1, 4), (64, 4, 2), (128, 4, 1))
+# for any above 1), whether pairs alone take them too (`Tiles.tile_alone`)
+TILE_RUNS = ((16, 1, 1, False), (32, 1, 1, False), (32, 2, 1, False), (64, 2, 1, False), (64, 4, 1, False),
+             (16, 1, 1, True), (32, 2, 1, True), (64, 4, 1, True), (16, 2, 1, False), (32, 4, 1, False),
+             (16, 1, 2, False), (32, 2, 2, False), (32, 1, 4, False), (64, 4, 2, False), (128, 4, 1, False))
 
 
 def _us(fn: Callable[[], object]) -> float:
@@ -222,22 +223,22 @@ def dense_tiles(deadline: float) -> None:
 
 def tile_runs_window(deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K)) -> None:
     """The fused MoE kernel's runs of 2-8 pairs on tiles of x's dtype dequantized in registers (`Tiles.tile_runs`,
-    `TILE_RUNS`) beside the code's tiles, in a window of 8 rows (`moe_window`'s routings: skewed, or `copies`)."""
+    and its pairs alone too: `Tiles.tile_alone`; `TILE_RUNS`) beside the code's tiles, in a window of 8 rows (`moe_window`'s routings: skewed, or `copies`)."""
     stack, x, h, routing, slot_of = _window_case(tb.MATVEC_ROWS, copies, types)
     g0, d0 = tm.Tiles.for_stack(types[0], HIDDEN, True), tm.Tiles.for_stack(types[1], FF, False)
     gated = {("code",): _us(lambda: tm.swiglu(stack("gate", g0), stack("up", g0), x, routing, slot_of))}
     down = {("code",): _us(lambda: tm.project(stack("down", d0), h, routing, slot_of))}
-    for mma, warps, parts in TILE_RUNS:
+    for mma, warps, parts, alone in TILE_RUNS:
         if time.monotonic() > deadline:
             break
-        g = dataclasses.replace(g0, mma_rows=mma, matvec_warps=warps, tile_runs=True, run_parts=parts)
-        d = dataclasses.replace(d0, mma_rows=mma, matvec_warps=warps, tile_runs=True,
+        g = dataclasses.replace(g0, mma_rows=mma, matvec_warps=warps, tile_runs=True, run_parts=parts, tile_alone=alone)
+        d = dataclasses.replace(d0, mma_rows=mma, matvec_warps=warps, tile_runs=True, tile_alone=alone,
                                 run_parts=1 if parts == 1 else FF // tb.MMA_STEP)
-        gated[("tiles", mma, warps, parts)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing,
-                                                                         slot_of))
-        down[("tiles", mma, warps, d.run_parts)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
+        key = ("tiles", mma, warps) + (("alone",) if alone else ())
+        gated[key + (parts,)] = _us(lambda g=g: tm.swiglu(stack("gate", g), stack("up", g), x, routing, slot_of))
+        down[key + (d.run_parts,)] = _us(lambda d=d: tm.project(stack("down", d), h, routing, slot_of))
     experts = routing.experts.unique().numel()
-    legend = "tiles: mma_rows, warps, parts of k"
+    legend = "tiles: mma_rows, warps, (pairs alone on them too,) parts of k"
     _report(f"MoE gate+up ({types[0].name}), 8 rows, {experts} experts", gated, ("code",), legend)
     _report(f"MoE down ({types[1].name}), 8 rows, {experts} experts", down, ("code",), legend)
 

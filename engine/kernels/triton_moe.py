@@ -483,6 +483,9 @@ class Tiles:
     # is, one tl.dot a tile), in programs of `mma_rows` weight rows, instead of the int8 products; elsewhere `mma_rows`
     # keeps those. Not yet timed on a GPU: off
     tile_runs: bool = False
+    # with `tile_runs`, a pair alone on its expert in a window of 2-8 rows takes the tiles too (a run of one) instead
+    # of the one-row sums; a window of one row keeps those. Not yet timed: off
+    tile_alone: bool = False
     # a window of one row (every pair alone): weight rows per program, warps and blocks a step (None: as above)
     solo_rows: int | None = None
     solo_warps: int | None = None
@@ -498,6 +501,8 @@ class Tiles:
             raise ValueError(f"pairs_a_program must be at least 1, got {self.pairs_a_program}")
         if self.tile_runs and not self.mma_rows:
             raise ValueError("tile_runs takes the tensor cores' programs: set mma_rows too")
+        if self.tile_alone and not self.tile_runs:
+            raise ValueError("tile_alone puts pairs alone on the runs' tiles: set tile_runs too")
 
     def mma_program(self, rows: int) -> int:
         """Weight rows of a tensor-core program for runs of 2-8 pairs, where programs have `rows` (the kernel's
@@ -819,6 +824,7 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
                  else y)
         walk, walking = walk_program(tiles, solo, pairs // routing.rows)
         tile_runs = bool(mma) and takes_tile_runs(tiles, w, other, x.dtype)
+        alone = alone and not (tile_runs and tiles.tile_alone)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), triton.cdiv(pairs, walk), n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
