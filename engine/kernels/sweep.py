@@ -1,6 +1,6 @@
-"""`python -m engine.kernels.sweep [SECONDS] [--runs] [--float] [--copies] [--tile-runs]`: the decode tile sweeps
-behind `triton_blocks` and `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles once:
-1-5 s, ~13 s for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
+"""`python -m engine.kernels.sweep [SECONDS] [--runs] [--float] [--copies] [--tile-runs] [--tiles]`: the decode tile
+sweeps behind `triton_blocks` and `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles
+once: 1-5 s, ~13 s for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
 down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor cores
 (`Tiles.mma_rows`) and on the int16 sums, programs walking pairs (`Tiles.pairs_a_program`); skewed routing, then every
 row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a
@@ -13,7 +13,7 @@ one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each 
 fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
 code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of 8 rows on the tensor cores
 (`float_window`). `--tile-runs`: the MoE's runs of 8-row windows on tiles of x's dtype (`tile_runs_window`,
-`TILE_RUNS`)."""
+`TILE_RUNS`). `--tiles`: every form on tiles (`dense_tiles`, `unpacked_head`, then `--tile-runs`'s)."""
 
 from __future__ import annotations
 
@@ -413,6 +413,13 @@ def main() -> None:
         dense_copies(start + seconds * 0.4)
         dense_tiles(start + seconds * 0.8)
         unpacked_head(start + seconds)
+        return
+    if "--tiles" in sys.argv:  # every form on tiles: the dense shapes, the head, the MoE's runs
+        dense_tiles(start + seconds * 0.25)
+        unpacked_head(start + seconds * 0.4)
+        tile_runs_window(start + seconds * 0.7)
+        tile_runs_window(start + seconds * 0.85, copies=True)
+        tile_runs_window(start + seconds, types=(Q.Q4_K, Q.Q4_K))
         return
     if "--tile-runs" in sys.argv:  # the MoE's runs on tiles: skewed, copies, the mix's Q4_K down
         tile_runs_window(start + seconds * 0.45)
