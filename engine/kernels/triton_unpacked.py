@@ -1,6 +1,6 @@
 """A Q6_K matrix unpacked: each weight's 6-bit value as an int8 (q - 32) beside its scales, for products of 2-8 rows:
-a candidate for the head's dense copy (`engine.dense_copies`), not used by the engine until it is timed faster than
-the bf16 copy (`python -m engine.kernels.sweep --copies` times both).
+a Q6_K head's form with `--dense-tiles on` (`engine.dense_copies`, off until timed faster than the bf16 copy:
+`python -m engine.kernels.sweep --tiles` times both, and the head on tiles from its blocks, `triton_tiles`).
 
 A bf16 copy of the head takes cuBLAS's product at ~2.9 TB/s on an H100 (151,936 x 2,048, 8 rows: 211.8 us), but
 reads 2 bytes a value. Unpacked, the matrix is 1.07 bytes a value: q int8 [n, k], the sub-block scales int8
