@@ -90,14 +90,14 @@ def tile_sums(w, w2, row, live, x_at, x_live, b0, b1, acc, acc2, QTYPE: tl.const
     matrix of w's type and shape), each x tile loaded once for both. Each block's weights are two tiles of x's dtype
     (`_q4k_halves`, `_q6k_halves`), each multiplied with tl.dot by x's values at the same places, float32 sums."""
     c = tl.arange(0, 128)
-    if QTYPE == _Q4_K:
-        size: tl.constexpr = 144
-        at = 64 * (c // 32) + c % 32  # the values of the block the low tile holds; the high tile's are 32 on
-        far: tl.constexpr = 32
+    if QTYPE == _Q4_K:  # a block's bytes; the values the low tile holds, the high tile's `far` on
+        size = 144
+        at = 64 * (c // 32) + c % 32
+        far = 32
     else:
-        size: tl.constexpr = 210
-        at = 128 * (c // 64) + c % 64  # the high tile's are 64 on
-        far: tl.constexpr = 64
+        size = 210
+        at = 128 * (c // 64) + c % 64
+        far = 64
     for b in range(b0, b1):
         blk = row + b * size
         x_lo = tl.load(x_at + b * 256 + at[None, :], mask=x_live, other=0.0)
