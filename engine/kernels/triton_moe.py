@@ -16,6 +16,8 @@ the device, no host sync):
   expert (every pair of a one-row window) takes `triton_blocks`' one-row sums (~2x faster). With
   `Tiles.int8_windows` (Q8_0 stacks' own tiles) windows of 2-8 rows sum x rounded to int8 (`triton_xq`).
   F16 and BF16 windows of 2-8 rows put every pair, alone too, on the tensor cores (`_float_mma`, tf32 tiles).
+  With `Tiles.tile_runs` (off until timed) Q4_K and Q6_K runs take tiles of x's dtype dequantized in registers
+  (`triton_tiles.tile_sums`) instead of the int8 products.
 - prompt chunks: each expert's pairs are padded to whole tiles of `Tiles.gemm_m` pairs; one program per
   (pair tile, weight row tile) dequantizes the expert's weight tiles in registers and multiplies them
   with tl.dot (`Tiles.joint`: Q4_K gates and ups in one pass, each x tile loaded once for both).
