@@ -7,7 +7,7 @@ row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_r
 program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row windows.
 `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
-(`engine.dense_copies`), the Q4_K shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `Q4K_TILES`),
+(`engine.dense_copies`), the Q4_K shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `DENSE_TILES`),
 then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`) and on tiles (`HEAD_TILES`). Each figure is
 one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
 fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
@@ -50,8 +50,8 @@ WITHOUT = "without tensor cores"
 UNPACKED_TILES = ((64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 2), (32, 256, 2, 3), (128, 128, 8, 3), (64, 256, 8, 3),
                   (32, 128, 2, 3), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 2, 3), (128, 128, 4, 3), (16, 256, 2, 3),
                   (32, 512, 4, 2), (128, 256, 8, 2))
-# the Q4_K tiles' launches (`dense_tiles`): weight rows a program, warps, stages, parts of k
-Q4K_TILES = ((32, 4, 3, 1), (32, 2, 3, 1), (16, 1, 3, 1), (16, 2, 3, 1), (64, 4, 3, 1), (32, 4, 3, 2), (16, 2, 3, 2),
+# the dense shapes' launches on tiles (`dense_tiles`): weight rows a program, warps, stages, parts of k
+DENSE_TILES = ((32, 4, 3, 1), (32, 2, 3, 1), (16, 1, 3, 1), (16, 2, 3, 1), (64, 4, 3, 1), (32, 4, 3, 2), (16, 2, 3, 2),
              (32, 2, 3, 2), (32, 4, 3, 4), (16, 2, 3, 4), (16, 1, 3, 4), (64, 4, 3, 2), (64, 4, 3, 4), (32, 4, 2, 2),
              (32, 4, 4, 2), (16, 1, 2, 4), (32, 2, 2, 4), (64, 8, 3, 2), (32, 4, 3, 8), (16, 2, 3, 8), (16, 1, 2, 8))
 LAYERS = 12  # matrices a shape in `dense_tiles`: a 12-layer model's, more bytes than the L2 holds
@@ -197,12 +197,12 @@ def unpacked_head(deadline: float) -> None:
 
 
 def dense_tiles(deadline: float) -> None:
-    """The Q4_K dense shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `Q4K_TILES`, the default
-    marked) beside the blocks' kernels and torch's product on a bf16 copy: each figure a call over `LAYERS` matrices
+    """The layers' dense shapes' 8 rows (Q4_K, and the mix's Q6_K attn_v) on tiles dequantized from the blocks
+    (`triton_tiles`, `DENSE_TILES`, the default marked) beside the blocks' kernels and torch's product on a bf16 copy: each figure a call over `LAYERS` matrices
     of the shape, as a window reads them (from HBM, not the L2), divided by `LAYERS`."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(tb.MATVEC_ROWS, 4096, device="cuda", dtype=torch.bfloat16)
-    for qtype, n, k in DENSE[1:3]:
+    for qtype, n, k in DENSE[1:]:
         mats = [tb.Matrix(qtype, tb.random_blocks(qtype, n, k, gen).cuda(), k) for _ in range(LAYERS)]
         copies = [mat.dequantize(dtype=torch.bfloat16) for mat in mats]
         xk = x[:, :k].contiguous()
@@ -213,7 +213,7 @@ def dense_tiles(deadline: float) -> None:
         del copies
         default = dataclasses.astuple(TileLaunch())
         times = {}
-        for config in (default,) + tuple(c for c in Q4K_TILES if c != default):
+        for config in (default,) + tuple(c for c in DENSE_TILES if c != default):
             if config != default and time.monotonic() > deadline:
                 break
             tiles = [BlockTiles(qtype, mat.blocks, k, TileLaunch(*config)) for mat in mats]

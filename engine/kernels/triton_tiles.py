@@ -147,7 +147,7 @@ class TileLaunch:
 
 def launch_for(n: int, k: int) -> TileLaunch:
     """The launch for an n x k matrix, from its shape only (so never from the window's rows): `TileLaunch`'s own for
-    every shape until a GPU's sweep picks others (`sweep --copies`, `Q4K_TILES`)."""
+    every shape until a GPU's sweep picks others (`sweep --copies`, `DENSE_TILES`)."""
     return TileLaunch()
 
 
