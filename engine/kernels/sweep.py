@@ -1,13 +1,13 @@
 """`python -m engine.kernels.sweep [SECONDS] [--runs] [--float] [--copies] [--tile-runs] [--tiles]`: the decode tile
-sweeps behind `triton_blocks` and `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration compiles
-once: 1-5 s, ~13 s for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without `Tiles.joint`,
-down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor cores
+sweeps behind `triton_blocks` and `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration
+compiles once: 1-5 s, ~13 s for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without
+`Tiles.joint`, down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor cores
 (`Tiles.mma_rows`) and on the int16 sums, programs walking pairs (`Tiles.pairs_a_program`); skewed routing, then every
 row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a
 program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
 float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row windows.
 `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
-(`engine.dense_copies`), the Q4_K shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `DENSE_TILES`),
+(`engine.dense_copies`), the layers' shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `DENSE_TILES`),
 then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`) and on tiles (`HEAD_TILES`). Each figure is
 one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
 fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
@@ -52,8 +52,8 @@ UNPACKED_TILES = ((64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 2), (32, 256, 2
                   (32, 512, 4, 2), (128, 256, 8, 2))
 # the dense shapes' launches on tiles (`dense_tiles`): weight rows a program, warps, stages, parts of k
 DENSE_TILES = ((32, 4, 3, 1), (32, 2, 3, 1), (16, 1, 3, 1), (16, 2, 3, 1), (64, 4, 3, 1), (32, 4, 3, 2), (16, 2, 3, 2),
-             (32, 2, 3, 2), (32, 4, 3, 4), (16, 2, 3, 4), (16, 1, 3, 4), (64, 4, 3, 2), (64, 4, 3, 4), (32, 4, 2, 2),
-             (32, 4, 4, 2), (16, 1, 2, 4), (32, 2, 2, 4), (64, 8, 3, 2), (32, 4, 3, 8), (16, 2, 3, 8), (16, 1, 2, 8))
+               (32, 2, 3, 2), (32, 4, 3, 4), (16, 2, 3, 4), (16, 1, 3, 4), (64, 4, 3, 2), (64, 4, 3, 4), (32, 4, 2, 2),
+               (32, 4, 4, 2), (16, 1, 2, 4), (32, 2, 2, 4), (64, 8, 3, 2), (32, 4, 3, 8), (16, 2, 3, 8), (16, 1, 2, 8))
 LAYERS = 12  # matrices a shape in `dense_tiles`: a 12-layer model's, more bytes than the L2 holds
 # the Q6_K head's launches on tiles from its blocks (`unpacked_head`): weight rows a program, warps, stages, parts
 HEAD_TILES = ((32, 4, 3, 1), (64, 4, 3, 1), (32, 2, 3, 1), (64, 8, 3, 1), (128, 8, 3, 1), (16, 2, 3, 1), (64, 4, 2, 1),
@@ -198,8 +198,9 @@ def unpacked_head(deadline: float) -> None:
 
 def dense_tiles(deadline: float) -> None:
     """The layers' dense shapes' 8 rows (Q4_K, and the mix's Q6_K attn_v) on tiles dequantized from the blocks
-    (`triton_tiles`, `DENSE_TILES`, the default marked) beside the blocks' kernels and torch's product on a bf16 copy: each figure a call over `LAYERS` matrices
-    of the shape, as a window reads them (from HBM, not the L2), divided by `LAYERS`."""
+    (`triton_tiles`, `DENSE_TILES`, the default marked) beside the blocks' kernels and torch's product on a bf16 copy:
+    each figure a call over `LAYERS` matrices of the shape, as a window reads them (from HBM, not the L2), divided by
+    `LAYERS`."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(tb.MATVEC_ROWS, 4096, device="cuda", dtype=torch.bfloat16)
     for qtype, n, k in DENSE[1:]:
@@ -223,7 +224,8 @@ def dense_tiles(deadline: float) -> None:
 
 def tile_runs_window(deadline: float, copies: bool = False, types: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K)) -> None:
     """The fused MoE kernel's runs of 2-8 pairs on tiles of x's dtype dequantized in registers (`Tiles.tile_runs`,
-    and its pairs alone too: `Tiles.tile_alone`; `TILE_RUNS`) beside the code's tiles, in a window of 8 rows (`moe_window`'s routings: skewed, or `copies`)."""
+    and its pairs alone too: `Tiles.tile_alone`; `TILE_RUNS`) beside the code's tiles, in a window of 8 rows
+    (`moe_window`'s routings: skewed, or `copies`)."""
     stack, x, h, routing, slot_of = _window_case(tb.MATVEC_ROWS, copies, types)
     g0, d0 = tm.Tiles.for_stack(types[0], HIDDEN, True), tm.Tiles.for_stack(types[1], FF, False)
     gated = {("code",): _us(lambda: tm.swiglu(stack("gate", g0), stack("up", g0), x, routing, slot_of))}
