@@ -1,19 +1,20 @@
 """`python -m engine.kernels.sweep [SECONDS] [--runs] [--float] [--copies] [--tile-runs] [--tiles]`: the decode tile
 sweeps behind `triton_blocks` and `triton_moe.Tiles` on a CUDA device, within a time limit (each configuration
 compiles once: 1-5 s, ~13 s for the MoE kernel): the fused MoE kernel on a window of 8 rows (gate+up with and without
-`Tiles.joint`, down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the tensor cores
-(`Tiles.mma_rows`) and on the int16 sums, programs walking pairs (`Tiles.pairs_a_program`); skewed routing, then every
-row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`: weight rows a
-program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the Q8_0 head's
-float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row windows.
-`--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
-(`engine.dense_copies`), the layers' shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`, `DENSE_TILES`),
-then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`) and on tiles (`HEAD_TILES`). Each figure is
-one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's configurations are printed
-fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in parts of k alone, beside the
-code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of 8 rows on the tensor cores
-(`float_window`). `--tile-runs`: the MoE's runs of 8-row windows on tiles of x's dtype (`tile_runs_window`,
-`TILE_RUNS`). `--tiles`: every form on tiles (`dense_tiles`, `unpacked_head`, then `--tile-runs`'s)."""
+`Tiles.joint`, down, then windows on int8 x (`Tiles.int8_windows`), runs in parts of k (`Tiles.run_parts`) on the
+tensor cores (`Tiles.mma_rows`) and on the int16 sums, programs walking pairs (`Tiles.pairs_a_program`); skewed
+routing, then every row on the same experts as `bench-engine`'s 8 rows), the int16 dense kernel (`_rounded_kernel`:
+weight rows a program, blocks a step, warps) at qwen3-30b-a3b's Q6_K head and dense shapes for 8 rows and for one, the
+Q8_0 head's float-sum tiles, the dense shapes' 8 rows on the tensor cores (k in parts), then the MoE kernel's one-row
+windows. `--copies`: the dense shapes' 1-8 rows on the blocks' kernels against torch's product on a bf16 copy
+(`engine.dense_copies`), the layers' shapes' 8 rows on tiles dequantized from the blocks (`triton_tiles`,
+`DENSE_TILES`), then the Q6_K head's 8 rows unpacked (`triton_unpacked`, `UNPACKED_TILES`) and on tiles
+(`HEAD_TILES`). Each figure is one call replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`); each shape's
+configurations are printed fastest first, the one the code uses marked. `--runs`: the MoE's int8 windows and runs in
+parts of k alone, beside the code's tiles, for the Q4_K_M mix and Q8_0. `--float`: F16 experts' windows of 8 rows on
+the tensor cores (`float_window`). `--tile-runs`: the MoE's runs of 8-row windows on tiles of x's dtype
+(`tile_runs_window`, `TILE_RUNS`). `--tiles`: every form on tiles (`dense_tiles`, `unpacked_head`, then
+`--tile-runs`'s)."""
 
 from __future__ import annotations
 
