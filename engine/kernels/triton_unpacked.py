@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl
-from engine.kernels.triton_tiles import window_rows
+from engine.kernels.triton_tiles import _small_float, window_rows
 
 BLOCK = 256  # values a Q6_K block holds
 UNPACK_ROWS = 8192  # weight rows unpacked at a time: the torch ops' temporaries stay small beside the copy
@@ -41,7 +41,8 @@ def _unpacked_kernel(q, sc, d, x, y, m, n, k, BN: tl.constexpr, BK: tl.constexpr
     g = tl.arange(0, BK // 16)
     acc = tl.zeros((16, BN), dtype=tl.float32)
     for k0 in range(0, k, BK):
-        w_q = tl.load(q + row[:, None] * k + k0 + c[None, :], mask=live_n[:, None], other=0).to(tl.float32)
+        w_q = tl.load(q + row[:, None] * k + k0 + c[None, :], mask=live_n[:, None], other=0)
+        w_q = _small_float(w_q.to(tl.int32) + 32, 32)  # exactly q - 32, without the conversion units
         scale = tl.load(sc + row[:, None] * (k // 16) + k0 // 16 + g[None, :], mask=live_n[:, None], other=0)
         blk = tl.load(d + row[:, None] * (k // 256) + (k0 + 16 * g[None, :]) // 256, mask=live_n[:, None], other=0)
         scale = blk.to(tl.float32) * scale.to(tl.float32)  # [BN, BK // 16]: d times each sub-block's scale
