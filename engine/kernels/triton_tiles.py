@@ -33,8 +33,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # x's types: the tensor cores' 16
 @triton.jit
 def _small_float(q, OFFSET: tl.constexpr):
     """q - OFFSET as float32, exactly, for integers 0 <= q < 2**23: q's bits under 2**23's exponent (the float 2**23 +
-    q) less 2**23 + OFFSET. A logic op and an add, where a conversion takes the SM's conversion units, which on Hopper
-    convert 16 values a clock against 128 adds; a window's tiles convert every weight value they read."""
+    q) less 2**23 + OFFSET. A logic op and an add, where a conversion instruction runs at a fraction of the adds' rate
+    (CUDA's table of instruction throughputs) and a window's tiles convert every weight value they read."""
     return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
