@@ -81,12 +81,12 @@ def takes_tiles(matrix: Linear, model: Model, tiles: bool) -> bool:
     return tiles and model.dtype in HALF_DTYPES and matrix.matrix.qtype in types
 
 
-def extra_bytes(matrix: Linear, model: Model, tiles: bool) -> int:
-    """The VRAM `matrix`'s fast form takes beside its blocks: none for a Q4_K matrix's tiles, the unpacked values for
-    a Q6_K one's, else the copy in the model's dtype."""
+def extra_bytes(matrix: Linear, model: Model, on_tiles: bool) -> int:
+    """The VRAM `matrix`'s fast form takes beside its blocks: on tiles (`takes_tiles`), none for a Q4_K matrix, the
+    unpacked values for a Q6_K one; else the copy in the model's dtype."""
     from engine.kernels.triton_unpacked import unpacked_bytes
 
-    if not takes_tiles(matrix, model, tiles):
+    if not on_tiles:
         return copy_bytes(matrix, model)
     return unpacked_bytes(matrix.out_features, matrix.in_features) if matrix.matrix.qtype == Q.Q6_K else 0
 
@@ -109,14 +109,14 @@ def keep_dense_copies(model: Model, reserve: int = RESERVE, tiles: bool = False)
     kept = DenseCopies()
     left: dict[str, int] = {}
     for matrix in wanted(model):
-        need = extra_bytes(matrix, model, tiles)
+        on_tiles = takes_tiles(matrix, model, tiles)
+        need = extra_bytes(matrix, model, on_tiles)
         device = matrix.matrix.blocks.device
         key = device_key(device)
         if key not in left:
             left[key] = free_bytes(device)[0] - reserve
         if need > left[key]:
             continue
-        on_tiles = takes_tiles(matrix, model, tiles)
         try:
             matrix.keep_tiles() if on_tiles else matrix.keep_copy(model.dtype)
         except torch.cuda.OutOfMemoryError:  # the allocator's blocks round up: what is kept stays

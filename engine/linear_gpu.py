@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels import triton_blocks
 from engine.kernels.gpu import MATVEC_ROWS
-from engine.kernels.triton_tiles import HALF_DTYPES, BlockTiles, launch_for
+from engine.kernels.triton_tiles import HALF_DTYPES, BlockTiles
 from engine.kernels.triton_unpacked import Unpacked
 from engine.weights import Linear
 
@@ -49,7 +49,7 @@ class GpuBlockLinear(Linear):
         beside the blocks."""
         m = self.matrix
         if m.qtype == Q.Q4_K:
-            self.tiles = BlockTiles(m.qtype, m.blocks, m.k, launch_for(m.n, m.k))
+            self.tiles = BlockTiles(m.qtype, m.blocks, m.k)  # `TileLaunch`'s own until a sweep picks per shape
             return 0
         if m.qtype == Q.Q6_K:
             self.tiles = Unpacked(m.blocks, m.k)

@@ -817,7 +817,8 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         on_tensor_cores = not solo and routing.rows > 1 and (floats or takes_tensor_cores(w.qtype, w.k) and
                                                              takes_tensor_cores(other.qtype, other.k))
         mma = tiles.mma_program(rows) if on_tensor_cores else 0
-        rows, step, alone = matvec_program(tiles, floats, rows, mma)
+        tile_runs = bool(mma) and takes_tile_runs(tiles, w, other, x.dtype)
+        rows, step, alone = matvec_program(tiles, floats, rows, mma, tile_runs)
         n_parts = 1 if solo else _run_parts(tiles.run_parts, w, other, mma, (sb, sb2))
         # the kernel takes the rounded rows' pointers whatever the types; the float sums never read them
         rounding = x_rounding(w, other, gated, routing.rows, mma)
@@ -825,8 +826,6 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
         parts = (torch.empty(n_parts, 1 + gated, pairs, w.n, dtype=torch.float32, device=x.device) if n_parts > 1
                  else y)
         walk, walking = walk_program(tiles, solo, pairs // routing.rows)
-        tile_runs = bool(mma) and takes_tile_runs(tiles, w, other, x.dtype)
-        alone = alone and not (tile_runs and tiles.tile_alone)
         _moe_matvec_kernel[(triton.cdiv(w.n, rows), triton.cdiv(pairs, walk), n_parts)](
             w.blocks, other.blocks, w.far, other.far, slot_of, routing.experts, src, routing.order, x, rounded.q,
             rounded.scale, rounded.sums, rounded.halves, y, parts, pairs, w.n, w.k, *sizes, **w.type_args(),
@@ -852,11 +851,14 @@ def _run(w: Stack, w2: Stack | None, x: torch.Tensor, routing: Routing, slot_of:
     return y
 
 
-def matvec_program(tiles: Tiles, floats: bool, rows: int, mma: int) -> tuple[int, int, bool]:
+def matvec_program(tiles: Tiles, floats: bool, rows: int, mma: int, tile_runs: bool = False) -> tuple[int, int, bool]:
     """A decode window's (weight rows a program, values of k a step, whether pairs alone take the one-row sums),
     for tiles whose programs have `rows` rows and runs `mma` (`Tiles.mma_program`; 0: off the tensor cores): F16 and
-    BF16 windows (`floats`) on the tensor cores put every pair on tf32 tiles, in programs of `mma` rows."""
-    return (mma, tiles.mma_k, False) if floats and mma else (rows, tiles.matvec_k, True)
+    BF16 windows (`floats`) on the tensor cores put every pair on tf32 tiles, in programs of `mma` rows; where runs
+    take tiles of x's dtype (`tile_runs`), `Tiles.tile_alone` puts the pairs alone on them too."""
+    if floats and mma:
+        return mma, tiles.mma_k, False
+    return rows, tiles.matvec_k, not (tile_runs and tiles.tile_alone)
 
 
 def takes_tile_runs(tiles: Tiles, w: Stack, other: Stack, dtype: torch.dtype) -> bool:

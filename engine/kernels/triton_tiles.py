@@ -155,12 +155,6 @@ class TileLaunch:
     parts: int = 1
 
 
-def launch_for(n: int, k: int) -> TileLaunch:
-    """The launch for an n x k matrix, from its shape only (so never from the window's rows): `TileLaunch`'s own for
-    every shape until a GPU's sweep picks others (`sweep --copies`, `DENSE_TILES`)."""
-    return TileLaunch()
-
-
 class BlockTiles:
     """An n x k Q4_K or Q6_K matrix's blocks (uint8 [n, row_bytes] on a CUDA device or, interpreted, the CPU), for
     products of 2-8 rows on dequantized bf16/f16 tiles."""
